@@ -1,0 +1,37 @@
+"""Shared fixtures: the repository root, the exported real digits data, and a runner for run_trainer.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real images: scikit-learn's digits exported in ImageFolder layout (small, for speed: 32 px)."""
+    from scripts.export_digits import export_digits
+
+    out = tmp_path_factory.mktemp("digits")
+    export_digits(out, size=32)
+    return out
+
+
+def trainer_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def run_trainer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``run_trainer.py`` as a user would, from the repository root."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "run_trainer.py"), *args],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout,
+    )

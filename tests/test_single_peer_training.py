@@ -1,0 +1,70 @@
+"""One peer trains SwAV with the stock VISSL trainer on real images, checkpoints, and resumes after a crash."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.conftest import REPO, trainer_env
+
+# 24 batches of 16 images: enough for LARC, the schedule, prototype freezing (10 iterations) and checkpoints
+SMALL_RUN = ["config.DATA.TRAIN.DATA_LIMIT=384", "config.OPTIMIZER.num_epochs=1",
+             "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=8", "config.LOG_FREQUENCY=1"]
+
+
+def trainer_command(digits_dir: Path, checkpoint_dir: Path) -> list[str]:
+    return [sys.executable, str(REPO / "run_trainer.py"), "--config", "swav_tiny", "--data_path", str(digits_dir),
+            "--checkpoint_dir", str(checkpoint_dir), *SMALL_RUN]
+
+
+def logged_iterations(checkpoint_dir: Path) -> list[dict]:
+    lines = (checkpoint_dir / "stdout.json").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> None:
+    checkpoint_dir = tmp_path / "peer"
+    # first run: killed (SIGKILL, as a crash would) right after its second iteration checkpoint is on disk
+    process = subprocess.Popen(trainer_command(digits_dir, checkpoint_dir), cwd=REPO, env=trainer_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while not (checkpoint_dir / "model_iteration16.torch").exists():
+            assert process.poll() is None, "the trainer exited before writing its second checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.2)
+        time.sleep(0.5)  # let the file be complete: VISSL writes then symlinks
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    first_run = logged_iterations(checkpoint_dir)
+    assert all(math.isfinite(entry["loss"]) for entry in first_run)
+    assert not (checkpoint_dir / "model_final_checkpoint_phase0.torch").exists()
+
+    # checkpoints load with torch's default weights_only=True: nothing in them needs unpickling of code
+    state = torch.load(checkpoint_dir / "model_iteration16.torch", map_location="cpu")
+    assert state["iteration"] == 16
+
+    resumed = subprocess.run(trainer_command(digits_dir, checkpoint_dir), cwd=REPO, env=trainer_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    resume_line = next(line for line in log.splitlines() if "Resume from file" in line)
+    resumed_from = int(resume_line.rsplit("model_iteration", 1)[1].split(".")[0])
+    assert resumed_from >= 16
+    second_run = logged_iterations(checkpoint_dir)[len(first_run):]
+    assert second_run[0]["iter"] == resumed_from  # continues where the checkpoint left off, not from 0
+    assert second_run[-1]["iter"] == 23
+    assert all(math.isfinite(entry["loss"]) for entry in second_run)
+    assert (checkpoint_dir / "model_final_checkpoint_phase0.torch").exists()
+    final = torch.load(checkpoint_dir / "model_final_checkpoint_phase0.torch", map_location="cpu")
+    trunk = final["classy_state_dict"]["base_model"]["model"]["trunk"]
+    assert all(torch.isfinite(tensor).all() for tensor in trunk.values() if tensor.is_floating_point())

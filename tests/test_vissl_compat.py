@@ -1,0 +1,71 @@
+"""Each work-around in vissl_compat does what it says, on the installed stack."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import vissl_compat
+from config_loading import compose_config
+from tests.conftest import REPO, trainer_env
+
+
+def test_classy_vision_dataset_imports_after_kinetics_alias() -> None:
+    code = "import vissl_compat; vissl_compat.apply(); import classy_vision.dataset; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], env=trainer_env(), cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    import torchvision.datasets.kinetics as kinetics
+
+    vissl_compat.apply()
+    assert kinetics.Kinetics400 is kinetics.Kinetics
+
+
+def test_without_the_alias_classy_vision_fails_as_upstream_reports() -> None:
+    """Guards the patch: if torchvision brings Kinetics400 back, this test tells us the patch can go."""
+    code = "import classy_vision.dataset"
+    result = subprocess.run([sys.executable, "-c", code], env=trainer_env(), cwd=REPO, capture_output=True, text=True)
+    assert result.returncode != 0 and "Kinetics400" in result.stderr
+
+
+def test_pkg_resources_is_available_for_vissl() -> None:
+    vissl_compat.require_pkg_resources()
+    import vissl.utils.misc  # imports pkg_resources at module level
+
+    assert vissl.utils.misc.is_apex_available() is False
+
+
+@pytest.mark.parametrize("name", ["swav_resnet50", "swav_vit_small"])
+def test_adapt_config_replaces_apex_and_gpu_only_settings(name: str) -> None:
+    config, changes = compose_config(name, ["config.OPTIMIZER.name=sgd", "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
+                                            "config.MULTI_PROCESSING_METHOD=forkserver",
+                                            "config.DISTRIBUTED.RUN_ID=xxxxxxxxxxxxxxxx"], has_gpu=False)
+    assert config.OPTIMIZER.name == "sgd_fsdp" and config.OPTIMIZER.use_larc
+    assert config.MODEL.AMP_PARAMS.AMP_TYPE == "pytorch" and not config.MODEL.AMP_PARAMS.USE_AMP
+    assert config.MULTI_PROCESSING_METHOD == "fork"
+    assert config.DISTRIBUTED.RUN_ID == "auto"
+    assert config.MACHINE.DEVICE == "cpu" and config.DISTRIBUTED.BACKEND == "gloo"
+    assert any("apex" in change for change in changes)
+
+
+def test_adapt_config_keeps_gpu_settings_on_a_gpu_machine() -> None:
+    config, _ = compose_config("swav_resnet50", ["config.DISTRIBUTED.NUM_PROC_PER_NODE=2"], has_gpu=True)
+    assert config.MACHINE.DEVICE == "gpu" and config.MODEL.AMP_PARAMS.USE_AMP
+    assert config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN and config.MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE == "pytorch"
+
+
+def test_fork_start_method_lets_a_hivemind_averager_start() -> None:
+    """Under forkserver the averager (a multiprocessing.Process with locks and pipes) cannot be pickled."""
+    import hivemind
+
+    vissl_compat.fork_start_method()
+    assert multiprocessing.get_start_method() == "fork"
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        averager = hivemind.DecentralizedAverager([torch.zeros(3)], dht, prefix="compat_test", start=True)
+        averager.shutdown()
+    finally:
+        dht.shutdown()

@@ -1,0 +1,117 @@
+"""Work-arounds that make VISSL 0.1.6 and classy_vision 0.7.0 (2021) run on today's stack.
+
+Import this module before anything from ``vissl`` or ``classy_vision``: ``import vissl_compat`` then
+``vissl_compat.apply()``. Each patch is small, names the upstream bug it works around, and is tested in
+``tests/test_vissl_compat.py``. Config-level fixes live in :func:`adapt_config`, which ``run_trainer.py``
+applies to every composed config, so the shipped YAML files keep VISSL's own keys and meaning.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import warnings
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_applied = False
+
+
+def alias_kinetics400() -> None:
+    """classy_vision imports ``torchvision.datasets.kinetics.Kinetics400``, removed in torchvision 0.14.
+
+    Upstream: facebookresearch/ClassyVision#798 ("from classy_vision import dataset will fail with current
+    version of torchvision"). ``Kinetics(num_classes="400")`` is the same dataset.
+    """
+    import torchvision.datasets
+    import torchvision.datasets.kinetics as kinetics
+
+    if not hasattr(kinetics, "Kinetics400"):
+        kinetics.Kinetics400 = kinetics.Kinetics
+    if not hasattr(torchvision.datasets, "Kinetics400"):
+        torchvision.datasets.Kinetics400 = kinetics.Kinetics
+
+
+def require_pkg_resources() -> None:
+    """VISSL's ``vissl/utils/misc.py`` imports ``pkg_resources``, which setuptools 81 removed.
+
+    Upstream: pypa/setuptools#3085 (pkg_resources deprecation); VISSL is unmaintained, so we pin
+    ``setuptools<81`` in requirements.txt and fail early with what to do, instead of a bare ImportError deep
+    inside VISSL. The deprecation warning it prints on every import is silenced.
+    """
+    warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+    try:
+        import pkg_resources  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "VISSL 0.1.6 needs pkg_resources, which setuptools>=81 no longer ships. "
+            'Run: pip install "setuptools<81"  (or `make venv`, which installs requirements.txt)'
+        ) from error
+
+
+def silence_known_warnings() -> None:
+    """Deprecation noise from 2021 code paths we do not use (video transforms, torch.jit.script, hydra 1.1
+    defaults) hides the messages users need. Only these exact categories are muted."""
+    warnings.filterwarnings("ignore", module=r"torchvision\.transforms\._(functional|transforms)_video")
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"\s*The version_base parameter is not specified")
+
+
+def apply() -> None:
+    """Apply the import-level patches once; safe to call many times."""
+    global _applied
+    if _applied:
+        return
+    require_pkg_resources()
+    silence_known_warnings()
+    alias_kinetics400()
+    _applied = True
+
+
+def adapt_config(config: Any, has_gpu: bool) -> list[str]:
+    """Rewrite the parts of a composed VISSL config that cannot work on this stack; return what changed.
+
+    - apex is gone (no wheels for current torch): LARC through VISSL's pure-torch ``sgd_fsdp`` optimizer
+      (VISSL asserts apex for ``sgd`` + LARC, facebookresearch/vissl ``train_task._build_optimizer``), torch AMP
+      instead of apex AMP, and torch SyncBatchNorm instead of apex's.
+    - hivemind's averager is a ``multiprocessing.Process`` holding locks and pipes: under ``spawn``/``forkserver``
+      (VISSL's default ``MULTI_PROCESSING_METHOD``) it must be pickled and fails; we use ``fork``.
+    - ``DISTRIBUTED.RUN_ID`` must be set for the tcp rendezvous; each peer is its own single-node job, so
+      ``auto`` (a free local port) is right (VISSL asserts it is set, ``vissl/utils/misc.get_dist_run_id``).
+    - without a GPU, a GPU config is run on the CPU with gloo and without AMP, so that it can be tried out.
+    """
+    changes = []
+
+    def set_value(section: Any, key: str, value: Any, why: str) -> None:
+        if section[key] != value:
+            changes.append(f"{key}: {section[key]!r} -> {value!r} ({why})")
+            section[key] = value
+
+    optimizer = config.OPTIMIZER
+    if optimizer.get("use_larc", False) and optimizer.name == "sgd":
+        set_value(optimizer, "name", "sgd_fsdp", "LARC without apex")
+    amp = config.MODEL.AMP_PARAMS
+    if amp.get("AMP_TYPE", "apex") == "apex":
+        set_value(amp, "AMP_TYPE", "pytorch", "apex is not available")
+    sync_bn = config.MODEL.SYNC_BN_CONFIG
+    if sync_bn.get("SYNC_BN_TYPE", "") == "apex":
+        set_value(sync_bn, "SYNC_BN_TYPE", "pytorch", "apex is not available")
+    set_value(config, "MULTI_PROCESSING_METHOD", "fork", "the hivemind averager process cannot be pickled")
+    if not config.DISTRIBUTED.RUN_ID or "x" * 8 in str(config.DISTRIBUTED.RUN_ID):
+        set_value(config.DISTRIBUTED, "RUN_ID", "auto", "one node per peer")
+    if not has_gpu:
+        set_value(config.MACHINE, "DEVICE", "cpu", "no GPU found")
+        set_value(config.DISTRIBUTED, "BACKEND", "gloo", "no GPU found")
+        set_value(amp, "USE_AMP", False, "AMP needs a GPU")
+        if config.DISTRIBUTED.NUM_PROC_PER_NODE > 1 and sync_bn.get("CONVERT_BN_TO_SYNC_BN", False):
+            set_value(sync_bn, "CONVERT_BN_TO_SYNC_BN", False, "SyncBatchNorm needs a GPU")
+    if config.DISTRIBUTED.NUM_PROC_PER_NODE == 1 and sync_bn.get("CONVERT_BN_TO_SYNC_BN", False):
+        set_value(sync_bn, "CONVERT_BN_TO_SYNC_BN", False, "one process per peer: nothing to sync")
+    return changes
+
+
+def fork_start_method() -> None:
+    """Make ``fork`` the start method of this process too (VISSL sets its config's method in each worker)."""
+    if multiprocessing.get_start_method(allow_none=True) != "fork":
+        multiprocessing.set_start_method("fork", force=True)
