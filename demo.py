@@ -1,86 +1,116 @@
 #!/usr/bin/env python3
-"""A few minutes of SwAV on the exported digits with the small CPU config, showing live progress.
+"""A local swarm: 3 peers on 127.0.0.1 train SwAV (small CPU config) on the exported digits for a few minutes.
 
     python demo.py --data_path data/digits --minutes 3
+
+The first peer prints the join line; the others join with it, exactly as boxes on a network would. Live
+progress of every peer is shown; at the end, a summary table and a PNG with loss curves and the averaging
+timeline of all peers (in --out).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import mean
 
-REPO = Path(__file__).resolve().parent
+from local_swarm import REPO, LocalPeer, start_swarm, stop_all
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (train/ val/)")
-    parser.add_argument("--minutes", type=float, default=3.0, help="wall-clock budget of the demo")
-    parser.add_argument("--out", type=Path, default=REPO / "demo_out", help="checkpoints and logs of the demo")
+    parser.add_argument("--minutes", type=float, default=3.0, help="how long the swarm trains")
+    parser.add_argument("--peers", type=int, default=3, help="number of peers on this machine")
+    parser.add_argument("--out", type=Path, default=REPO / "demo_out", help="checkpoints, logs, table and plot")
+    parser.add_argument("--min_matchmaking_time", type=float, default=3.0, help="seconds to gather each group")
     return parser
 
 
-def read_progress(stdout_json: Path) -> list[dict]:
-    """VISSL appends one JSON line per logged iteration to CHECKPOINT.DIR/stdout.json."""
-    if not stdout_json.exists():
-        return []
-    entries = []
-    for line in stdout_json.read_text().splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written right now
-    return entries
+def show_progress(peers: list[LocalPeer], shown: list[int]) -> None:
+    for index, peer in enumerate(peers):
+        entries = peer.progress()
+        for entry in entries[shown[index]:]:
+            line = (f"[{peer.name}] step {entry['step']:4d}  loss {entry['loss']:.4f}  "
+                    f"{entry['samples_per_s']:6.1f} samples/s  rounds ok {entry.get('rounds_ok', 0)}")
+            if entry.get("group_size"):
+                line += f"  last group {entry['group_size']}  staleness {entry['staleness_steps']}"
+            print(line, flush=True)
+        shown[index] = len(entries)
 
 
-def progress_line(name: str, entry: dict, batch_size: int, started: float, budget_s: float) -> str:
-    batch_ms = max(entry.get("btime(ms)", 0), 1)
-    eta = max(0.0, budget_s - (time.monotonic() - started))
-    return (f"[{name}] step {entry['iter']:5d}  loss {entry['loss']:.4f}  lr {entry['lr']:.4f}  "
-            f"{batch_size * 1000.0 / batch_ms:6.1f} samples/s  demo ETA {eta:5.0f} s")
+def summarize(peers: list[LocalPeer]) -> list[dict]:
+    rows = []
+    for peer in peers:
+        progress, rounds = peer.progress(), peer.applied_rounds()
+        rows.append({
+            "peer": peer.name,
+            "steps": progress[-1]["step"] if progress else 0,
+            "final_loss": round(progress[-1]["loss"], 4) if progress else None,
+            "rounds": len(rounds),
+            "mean_group_size": round(mean(r["group_size"] for r in rounds), 2) if rounds else None,
+            "mean_staleness": round(mean(r["staleness_steps"] for r in rounds), 2) if rounds else None,
+        })  # fmt: skip
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(row[key]) for key in header) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(peers: list[LocalPeer], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, timeline_axis) = plt.subplots(2, 1, figsize=(10, 7))
+    t0 = min((peer.started_at for peer in peers), default=0.0)
+    for index, peer in enumerate(peers):
+        progress = peer.progress()
+        loss_axis.plot([e["step"] for e in progress], [e["loss"] for e in progress], label=peer.name)
+        for record in peer.rounds():
+            start, end = record.get("t_start"), record.get("t_end")
+            if start is None or end is None:
+                continue
+            color = "tab:green" if record.get("applied") else "tab:red"
+            timeline_axis.barh(index, end - start, left=start - t0, height=0.6, color=color, alpha=0.5)
+    loss_axis.set(xlabel="step", ylabel="SwAV loss", title="loss of each peer")
+    loss_axis.legend()
+    timeline_axis.set(xlabel="seconds", ylabel="peer", title="averaging rounds (green: applied, red: failed)",
+                      yticks=range(len(peers)), yticklabels=[peer.name for peer in peers])
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 def main() -> int:
     args = build_parser().parse_args()
-    budget_s = args.minutes * 60.0
-    checkpoint_dir = args.out / "peer0"
-    batch_size = 16
-    command = [sys.executable, str(REPO / "run_trainer.py"), "--config", "swav_tiny", "--data_path",
-               str(args.data_path), "--checkpoint_dir", str(checkpoint_dir), "config.OPTIMIZER.num_epochs=50",
-               "config.LOG_FREQUENCY=5", "config.CHECKPOINT.OVERWRITE_EXISTING=True"]
-    log_path = args.out / "peer0.log"
-    args.out.mkdir(parents=True, exist_ok=True)
-    print("starting:", " ".join(command), flush=True)
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    started, shown = time.monotonic(), 0
+    peers = [LocalPeer(f"peer{index}", args.out) for index in range(args.peers)]
+    flags = ["--run_id", "demo", "--target_group_size", str(args.peers), "--min_matchmaking_time",
+             str(args.min_matchmaking_time), "--averaging_timeout", "30", "--next_chunk_timeout", "5"]
+    overrides = ["config.OPTIMIZER.num_epochs=20", "config.CHECKPOINT.OVERWRITE_EXISTING=True"]
     try:
-        while time.monotonic() - started < budget_s and process.poll() is None:
+        addresses = start_swarm(peers, args.data_path, flags, overrides,
+                                per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+        print(f"[peer0] join line: python run_trainer.py --config swav_tiny --initial_peers {' '.join(addresses)}")
+        deadline, shown = time.monotonic() + args.minutes * 60.0, [0] * len(peers)
+        while time.monotonic() < deadline and all(peer.is_running() for peer in peers):
             time.sleep(2.0)
-            entries = read_progress(checkpoint_dir / "stdout.json")
-            for entry in entries[shown:]:
-                print(progress_line("peer0", entry, batch_size, started, budget_s), flush=True)
-            shown = len(entries)
+            show_progress(peers, shown)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-    entries = read_progress(checkpoint_dir / "stdout.json")
-    if not entries:
-        print(f"the trainer logged no step; see {log_path}", file=sys.stderr)
-        return 1
-    print(f"done: {entries[-1]['iter']} steps, loss {entries[0]['loss']:.4f} -> {entries[-1]['loss']:.4f}; "
-          f"logs and checkpoints in {args.out}")
-    return 0
+        stop_all(peers)
+    rows = summarize(peers)
+    table = markdown_table(rows)
+    (args.out / "summary.md").write_text(table + "\n")
+    plot(peers, args.out / "swarm.png")
+    print("\n" + table)
+    print(f"\nplot: {args.out / 'swarm.png'}; logs and checkpoints: {args.out}")
+    return 0 if all(row["steps"] > 0 for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Train SwAV with the stock VISSL trainer on one box (one peer).
+"""Train SwAV with the stock VISSL trainer on one box, averaging with a hivemind swarm of other boxes.
 
-    python run_trainer.py --config swav_tiny --data_path data/digits --checkpoint_dir checkpoints/peer0
-    python run_trainer.py --config swav_resnet50 --data_path /datasets/imagenet config.OPTIMIZER.num_epochs=100
+    # first peer: prints the line the others run to join
+    python run_trainer.py --config swav_resnet50 --data_path /datasets/imagenet --host_maddrs /ip4/0.0.0.0/tcp/31337
+    # every other box
+    python run_trainer.py --config swav_resnet50 --data_path /datasets/imagenet --initial_peers /ip4/.../p2p/Qm...
 
 Any number of VISSL overrides ``config.SECTION.KEY=VALUE`` may follow the flags.
 """
@@ -10,16 +12,20 @@ Any number of VISSL overrides ``config.SECTION.KEY=VALUE`` may follow the flags.
 from __future__ import annotations
 
 import argparse
-import logging
+import secrets
 import sys
 from pathlib import Path
 
+import swarm
 import vissl_compat
 from config_loading import ConfigError, available_configs, check_overrides, config_path
 
+# at import: VISSL's multi-GPU workers are spawned processes that re-import this module before unpickling VISSL's
+# worker function, which imports classy_vision (see vissl_compat)
+vissl_compat.apply()
+
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"}
 
-logger = logging.getLogger("run_trainer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +43,77 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint_dir", type=Path, default=None,
         help="where VISSL writes checkpoints, logs and metrics; a restarted peer resumes from here",
     )
+    add_swarm_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="VISSL overrides such as config.OPTIMIZER.num_epochs=10")
     return parser
+
+
+def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
+    """hivemind's flags (as in its ALBERT example) and the averaging knobs of DecentralizedSGD."""
+    defaults = swarm.SwarmSettings()
+    group = parser.add_argument_group("swarm")
+    group.add_argument("--run_id", default=defaults.run_id,
+                       help="name of the training run: peers with the same run_id and config average together")
+    group.add_argument("--initial_peers", nargs="*", default=[],
+                       help="multiaddrs of one or more running peers (the join line the first peer printed); "
+                            "none: start a new swarm")
+    group.add_argument("--host_maddrs", nargs="+", default=defaults.host_maddrs,
+                       help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (a fixed port to open in firewalls)")
+    group.add_argument("--announce_maddrs", nargs="*", default=[],
+                       help="public multiaddrs to announce when behind a port forward, e.g. /ip4/203.0.113.5/tcp/31337")
+    group.add_argument("--identity_path", default="",
+                       help="file with this peer's private key: a stable peer id, so the join line stays valid "
+                            "across restarts (created if missing)")
+    group.add_argument("--client_mode", action="store_true",
+                       help="accept no incoming connections (behind NAT without a port forward)")
+    group.add_argument("--use_auto_relay", action="store_true",
+                       help="be reachable through relays of public peers (behind NAT)")
+    group.add_argument("--no_relay", action="store_true", help="disable libp2p circuit relays")
+    group.add_argument("--target_group_size", type=int, default=defaults.target_group_size,
+                       help="average with up to this many peers per round")
+    group.add_argument("--min_matchmaking_time", type=float, default=defaults.min_matchmaking_time,
+                       help="seconds to gather a group before AllReduce")
+    group.add_argument("--averaging_timeout", type=float, default=defaults.averaging_timeout,
+                       help="give up an AllReduce after this many seconds (dead peers are dropped sooner, "
+                            "see --next_chunk_timeout)")
+    group.add_argument("--next_chunk_timeout", type=float, default=defaults.next_chunk_timeout,
+                       help="drop a groupmate that sends nothing for this many seconds")
+    group.add_argument("--max_staleness", type=int, default=defaults.max_staleness,
+                       help="-1: never wait for averaging (ASP); s: wait when s steps passed without a round (SSP)")
+    group.add_argument("--compression", choices=["none", "fp16", "uint8"], default=defaults.compression,
+                       help="compression of the averaged tensors on the wire")
+    group.add_argument("--average_optimizer_state", action="store_true",
+                       help="average momentum buffers too (more traffic)")
+    group.add_argument("--load_state_timeout", type=float, default=defaults.load_state_timeout,
+                       help="seconds a new peer (no checkpoint of its own) waits to download the swarm's state and "
+                            "progress; 0: start from its own initialization")
+    group.add_argument("--averager", choices=["improved", "old"], default=defaults.averager,
+                       help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
+                            "round at a time (the baseline of benchmarks/bench_learning.py)")
+    group.add_argument("--isolated", action="store_true",
+                       help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline")
+
+
+def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
+    if args.target_group_size < 2:
+        raise swarm.SwarmError(f"--target_group_size must be at least 2, got {args.target_group_size}")
+    for flag in ("min_matchmaking_time", "averaging_timeout", "next_chunk_timeout"):
+        if getattr(args, flag) <= 0:
+            raise swarm.SwarmError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if "." in args.run_id or not args.run_id:
+        raise swarm.SwarmError(f"--run_id must be a non-empty name without '.', got {args.run_id!r}")
+    settings = swarm.SwarmSettings(
+        run_id=args.run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs, identity_path=args.identity_path, client_mode=args.client_mode,
+        use_auto_relay=args.use_auto_relay, use_relay=not args.no_relay, target_group_size=args.target_group_size,
+        min_matchmaking_time=args.min_matchmaking_time, averaging_timeout=args.averaging_timeout,
+        next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
+        compression=args.compression, average_optimizer_state=args.average_optimizer_state,
+        load_state_timeout=args.load_state_timeout, averager=args.averager, config_name=args.config,
+    )  # fmt: skip
+    for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
+        swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
+    return settings
 
 
 def check_data_path(data_path: Path) -> Path:
@@ -72,22 +147,31 @@ def trainer_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Overrides (KEY=VALUE words) may stand anywhere, also after flags that take several values."""
+    overrides = [word for word in argv if "=" in word and not word.startswith("-")]
+    args = build_parser().parse_args([word for word in argv if word not in overrides])
+    args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config_path(args.config)
         check_overrides(args.overrides)
         overrides = trainer_overrides(args)
-    except ConfigError as error:
+        settings = swarm_settings(args)
+    except (ConfigError, swarm.SwarmError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    vissl_compat.apply()
     import torch
-    from vissl.hooks import default_hook_generator
     from vissl.utils.distributed_launcher import launch_distributed
 
     from config_loading import compose_config
+    from decentralized_task import TASK_NAME
+    from hooks import swarm_hook_generator
 
     try:
         config, changes = compose_config(
@@ -99,7 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     for change in changes:
         print(f"[compat] {change}", file=sys.stderr)
     vissl_compat.fork_start_method()
-    launch_distributed(config, node_id=0, engine_name="train", hook_generator=default_hook_generator)
+    if args.isolated:
+        config.TRAINER.TASK_NAME = "self_supervision_task"
+    config.SWARM = settings.to_config()
+    if not any(override.startswith("config.SEED_VALUE=") for override in overrides):
+        # every peer its own data order (VISSL seeds its sampler with SEED_VALUE, identical in every peer's config)
+        config.SEED_VALUE = secrets.randbelow(100_000)  # VISSL multiplies it by num_epochs; numpy needs < 2**32
+        print(f"[swarm] this peer's seed: {config.SEED_VALUE} (set config.SEED_VALUE=... to fix it)", file=sys.stderr)
+    dht = None
+    if config.TRAINER.TASK_NAME == TASK_NAME and config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:
+        try:  # fail fast on an unreachable swarm; the task reuses this DHT (several GPUs: local rank 0 starts one)
+            dht = swarm.start_dht(settings)
+        except swarm.SwarmError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 3
+        swarm.use_shared_dht(dht)
+    try:
+        launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
+    finally:
+        if dht is not None:
+            dht.shutdown()
     return 0
 
 

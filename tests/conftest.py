@@ -12,6 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import vissl_compat  # noqa: E402  (before any test imports VISSL or classy_vision)
+
+vissl_compat.apply()
+
 
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -1,0 +1,946 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark of decentralized parameter averaging designs.
+
+Why: the old design (TrainingAverager driven one round at a time from a background thread) spends much of its wall
+time between rounds and averages a snapshot taken *before* matchmaking, so its results are stale by the time they land.
+`decentralized_sgd.DecentralizedSGD` claims to fix that (delta rule, refresh right before AllReduce, pipelined
+matchmaking). This script measures each design, and each improvement switched off, on the same workloads.
+
+Every peer is a separate OS process (fork) with its own DHT on 127.0.0.1, so GIL and CPU contention are realistic.
+
+Usage:
+    python benchmarks/bench_averaging.py [--quick] [--regimes R ...] [--modes M ...] [--seconds S]
+        [--json PATH] [--markdown PATH] [--plot PATH] [--verbose]
+
+Regimes: sim_full, sim_not_full (simulated GPU step = sleep, model-sized tensors really averaged),
+         cpu_full, cpu_not_full (real CPU training of a small CNN on sklearn digits).
+         "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4.
+Modes:   none, old, improved, no_delta, no_refresh, no_pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REGIMES: dict[str, tuple[str, int]] = {  # name -> (trainer kind, target_group_size)
+    "sim_full": ("sim", 3),
+    "sim_not_full": ("sim", 4),
+    "cpu_full": ("cpu", 3),
+    "cpu_not_full": ("cpu", 4),
+}
+MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline")
+IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs that define each mode
+    "improved": {},
+    "no_delta": {"delta_rule": False},
+    "no_refresh": {"refresh_before_allreduce": False},
+    "no_pipeline": {"pipeline": False},
+}
+LOG_DIR = Path(tempfile.gettempdir()) / "bench_averaging_logs"
+SPAN_COLORS = {"matchmaking": "tab:blue", "awaiting": "tab:orange", "allreduce": "tab:green", "copy": "tab:gray"}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a peer process needs to run one (regime, mode) pair; plain data so it survives fork/pickle."""
+
+    regime: str
+    mode: str
+    seconds: float = 60.0
+    peers: int = 3
+    sim_params: int = 25_000_000
+    sim_step_s: float = 0.3
+    sim_batch_size: int = 32
+    cpu_batch_size: int = 64
+    min_matchmaking_time: float = 5.0
+    request_timeout: float = 3.0
+    allreduce_timeout: float = 60.0
+    setup_timeout: float = 90.0
+    shutdown_grace: float = 5.0
+    verbose: bool = False
+
+    @property
+    def trainer_kind(self) -> str:
+        return REGIMES[self.regime][0]
+
+    @property
+    def target_group_size(self) -> int:
+        return REGIMES[self.regime][1]
+
+
+# ----------------------------------------------------------------------------------------------------- trainers
+
+
+class SimModel(nn.Module):
+    """Stand-in for a GPU model: only its size matters (it is what gets averaged), the compute is a sleep."""
+
+    def __init__(self, num_params: int, num_tensors: int = 20):
+        super().__init__()
+        sizes = [num_params // num_tensors] * num_tensors
+        sizes[-1] += num_params - sum(sizes)
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(size)) for size in sizes)
+        self.register_buffer("running_stat", torch.zeros(1024))
+
+
+class SimTrainer:
+    """Simulated accelerator: a local step is `sleep(step_s)`; gradients are fixed so optimizer.step stays cheap."""
+
+    def __init__(self, cfg: RunConfig, rank: int):
+        self.model, self.batch_size, self.step_s = SimModel(cfg.sim_params), cfg.sim_batch_size, cfg.sim_step_s
+        for param in self.model.parameters():
+            param.grad = torch.full_like(param, 1e-4 * (rank + 1))  # peers drift apart, so averaging matters
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.last_loss: float | None = None
+        self.needs_lock_for_compute = False  # the simulated compute never reads the parameters
+
+    def compute(self) -> None:
+        time.sleep(self.step_s)
+        self.model.running_stat.add_(1.0)
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """sklearn's bundled digits (no download): small, real, and fast enough to train on a shared CPU."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return images, torch.tensor(digits.target)
+
+
+class CpuTrainer:
+    """Real CPU training of a ~0.5M-parameter CNN with BatchNorm (so buffers are averaged too)."""
+
+    def __init__(self, cfg: RunConfig, rank: int, data: tuple[torch.Tensor, torch.Tensor]):
+        torch.manual_seed(0)  # identical initialization on every peer, as in real data-parallel training
+        self.model = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10),
+        )  # fmt: skip
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.images, self.labels = data
+        self.batch_size = cfg.cpu_batch_size
+        self.generator = torch.Generator().manual_seed(1000 + rank)  # each peer sees different batches
+        self.last_loss: float | None = None
+        self.needs_lock_for_compute = True  # autograd saves parameters between forward and backward
+
+    def compute(self) -> None:
+        index = torch.randint(0, len(self.images), (self.batch_size,), generator=self.generator)
+        loss = nn.functional.cross_entropy(self.model(self.images[index]), self.labels[index])
+        self.opt.zero_grad()
+        loss.backward()
+        self.last_loss = loss.item()
+
+
+def make_trainer(cfg: RunConfig, rank: int, data: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+    return SimTrainer(cfg, rank) if cfg.trainer_kind == "sim" else CpuTrainer(cfg, rank, data or _digits())
+
+
+# ----------------------------------------------------------------------------------------------------- drivers
+
+
+class NoAveraging:
+    """Baseline: every peer trains alone."""
+
+    def __init__(self, trainer: Any):
+        self.trainer, self.local_step = trainer, 0
+
+    def begin(self) -> None:
+        pass
+
+    def train_step(self) -> None:
+        self.trainer.compute()
+        self.trainer.opt.step()
+        self.local_step += 1
+
+    def records(self) -> list[dict]:
+        return []
+
+    def in_flight(self) -> list[dict]:
+        return []
+
+    def counters(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _old_averager_class() -> type:
+    """TrainingAverager with a stage timer slotted *under* it in the MRO.
+
+    Why: TrainingAverager.step blocks inside DecentralizedAverager.step, so we cannot see when matchmaking ends.
+    The timer sits between them, runs the same step with wait=False and polls StepControl.stage.
+    """
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.optim.training_averager import TrainingAverager
+
+    class StageTimer(DecentralizedAverager):
+        stage_times: dict[str, float] = {}
+
+        def step(self, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+            times: dict[str, float] = {"looking": time.time()}
+            self.stage_times = times  # live: the driver reads it to see a round that is still in flight
+            control = super().step(*args, wait=False, **kwargs)
+            while not control.done():
+                stage = control.stage
+                if stage == AveragingStage.AWAITING_TRIGGER:
+                    times.setdefault("group_formed", time.time())
+                elif stage == AveragingStage.RUNNING_ALLREDUCE:
+                    times.setdefault("group_formed", time.time())
+                    times.setdefault("allreduce", time.time())
+                time.sleep(0.002)
+            times["finished"] = time.time()
+            return control.result()
+
+    class TimedTrainingAverager(TrainingAverager, StageTimer):
+        pass
+
+    return TimedTrainingAverager
+
+
+class StampedLock:
+    """The data_lock handed to TrainingAverager: records (time, local step) whenever the averager takes it.
+
+    The first acquisition in a round is the snapshot, the second one is the apply, which gives exact staleness.
+    """
+
+    def __init__(self, lock: threading.Lock, current_step: Callable[[], int]):
+        self.lock, self.current_step, self.stamps = lock, current_step, []
+
+    def __enter__(self) -> StampedLock:
+        self.lock.acquire()
+        self.stamps.append((time.time(), self.current_step()))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.release()
+
+
+class OldDesign:
+    """The pre-DecentralizedSGD way: a background thread loops `TrainingAverager.step(data_lock=lock)`.
+
+    One round at a time, snapshot before matchmaking, delta rule through data_lock; the trainer holds the same lock
+    for every optimizer step.
+    """
+
+    def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
+        self.trainer, self.local_step, self.round = trainer, 0, 0
+        self.lock, self.stop_event = threading.Lock(), threading.Event()
+        self._records: list[dict] = []
+        self._current: dict | None = None
+        buffers = [buf for buf in trainer.model.buffers() if buf.is_floating_point()]
+        self.averager = _old_averager_class()(
+            trainer.opt, average_parameters=True, average_gradients=False, extra_tensors=buffers,
+            initialize_optimizer=False, dht=dht, prefix=prefix, start=True,
+            target_group_size=cfg.target_group_size, min_group_size=2,
+            min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=10.0,
+        )  # fmt: skip
+        self.thread = threading.Thread(target=self._loop, name="old-averaging", daemon=True)
+
+    def begin(self) -> None:
+        self.thread.start()
+
+    def train_step(self) -> None:
+        """The trainer holds the lock for its optimizer step. With real autograd it must also hold it through
+        forward/backward: an in-place apply between them breaks backward ("modified by an inplace operation")."""
+        if self.trainer.needs_lock_for_compute:
+            with self.lock:
+                self.trainer.compute()
+                self.trainer.opt.step()
+                self.local_step += 1
+            time.sleep(0)  # let a waiting averager thread take the lock (a real loop would fetch data here)
+            return
+        self.trainer.compute()
+        with self.lock:
+            self.trainer.opt.step()
+            self.local_step += 1
+
+    def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            stamped = StampedLock(self.lock, lambda: self.local_step)
+            record: dict[str, Any] = {"round": self.round, "t_start": time.time(), "error": None}
+            self.averager.stage_times = {}
+            self._current = record
+            gathered = None
+            try:
+                gathered = self.averager.step(data_lock=stamped)
+            except Exception as e:  # a failed round is data, not a crash
+                record["error"] = repr(e)
+            self._records.append(self._finish_record(record, stamped, gathered))
+            self._current = None
+            self.round += 1
+
+    def _finish_record(self, record: dict, stamped: StampedLock, gathered: dict | None) -> dict:
+        times = self.averager.stage_times
+        record["t_end"] = time.time()
+        record["applied"] = gathered is not None and len(stamped.stamps) >= 2
+        record["group_size"] = len(gathered) if gathered else 0
+        if stamped.stamps:
+            record["step_at_snapshot"] = stamped.stamps[0][1]
+        if record["applied"]:
+            record["step_at_apply"] = stamped.stamps[1][1]
+            record["staleness_steps"] = record["step_at_apply"] - record["step_at_snapshot"]
+            # the averager copies while the trainer is inside its next step (0-based index == steps done so far)
+            record["copy_step_indices"] = [record["step_at_snapshot"], record["step_at_apply"]]
+        t_mm = times.get("looking", record["t_start"])
+        t_group = times.get("group_formed", times.get("finished", record["t_end"]))
+        t_ar = times.get("allreduce", t_group)
+        t_fin = times.get("finished", record["t_end"])
+        record.update(
+            t_matchmaking_start=t_mm,
+            t_group_formed=t_group,
+            t_allreduce_start=t_ar,
+            matchmaking_s=t_group - t_mm,
+            awaiting_trigger_s=t_ar - t_group,
+            allreduce_s=t_fin - t_ar,
+        )
+        return record
+
+    def records(self) -> list[dict]:
+        return list(self._records)
+
+    def in_flight(self) -> list[dict]:
+        """The round running right now (stages seen so far), so duty cycle counts it too."""
+        current, times = self._current, dict(self.averager.stage_times)
+        if current is None:
+            return []
+        return [{"round": current["round"], "t_start": current["t_start"], "t_group_formed": times.get("group_formed"),
+                 "t_allreduce_start": times.get("allreduce"), "in_flight": True}]  # fmt: skip
+
+    def counters(self) -> dict:
+        return {"rounds": self.round}
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        self.averager.shutdown()
+
+
+class ImprovedDesign:
+    """decentralized_sgd.DecentralizedSGD with one set of switches; imported lazily so `none`/`old` never need it."""
+
+    def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
+        sys.path.insert(0, str(REPO_ROOT))
+        from decentralized_sgd import DecentralizedSGD
+
+        self.trainer = trainer
+        self.opt = DecentralizedSGD(
+            trainer.opt, dht, prefix=prefix, model=trainer.model,
+            target_group_size=cfg.target_group_size, min_group_size=2,
+            min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout, verbose=cfg.verbose, start=True,
+            **IMPROVED_OVERRIDES[cfg.mode],
+        )  # fmt: skip
+
+    @property
+    def local_step(self) -> int:
+        return int(self.opt.local_step)
+
+    def begin(self) -> None:
+        pass
+
+    def train_step(self) -> None:
+        self.trainer.compute()
+        self.opt.step(batch_size=self.trainer.batch_size)
+
+    def records(self) -> list[dict]:
+        return [dict(record) for record in list(self.opt.records)]
+
+    def in_flight(self) -> list[dict]:
+        """Rounds not resolved yet. DecentralizedSGD has no public API for them, so read its round queue if present;
+        without it, duty cycle only misses the tail of the window."""
+        fields = ("index", "t_start", "t_group_formed", "t_triggered", "t_allreduce_start")
+        found = []
+        for r in list(getattr(self.opt, "_rounds", ()) or ()):
+            record = {f: getattr(r, f, None) for f in fields}
+            record["round"], record["in_flight"] = record.pop("index"), True
+            found.append(record)
+        return found
+
+    def counters(self) -> dict:
+        return dict(getattr(self.opt, "counters", {}) or {})
+
+    def shutdown(self) -> None:
+        self.opt.shutdown()
+
+
+def make_driver(cfg: RunConfig, trainer: Any, dht: Any) -> Any:
+    prefix = f"bench_{cfg.regime}_{cfg.mode}"
+    if cfg.mode == "none":
+        return NoAveraging(trainer)
+    if cfg.mode == "old":
+        return OldDesign(trainer, dht, cfg, prefix)
+    return ImprovedDesign(trainer, dht, cfg, prefix)
+
+
+# ----------------------------------------------------------------------------------------------------- peer process
+
+
+@dataclass
+class Channels:
+    """IPC between the orchestrator and peers: one message queue each way plus a shared start time."""
+
+    to_parent: Any
+    maddrs: Any
+    start_at: Any
+    go: Any
+
+
+def _start_dht(rank: int, cfg: RunConfig, channels: Channels) -> Any:
+    """Peer 0 is the bootstrap; the others join it. Loopback only."""
+    import hivemind
+
+    host = ["/ip4/127.0.0.1/tcp/0"]
+    if rank == 0:
+        dht = hivemind.DHT(start=True, host_maddrs=host)
+        addrs = [str(addr) for addr in dht.get_visible_maddrs()]
+        for _ in range(cfg.peers - 1):
+            channels.maddrs.put(addrs)
+        return dht
+    addrs = channels.maddrs.get(timeout=cfg.setup_timeout)
+    return hivemind.DHT(start=True, initial_peers=addrs, host_maddrs=host)
+
+
+def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t0: float) -> dict:
+    """Train until t0 + seconds; remember when every local step ended (for throughput and the timeline)."""
+    step_times: list[float] = []
+    losses: list[float] = []
+    t1 = t0 + cfg.seconds
+    while time.time() < t1:
+        driver.train_step()
+        step_times.append(time.time())
+        if trainer.last_loss is not None:
+            losses.append(trainer.last_loss)
+    tail = losses[-20:]
+    return {"t0": t0, "t1": t1, "step_times": step_times, "batch_size": trainer.batch_size,
+            "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
+
+
+def log_path(cfg: RunConfig, rank: int) -> Path:
+    return LOG_DIR / f"{cfg.regime}_{cfg.mode}_peer{rank}.log"
+
+
+def _redirect_output(cfg: RunConfig, rank: int) -> None:
+    """Send this peer's (and its children's) stdout/stderr to a log file: keeps the table readable, keeps evidence."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path(cfg, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None) -> None:
+    """Entry point of one peer process. Reports exactly one result (or error) message, then cleans up."""
+    os.setpgrp()  # own process group: the orchestrator can kill this peer's DHT/averager/p2pd children in one go
+    torch.set_num_threads(1)
+    if not cfg.verbose:
+        _redirect_output(cfg, rank)
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
+    dht = driver = None
+    try:
+        phases = {"start": time.time()}
+        trainer = make_trainer(cfg, rank, data)
+        phases["trainer"] = time.time()
+        dht = None if cfg.mode == "none" else _start_dht(rank, cfg, channels)
+        phases["dht"] = time.time()
+        driver = make_driver(cfg, trainer, dht)
+        phases["driver"] = time.time()
+        channels.to_parent.put(("ready", rank, phases))
+        if not channels.go.wait(cfg.setup_timeout):
+            raise TimeoutError("orchestrator never said go")
+        time.sleep(max(0.0, channels.start_at.value - time.time()))
+        driver.begin()
+        result = _train_window(cfg, trainer, driver, channels.start_at.value)
+        result.update(rank=rank, records=driver.records(), in_flight=driver.in_flight(), counters=driver.counters(),
+                      final_step=driver.local_step, clock_offset=time.time() - time.monotonic())  # fmt: skip
+        channels.to_parent.put(("result", rank, result))
+    except BaseException:
+        channels.to_parent.put(("error", rank, traceback.format_exc()))
+    finally:
+        for name, closer in (("driver", driver), ("dht", dht)):
+            t_close = time.time()
+            try:
+                if closer is not None:
+                    closer.shutdown()
+            except Exception:
+                traceback.print_exc()
+            print(f"[bench peer {rank}] {name} shutdown took {time.time() - t_close:.2f}s", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------- orchestration
+
+
+def _kill_group(pid: int | None) -> None:
+    """Kill a peer and everything it spawned (DHT, averager, p2pd). Only the groups we created, by id."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _collect(channels: Channels, cfg: RunConfig, kind: str, deadline: float) -> dict[int, Any]:
+    """Wait for one `kind` message from every peer; an error message from any peer aborts the run."""
+    got: dict[int, Any] = {}
+    while len(got) < cfg.peers:
+        try:
+            msg_kind, rank, payload = channels.to_parent.get(timeout=max(0.1, deadline - time.time()))
+        except queue.Empty:
+            missing = sorted(set(range(cfg.peers)) - set(got))
+            raise TimeoutError(f"peers {missing} did not report '{kind}' in time") from None
+        if msg_kind == "error":
+            raise RuntimeError(f"peer {rank} failed:\n{payload}")
+        got[rank] = payload
+        if time.time() > deadline and len(got) < cfg.peers:
+            raise TimeoutError(f"timed out waiting for '{kind}'")
+    return got
+
+
+def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
+    """Run one (regime, mode) with fresh peer processes and fresh DHTs; always kill every process it started."""
+    ctx = mp.get_context("fork")
+    channels = Channels(ctx.Queue(), ctx.Queue(), ctx.Value("d", 0.0), ctx.Event())
+    procs = [ctx.Process(target=_peer_main, args=(rank, cfg, channels, data)) for rank in range(cfg.peers)]
+    started = time.time()
+    summary: dict[str, Any] = {"regime": cfg.regime, "mode": cfg.mode, "error": None}
+    summary["loadavg_1m_before"] = os.getloadavg()[0]
+    peers: dict[int, dict] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        ready = _collect(channels, cfg, "ready", time.time() + cfg.setup_timeout)
+        summary["setup_s"] = max(p["driver"] for p in ready.values()) - started
+        summary["setup_phases_s"] = {  # slowest peer per phase: where setup time goes
+            name: max(p[name] - p[prev] for p in ready.values())
+            for prev, name in pairwise(("start", "trainer", "dht", "driver"))
+        }
+        channels.start_at.value = time.time() + 0.2  # every peer starts its window at the same instant
+        channels.go.set()
+        peers = _collect(channels, cfg, "result", time.time() + cfg.seconds + cfg.setup_timeout)
+    except Exception as e:
+        summary["error"] = f"{type(e).__name__}: {e}"[-2000:]
+        summary["logs"] = [str(log_path(cfg, rank)) for rank in range(cfg.peers)]
+    finally:
+        deadline = time.time() + cfg.shutdown_grace
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.time()))
+        summary["clean_exit"] = all(proc.exitcode == 0 for proc in procs)
+        for proc in procs:
+            _kill_group(proc.pid)
+        for proc in procs:
+            proc.join(1.0)
+    summary["wall_s"] = time.time() - started
+    summary["loadavg_1m_after"] = os.getloadavg()[0]  # others share these 2 cores: keep the evidence with the number
+    summary.update(summarize_peers([peers[rank] for rank in sorted(peers)]))
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------- metrics
+
+
+def _to_wall(value: float | None, offset: float) -> float | None:
+    """Records may use time.time() or time.monotonic(); bring both to wall time (monotonic values are small)."""
+    if value is None:
+        return None
+    return float(value) + offset if value < 1e9 else float(value)
+
+
+def round_spans(record: dict, offset: float, t_open: float | None = None) -> list[tuple[str, float, float]]:
+    """(stage, start, end) spans of one round: matchmaking, awaiting trigger, AllReduce (wall clock).
+
+    Prefers absolute stage times; falls back to chaining durations. Stages of an in-flight round end at `t_open`.
+    """
+    t_start = _to_wall(record.get("t_matchmaking_start", record.get("t_start")), offset)
+    if t_start is None:
+        return []
+    end = _to_wall(record.get("t_end"), offset) or t_open or t_start
+    mm, aw, ar = (record.get(k) for k in ("matchmaking_s", "awaiting_trigger_s", "allreduce_s"))
+    t_group = _to_wall(record.get("t_group_formed"), offset) or (t_start + mm if mm is not None else None)
+    t_allreduce = _to_wall(record.get("t_allreduce_start"), offset) or (
+        t_group + aw if t_group is not None and aw is not None else None
+    )
+    spans = [("matchmaking", t_start, t_group if t_group is not None else end)]
+    if t_group is not None:
+        spans.append(("awaiting", t_group, t_allreduce if t_allreduce is not None else end))
+    if t_allreduce is not None:
+        spans.append(("allreduce", t_allreduce, t_allreduce + ar if ar is not None else end))
+    return [(name, a, b) for name, a, b in spans if b > a]
+
+
+def _union_length(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of intervals clipped to [lo, hi] (pipelined rounds overlap; count wall time once)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in clipped:
+        if cur_b is None or a > cur_b:
+            total += (cur_b - cur_a) if cur_b is not None else 0.0
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    return total + ((cur_b - cur_a) if cur_b is not None else 0.0)
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _staleness(record: dict) -> float | None:
+    if record.get("staleness_steps") is not None:
+        return float(record["staleness_steps"])
+    if record.get("step_at_apply") is not None and record.get("step_at_snapshot") is not None:
+        return float(record["step_at_apply"] - record["step_at_snapshot"])
+    return None
+
+
+def _copy_step_indices(record: dict) -> list[int]:
+    """0-based indices of the local steps that paid for this round's copies (snapshot/fill and apply).
+
+    DecentralizedSGD copies inside on_step_end of step number `step_at_*` (1-based), i.e. index step_at_* - 1.
+    """
+    if "copy_step_indices" in record:
+        return list(record["copy_step_indices"])
+    return [record[k] - 1 for k in ("step_at_snapshot", "step_at_apply") if record.get(k) is not None]
+
+
+def _peer_metrics(peer: dict) -> dict:
+    """One peer's numbers over its window [t0, t1]; rounds count if they finished inside it."""
+    t0, t1, offset = peer["t0"], peer["t1"], peer["clock_offset"]
+    window = t1 - t0
+    steps = [t for t in peer["step_times"] if t <= t1]
+    in_window = [r for r in peer["records"] if t0 <= (_to_wall(r.get("t_end"), offset) or math.inf) <= t1]
+    applied = [r for r in in_window if r.get("applied")]
+    ends = sorted(_to_wall(r["t_end"], offset) for r in applied)
+    busy = [(a, b) for r in peer["records"] + peer.get("in_flight", []) for _, a, b in round_spans(r, offset, t1)]
+
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in applied if r.get(key) is not None]
+
+    durations = [b - a for a, b in pairwise([t0] + steps)]
+    copy_steps = {i for r in applied for i in _copy_step_indices(r) if 0 <= i < len(durations)}
+
+    return {
+        "rate": len(steps) * peer["batch_size"] / window,
+        "rounds_per_min": len(applied) / (window / 60.0),
+        "round_interval": _mean([b - a for a, b in pairwise(ends)]),
+        "duty": _union_length(busy, t0, t1) / window,
+        "applied": len(applied),
+        "failed": sum(1 for r in in_window if r.get("error")),
+        "skipped": sum(1 for r in in_window if not r.get("applied") and not r.get("error")),
+        "step_durations": durations,
+        "copy_step_durations": [durations[i] for i in sorted(copy_steps)],
+        "other_step_durations": [d for i, d in enumerate(durations) if i not in copy_steps],
+        "staleness": [s for s in map(_staleness, applied) if s is not None],
+        "group_size": [float(r["group_size"]) for r in applied if r.get("group_size")],
+        "allreduce_s": values("allreduce_s"),
+        "matchmaking_s": values("matchmaking_s"),
+        "awaiting_s": values("awaiting_trigger_s"),
+    }
+
+
+def summarize_peers(peers: list[dict]) -> dict:
+    """Per-run metrics: rates and duty cycle averaged over peers, per-round values pooled over peers."""
+    if not peers:
+        return {}
+    per_peer = [_peer_metrics(peer) for peer in peers]
+
+    def pooled(key: str) -> list[float]:
+        return [v for m in per_peer for v in m[key]]
+
+    step_mean, allreduce_mean = _mean(pooled("step_durations")), _mean(pooled("allreduce_s"))
+    counters: dict[str, float] = {}
+    for peer in peers:
+        for key, value in (peer.get("counters") or {}).items():
+            if isinstance(value, (int, float)):
+                counters[key] = counters.get(key, 0) + value
+    return {
+        "samples_per_s_per_peer": _mean([m["rate"] for m in per_peer]),
+        "rounds_per_min": _mean([m["rounds_per_min"] for m in per_peer]),
+        "staleness_steps_mean": _mean(pooled("staleness")),
+        "staleness_steps_p95": _percentile(pooled("staleness"), 0.95),
+        "duty_cycle": _mean([m["duty"] for m in per_peer]),
+        "group_size_mean": _mean(pooled("group_size")),
+        "rounds_applied": sum(m["applied"] for m in per_peer),
+        "rounds_failed": sum(m["failed"] for m in per_peer),
+        "rounds_skipped": sum(m["skipped"] for m in per_peer),
+        "round_interval_s": _mean([m["round_interval"] for m in per_peer if m["round_interval"] is not None]),
+        "step_s_mean": step_mean,
+        "step_s_p95": _percentile(pooled("step_durations"), 0.95),
+        "allreduce_s_mean": allreduce_mean,
+        "matchmaking_s_mean": _mean(pooled("matchmaking_s")),
+        "awaiting_s_mean": _mean(pooled("awaiting_s")),
+        "allreduce_steps_mean": allreduce_mean / step_mean if allreduce_mean is not None and step_mean else None,
+        # trainer-side cost of averaging: steps that did (or waited for) a snapshot/fill or apply vs the others
+        "copy_step_s_mean": _mean(pooled("copy_step_durations")),
+        "other_step_s_median": _percentile(pooled("other_step_durations"), 0.5),
+        "loss_tail": _mean([p["loss_tail"] for p in peers if p.get("loss_tail") is not None]),
+        "counters": counters or None,
+        "peers": peers,
+    }
+
+
+def add_throughput_ratios(runs: list[dict]) -> None:
+    """throughput_ratio = samples/s of a mode divided by `none` of the same regime (None if no baseline ran)."""
+    baseline = {r["regime"]: r.get("samples_per_s_per_peer") for r in runs if r["mode"] == "none"}
+    for run in runs:
+        base, rate = baseline.get(run["regime"]), run.get("samples_per_s_per_peer")
+        run["throughput_ratio"] = rate / base if base and rate is not None else None
+
+
+def evaluate_targets(runs: list[dict], regime: str = "sim_not_full") -> list[dict]:
+    """The team's goals for `improved` vs `old` (brief); None where a needed run is missing."""
+    cells = {(r["regime"], r["mode"]): r for r in runs}
+    new, old = cells.get((regime, "improved"), {}), cells.get((regime, "old"), {})
+
+    def get(run: dict, key: str) -> float | None:
+        return run.get(key)
+
+    def scaled(value: float | None, factor: float, offset: float = 0.0) -> float | None:
+        return None if value is None else value * factor + offset
+
+    checks = [  # (description, value, threshold, value must be <= threshold)
+        ("staleness mean <= AllReduce steps + 1", get(new, "staleness_steps_mean"),
+         scaled(get(new, "allreduce_steps_mean"), 1.0, 1.0), True),
+        ("staleness mean <= 0.5 x old", get(new, "staleness_steps_mean"),
+         scaled(get(old, "staleness_steps_mean"), 0.5), True),
+        ("rounds/min >= 1.8 x old", get(new, "rounds_per_min"), scaled(get(old, "rounds_per_min"), 1.8), False),
+        ("throughput ratio >= 0.97", get(new, "throughput_ratio"), 0.97, False),
+        ("duty cycle >= 0.95", get(new, "duty_cycle"), 0.95, False),
+    ]  # fmt: skip
+    results = []
+    for text, value, threshold, at_most in checks:
+        met = None if value is None or threshold is None else (value <= threshold if at_most else value >= threshold)
+        results.append({"regime": regime, "target": text, "value": value, "threshold": threshold, "met": met})
+    return results
+
+
+def targets_markdown(targets: list[dict]) -> str:
+    lines = ["", "Targets (improved, sim_not_full):"]
+    for t in targets:
+        mark = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
+        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        threshold = "n/a" if t["threshold"] is None else f"{t['threshold']:.3g}"
+        lines.append(f"- {mark}: {t['target']} (observed {value}, threshold {threshold})")
+    return "\n".join(lines)
+
+
+def run_metadata(args: argparse.Namespace, started: float) -> dict:
+    """What the numbers depend on: versions, the exact optimizer file, and how busy the shared machine was."""
+    import hivemind
+
+    source = REPO_ROOT / "decentralized_sgd.py"
+    return {
+        "argv": sys.argv[1:], "quick": args.quick, "started": time.strftime("%F %T", time.localtime(started)),
+        "total_s": time.time() - started, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+        "torch": torch.__version__, "hivemind": hivemind.__version__,
+        "decentralized_sgd_sha256": hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.exists() else None,
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- reporting
+
+TABLE_COLUMNS = [  # (header, key, format)
+    ("regime", "regime", "{}"), ("mode", "mode", "{}"), ("samples/s/peer", "samples_per_s_per_peer", "{:.1f}"),
+    ("thr ratio", "throughput_ratio", "{:.3f}"), ("rounds/min", "rounds_per_min", "{:.1f}"),
+    ("stale mean", "staleness_steps_mean", "{:.1f}"), ("stale p95", "staleness_steps_p95", "{:.1f}"),
+    ("duty", "duty_cycle", "{:.2f}"), ("group", "group_size_mean", "{:.2f}"), ("failed", "rounds_failed", "{}"),
+    ("AR s", "allreduce_s_mean", "{:.2f}"), ("AR steps", "allreduce_steps_mean", "{:.1f}"),
+    ("MM s", "matchmaking_s_mean", "{:.2f}"), ("AW s", "awaiting_s_mean", "{:.2f}"),
+    ("interval s", "round_interval_s", "{:.2f}"), ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
+]  # fmt: skip
+
+
+def markdown_table(runs: list[dict]) -> str:
+    lines = ["| " + " | ".join(h for h, _, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    for run in runs:
+        cells = []
+        for _, key, fmt in TABLE_COLUMNS:
+            value = run.get(key)
+            text = "" if value is None else fmt.format(value)
+            cells.append(text.splitlines()[0][:60] if key == "error" and text else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _old_copy_spans(record: dict) -> list[tuple[str, float, float]]:
+    """Old design only: snapshot before matchmaking and apply after AllReduce, both under data_lock (not duty)."""
+    if "t_matchmaking_start" not in record or record.get("allreduce_s") is None:
+        return []
+    allreduce_end = record["t_allreduce_start"] + record["allreduce_s"]
+    spans = [("copy", record["t_start"], record["t_matchmaking_start"]), ("copy", allreduce_end, record["t_end"])]
+    return [(name, a, b) for name, a, b in spans if b > a]
+
+
+def plot_timeline(
+    runs: list[dict], path: Path, regime: str = "sim_not_full", modes: Sequence[str] = ("old", "improved")
+) -> None:
+    """Per peer: matchmaking / awaiting / AllReduce spans as bars (two lanes so pipelined rounds stay visible),
+    ticks at every local step, dots where a round's result was applied; gray: the old design's snapshot/apply."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    by_cell = {(r["regime"], r["mode"]): r for r in runs if r.get("peers")}
+    chosen = [by_cell.get((regime, mode)) for mode in modes]
+    if not any(chosen):
+        print(f"[bench] no {regime} runs of {modes} to plot; skipping {path}", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(len(modes), 1, figsize=(14, 2.2 + 1.3 * 3 * len(modes)), squeeze=False)
+    for ax, mode, run in zip(axes[:, 0], modes, chosen, strict=True):
+        ax.set_title(f"{regime} / {mode}" + ("" if run else " (not run)"))
+        if not run:
+            continue
+        for row, peer in enumerate(run["peers"]):
+            t0, offset, base = peer["t0"], peer["clock_offset"], row * 1.5
+            for record in peer["records"] + peer.get("in_flight", []):
+                lane = base + 0.5 * (int(record.get("round") or 0) % 2)
+                for name, a, b in round_spans(record, offset, t_open=peer["t1"]) + _old_copy_spans(record):
+                    ax.broken_barh([(a - t0, b - a)], (lane, 0.45), color=SPAN_COLORS[name], alpha=0.85)
+                t_applied = _to_wall(record.get("t_applied", record.get("t_end")), offset)
+                if record.get("applied") and t_applied is not None:
+                    ax.plot(t_applied - t0, lane + 0.22, "k.", markersize=4)
+            ticks = [t - t0 for t in peer["step_times"]]
+            ax.vlines(ticks, base - 0.25, base - 0.05, color="black", linewidth=0.5)
+        ax.set_yticks([row * 1.5 + 0.5 for row in range(len(run["peers"]))])
+        ax.set_yticklabels([f"peer {p['rank']}" for p in run["peers"]])
+        ax.set_xlim(0, run["peers"][0]["t1"] - run["peers"][0]["t0"])
+        ax.set_xlabel("seconds since start (ticks: local steps, dots: result applied)")
+    handles = [Patch(color=c, label=n) for n, c in SPAN_COLORS.items()]
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles))
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _json_ready(run: dict, keep_peers: bool) -> dict:
+    """Drop bulky per-step data from JSON unless it is needed to reproduce the plot."""
+    out = {k: v for k, v in run.items() if k != "peers"}
+    if keep_peers and run.get("peers"):
+        out["peers"] = run["peers"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="all regimes and modes in <5 min on 2 cores: shorter runs, 5M-param sim model, "
+                             "min_matchmaking_time 2 s")  # fmt: skip
+    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run")
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--sim-params", type=int, default=None, help="parameters of the simulated model")
+    parser.add_argument("--min-matchmaking-time", type=float, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--json-peers", action="store_true", help="also store per-peer step times and records")
+    parser.add_argument("--verbose", action="store_true", help="keep hivemind / DecentralizedSGD logs")
+    return parser.parse_args(argv)
+
+
+def build_configs(args: argparse.Namespace) -> list[RunConfig]:
+    """Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
+    base = RunConfig(regime="sim_full", mode="none", peers=args.peers, verbose=args.verbose)
+    if args.quick:
+        base = replace(base, seconds=6.0, sim_params=5_000_000, min_matchmaking_time=2.0, request_timeout=1.0,
+                       allreduce_timeout=20.0, setup_timeout=40.0, shutdown_grace=0.5)  # fmt: skip
+    if args.seconds is not None:
+        base = replace(base, seconds=args.seconds)
+    if args.sim_params is not None:
+        base = replace(base, sim_params=args.sim_params)
+    if args.min_matchmaking_time is not None:
+        mmt = args.min_matchmaking_time
+        base = replace(base, min_matchmaking_time=mmt, request_timeout=min(base.request_timeout, 0.6 * mmt))
+    return [replace(base, regime=r, mode=m) for r in REGIMES if r in args.regimes for m in MODES if m in args.modes]
+
+
+def _prewarm(configs: Sequence[RunConfig]) -> None:
+    """Pay one-time import costs (torch.optim takes ~2 s on first use) once, before forking peers."""
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    import hivemind  # noqa: F401
+    from hivemind.optim.training_averager import TrainingAverager  # noqa: F401
+
+    if any(cfg.mode in IMPROVED_OVERRIDES for cfg in configs):
+        sys.path.insert(0, str(REPO_ROOT))
+        try:
+            import decentralized_sgd  # noqa: F401
+        except Exception as e:  # each run will report the failure in its own row
+            print(f"[bench] cannot import decentralized_sgd: {e!r}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    warnings.filterwarnings("ignore")
+    args = parse_args(argv)
+    configs = build_configs(args)
+    data = _digits() if any(c.trainer_kind == "cpu" for c in configs) else None  # load once, share via fork
+    _prewarm(configs)
+    started, runs = time.time(), []
+    for cfg in configs:
+        print(f"[bench] {cfg.regime:>13} / {cfg.mode:<11} ...", end=" ", flush=True, file=sys.stderr)
+        run = run_one(cfg, data)
+        run["config"] = {k: v for k, v in asdict(cfg).items() if k not in ("regime", "mode", "verbose")}
+        runs.append(run)
+        status = "ok" if not run["error"] else run["error"].splitlines()[0][:120]
+        print(f"{run['wall_s']:.1f}s {status}", flush=True, file=sys.stderr)
+    add_throughput_ratios(runs)
+    targets = evaluate_targets(runs)
+    report = markdown_table(runs) + "\n" + targets_markdown(targets)
+    print(report)
+    print(f"\n[bench] total {time.time() - started:.0f}s for {len(runs)} runs", file=sys.stderr)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"runs": [_json_ready(r, args.json_peers) for r in runs], "targets": targets,
+                   "meta": run_metadata(args, started)}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=1, default=str))
+    if args.plot:
+        plot_timeline(runs, args.plot)
+    return runs
+
+
+if __name__ == "__main__":
+    main()

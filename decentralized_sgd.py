@@ -1,0 +1,530 @@
+"""DecentralizedSGD: wrap any torch optimizer and keep averaging its parameters with peers in the background.
+
+Built on ``hivemind.DecentralizedAverager`` (hivemind 1.1.12 no longer ships DecentralizedSGD). Compared with the old
+design, each round (1) fills the averager with the *latest* local parameters only once its group has formed,
+(2) applies the result as a delta (``w += averaged - snapshot``) so local steps made during the round are kept and
+(3) looks for the next group while the current AllReduce is still running. Plain PyTorch + hivemind, no VISSL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
+from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time, nested_flatten
+from hivemind.utils.asyncio import achain, anext, as_aiter
+
+logger = logging.getLogger(__name__)
+
+_FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
+
+
+def make_compression(name: str) -> CompressionBase:
+    """Map the CLI-friendly names onto hivemind compression classes."""
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return Float16Compression()
+    if name == "uint8":  # 8-bit quantization needs many values for its statistics: small tensors travel as fp16
+        return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+    raise ValueError(f"compression must be 'none', 'fp16' or 'uint8', got {name!r}")
+
+
+def schema_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
+    """Short hash of shapes/dtypes; put into the prefix so that peers with different models never even meet."""
+    schema = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    return hashlib.sha256(schema.encode()).hexdigest()[:16]
+
+
+class _Averager(hivemind.DecentralizedAverager):
+    """A DecentralizedAverager that serves the trainer's live state and tolerates groupmates that trigger first."""
+
+    _rpc_handlers = None  # the base class caches handlers per class: collect ours, or stubs may use another name
+    _stub_type = None
+
+    def __init__(self, *args, state_fn: Callable[[], tuple], trigger_grace: float, **kwargs):
+        self.state_fn, self.trigger_grace = state_fn, trigger_grace
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self) -> tuple:
+        return self.state_fn()
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # Groupmates trigger at their own step boundaries, so their parts may arrive before we registered the group.
+        # hivemind only waits for that while no other group (un)registers; with pipelined rounds one always does,
+        # and the early sender would get BAD_GROUP_ID and drop us. So wait (bounded) for the group to appear.
+        request = await anext(stream)
+        deadline = time.monotonic() + self.trigger_grace
+        while request.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        # hivemind 1.1.12 calls .finalize() on the Futures of running groups and crashes; finalize their runners
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in self._running_groups.values():
+            if future.done() and not future.cancelled():
+                future.result().finalize(cancel=True)
+
+
+@dataclass
+class _Round:
+    """Book-keeping for one averaging round; times are time.time(), steps are DecentralizedSGD.local_step."""
+
+    index: int
+    control: StepControl
+    prev_control: StepControl | None  # the round that was running when this one started (pipelining)
+    t_start: float
+    step_at_start: int
+    snapshot: list[torch.Tensor] | None = None  # exact values put into the averager buffers
+    t_group_formed: float | None = None
+    step_at_group_formed: int | None = None
+    formed_during_prev_allreduce: bool = False
+    t_triggered: float | None = None
+    step_at_snapshot: int | None = None
+    t_allreduce_start: float | None = None
+    t_end: float | None = None
+    weight: float | None = None
+    local_nonfinite: bool = False
+    stale: bool = False  # params were replaced by load_state_from_peers after the snapshot
+
+
+class DecentralizedSGD:
+    """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time.
+
+    Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step; averaging runs in the
+    background and its results are applied at step boundaries in the trainer's thread.
+
+    Non-finite values: a peer whose own snapshot is not finite contributes zeros with weight 0 (its groupmates
+    average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
+    A peer that stops calling on_step_end joins at most one group without triggering it; its groupmates drop it
+    after ``next_chunk_timeout``. If you call ``optimizer.step()`` yourself, do it under ``with dsgd.lock:`` so that
+    state served to late joiners is never torn. LR schedulers should be given ``dsgd.optimizer``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        model: torch.nn.Module | None = None,
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        allreduce_timeout: float = 60.0,
+        next_chunk_timeout: float = 10.0,
+        max_staleness: int | None = None,
+        staleness_timeout: float = 60.0,
+        average_buffers: bool = True,
+        average_optimizer_state: bool = False,
+        weight_by_samples: bool = False,
+        compression: str = "none",
+        delta_rule: bool = True,
+        refresh_before_allreduce: bool = True,
+        pipeline: bool = True,
+        records_path: str | None = None,
+        client_mode: bool | None = None,
+        get_extra_state: Callable[[], dict] | None = None,
+        before_allreduce: Callable[[], None] | None = None,
+        verbose: bool = False,
+        start: bool = True,
+    ):
+        assert "." not in prefix, "prefix may not contain '.'"
+        self.optimizer, self.dht, self.model = optimizer, dht, model
+        self.min_matchmaking_time, self.next_chunk_timeout = min_matchmaking_time, next_chunk_timeout
+        self.allreduce_timeout = allreduce_timeout
+        self.max_staleness, self.staleness_timeout = max_staleness, staleness_timeout
+        self.weight_by_samples, self.delta_rule = weight_by_samples, delta_rule
+        self.refresh_before_allreduce, self.pipeline = refresh_before_allreduce, pipeline
+        self.records_path, self.get_extra_state = records_path, get_extra_state
+        self.before_allreduce = before_allreduce  # hivemind has no such hook: run right before the buffers are filled
+        self.verbose = verbose
+
+        self.lock = threading.RLock()  # guards local params/optimizer: trainer step vs. serving state to peers
+        self.local_step = self.samples = 0
+        self.records: list[dict] = []
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
+             "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s"), 0
+        )  # fmt: skip
+        self._rounds: deque[_Round] = deque()  # oldest first; at most two: one in AllReduce, one matchmaking
+        self._watched: tuple[_Round, ...] = ()
+        self._num_rounds = self._last_sync_step = self._samples_since_fill = 0
+        self._allreduce_ema: float | None = None
+        self._closed, self._stop, self._observe_lock = False, threading.Event(), threading.Lock()
+
+        # what we average: the params (fixed objects), float buffers by name, param-shaped optimizer state by key
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._buffer_names = [
+            name for name, buf in (model.named_buffers() if model is not None and average_buffers else ())
+            if buf.is_floating_point()
+        ]  # fmt: skip
+        if average_optimizer_state and not any(optimizer.state.values()):
+            self._init_optimizer_state()
+        self._opt_keys = [
+            (i, key) for i, p in enumerate(self._params) for key, value in sorted(optimizer.state.get(p, {}).items())
+            if average_optimizer_state and key != "step" and torch.is_tensor(value)
+            and value.is_floating_point() and value.shape == p.shape
+        ]  # fmt: skip
+        local = self._local_tensors()
+        self.prefix = f"{prefix}_{schema_fingerprint(local)}"
+        self.averager = _Averager(
+            [torch.zeros(t.shape, dtype=torch.float32) for t in local],
+            dht,
+            start=False,
+            prefix=self.prefix,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=request_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            compression=make_compression(compression),
+            client_mode=client_mode,
+            state_fn=self._serve_state,
+            trigger_grace=next_chunk_timeout,
+        )
+        self._watcher = threading.Thread(target=self._watch, name="dsgd-watcher", daemon=True)
+        if start:
+            self.start()
+
+    # --- torch.optim.Optimizer passthrough ---
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        with self.lock:
+            self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        logger.warning("Parameters added after DecentralizedSGD was created are trained locally but not averaged")
+        self.optimizer.add_param_group(param_group)
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    def start(self) -> None:
+        """Start the averager process (only needed if created with start=False)."""
+        self.averager.run_in_background(await_ready=True)
+        self._watcher.start()
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        with self.lock:
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.on_step_end(batch_size)
+        return loss
+
+    def on_step_end(self, batch_size: int | None = None) -> None:
+        """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
+        Polls the averager: applies a finished round (delta rule), fills+triggers a formed group with fresh params,
+        schedules the next matchmaking, enforces max_staleness. Cheap when nothing happened (no tensor copies)."""
+        with self.lock:
+            self.local_step += 1
+            self.samples += batch_size or 1
+            self._samples_since_fill += batch_size or 1
+            self._poll()
+        if self.max_staleness is not None and self.local_step - self._last_sync_step > self.max_staleness:
+            self._wait_for_round()
+
+    # --- the round state machine (trainer thread) ---
+    def _poll(self) -> None:
+        if self._closed or not self.averager.is_alive():
+            return
+        while self._rounds and self._rounds[0].control.done():
+            self._resolve(self._rounds.popleft())
+        if self._rounds:  # only the oldest round may touch the buffers: a newer one waits for its result
+            head = self._rounds[0]
+            self._observe(head)
+            if head.t_triggered is None and head.control.stage == AveragingStage.AWAITING_TRIGGER:
+                if time.time() - (head.t_group_formed or time.time()) > self.next_chunk_timeout:
+                    head.control.cancel()  # groupmates have dropped us by now; triggering would only stall us
+                    self._resolve(self._rounds.popleft())
+                else:
+                    self._fill_and_trigger(head)
+        if not self._rounds:
+            self._start_round(self.min_matchmaking_time)
+        elif self.pipeline and len(self._rounds) == 1 and self._rounds[0].control.began_allreduce:
+            # look for the next group now, scheduled to form about when this AllReduce ends
+            self._start_round(max(self._allreduce_ema or 0.0, self.min_matchmaking_time))
+        self._watched = tuple(self._rounds)
+
+    def _start_round(self, delay: float) -> None:
+        control = self.averager.step(
+            scheduled_time=get_dht_time() + delay, require_trigger=True, allow_retries=False, wait=False
+        )
+        prev = self._rounds[-1].control if self._rounds else None
+        r = _Round(self._num_rounds, control, prev, time.time(), self.local_step)
+        self._num_rounds += 1
+        if not self.refresh_before_allreduce:  # ablation: the old behaviour, snapshot when matchmaking starts
+            r.snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self._local_tensors()]
+            r.step_at_snapshot = self.local_step
+        self._rounds.append(r)
+
+    def _fill_and_trigger(self, r: _Round) -> None:
+        if self.before_allreduce is not None:
+            self.before_allreduce()
+        source = r.snapshot if r.snapshot is not None else self._local_tensors()
+        r.local_nonfinite = not self._all_finite(source)
+        with torch.no_grad(), self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, source, strict=True):
+                if r.local_nonfinite:
+                    buf.zero_()
+                else:
+                    buf.copy_(t)
+            if r.snapshot is None:
+                r.snapshot = [buf.clone() for buf in buffers]
+        if r.local_nonfinite:  # contribute nothing rather than poison the group
+            logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
+        r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
+        if r.local_nonfinite:
+            r.weight = 0.0
+        self._samples_since_fill = 0
+        r.control.weight = r.weight
+        if r.step_at_snapshot is None:
+            r.step_at_snapshot = self.local_step
+        r.t_triggered = time.time()
+        r.control.allow_allreduce()
+
+    def _resolve(self, r: _Round) -> None:
+        """Record a finished (or cancelled) round and apply its result if it is usable."""
+        self._observe(r)
+        record = self._base_record(r)
+        try:
+            group = r.control.result()
+            record.update(group_size=len(group), group=[str(peer) for peer in group])
+            if r.stale or r.local_nonfinite:
+                record["error"] = "state reloaded since snapshot" if r.stale else "local snapshot not finite"
+                self.counters["rounds_skipped_local_nonfinite"] += r.local_nonfinite
+            elif self._apply(r):
+                record["applied"] = True
+            else:
+                record["error"] = "averaged result not finite"
+                self.counters["rounds_discarded_nonfinite"] += 1
+                logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
+        except (Exception, asyncio.CancelledError) as e:
+            record["error"] = repr(e)
+            if r.control.cancelled():
+                self.counters["rounds_cancelled"] += 1
+            else:
+                self.counters["rounds_failed" if r.t_group_formed else "rounds_no_group"] += 1
+        if record["applied"]:
+            self.counters["rounds_applied"] += 1
+            self._last_sync_step = self.local_step
+            if record["allreduce_s"] is not None:
+                ema, new = self._allreduce_ema, record["allreduce_s"]
+                self._allreduce_ema = new if ema is None else 0.7 * ema + 0.3 * new
+            if not self.averager.client_mode:  # let late joiners prefer the most trained peer
+                self.averager.state_sharing_priority = float(self.local_step)
+        r.snapshot = None
+        self.records.append(record)
+        if self.records_path is not None:
+            with open(self.records_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.verbose:
+            logger.info(f"DecentralizedSGD round: {record}")
+
+    def _apply(self, r: _Round) -> bool:
+        """Apply the averaged buffers: w <- w + averaged - snapshot (or overwrite without delta_rule)."""
+        with torch.no_grad(), self.averager.get_tensors() as buffers:
+            if not self._all_finite(buffers):
+                return False
+            for t, avg, snap in zip(self._local_tensors(), buffers, r.snapshot, strict=True):
+                if self.delta_rule:
+                    t.add_((avg - snap).to(t.device, t.dtype))
+                else:
+                    t.copy_(avg)
+        return True
+
+    @staticmethod
+    def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    def _wait_for_round(self) -> None:
+        """SSP: block until a round is applied, at most staleness_timeout seconds."""
+        t0 = time.monotonic()
+        self.counters["ssp_waits"] += 1
+        while self.local_step - self._last_sync_step > self.max_staleness and not self._closed:
+            if time.monotonic() - t0 > self.staleness_timeout:
+                logger.warning(
+                    f"SSP: no round applied for {self.local_step - self._last_sync_step} steps and "
+                    f"{self.staleness_timeout}s, continuing without averaging"
+                )
+                self.counters["ssp_timeouts"] += 1
+                self._last_sync_step = self.local_step
+                break
+            time.sleep(0.01)
+            with self.lock:
+                self._poll()
+        self.counters["ssp_wait_s"] += time.monotonic() - t0
+
+    # --- timestamps for records (trainer thread and watcher thread; shared-memory reads only) ---
+    def _observe(self, r: _Round) -> None:
+        with self._observe_lock:
+            stage = r.control.stage
+            if r.t_group_formed is None and (stage in _FORMED or r.control.began_allreduce):
+                r.t_group_formed, r.step_at_group_formed = time.time(), self.local_step
+                # stage was read before prev.done(): if prev still runs, this group formed during its AllReduce
+                r.formed_during_prev_allreduce = r.prev_control is not None and not r.prev_control.done()
+            if r.t_allreduce_start is None and r.control.began_allreduce:
+                r.t_allreduce_start = time.time()
+            if r.t_end is None and r.control.done():
+                r.t_end = time.time()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            for r in self._watched:
+                self._observe(r)
+
+    def _base_record(self, r: _Round) -> dict:
+        """One JSON-able dict per resolved round; t_applied/step_at_apply: when the trainer processed the result."""
+
+        def span(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+
+        return dict(
+            round=r.index, group_size=None, group=None, applied=False, error=None, weight=r.weight,
+            matchmaking_s=span(r.t_start, r.t_group_formed), awaiting_trigger_s=span(r.t_group_formed, r.t_triggered),
+            allreduce_s=span(r.t_allreduce_start, r.t_end), t_start=r.t_start, t_group_formed=r.t_group_formed,
+            t_triggered=r.t_triggered, t_allreduce_start=r.t_allreduce_start, t_end=r.t_end, t_applied=time.time(),
+            step_at_start=r.step_at_start, step_at_group_formed=r.step_at_group_formed,
+            step_at_snapshot=r.step_at_snapshot, step_at_apply=self.local_step,
+            staleness_steps=None if r.step_at_snapshot is None else self.local_step - r.step_at_snapshot,
+            formed_during_prev_allreduce=r.formed_during_prev_allreduce, peer=str(self.peer_id),
+        )  # fmt: skip
+
+    def last_record(self) -> dict | None:
+        return self.records[-1] if self.records else None
+
+    # --- local tensors and state sharing ---
+    def _local_tensors(self) -> list[torch.Tensor]:
+        """Current references (optimizer.load_state_dict may replace state tensors) in the averager's order."""
+        buffers = dict(self.model.named_buffers()) if self._buffer_names else {}
+        return (
+            self._params
+            + [buffers[name] for name in self._buffer_names]
+            + [self.optimizer.state[self._params[i]][key] for i, key in self._opt_keys]
+        )
+
+    def _init_optimizer_state(self) -> None:
+        """Create lazily-initialized optimizer state (e.g. momentum) with a zero-gradient step; params are kept."""
+        with torch.no_grad():
+            backup = [p.detach().clone() for p in self._params]
+            initialize_optimizer_state_(self.optimizer)
+            for p, saved in zip(self._params, backup, strict=True):
+                p.copy_(saved)
+
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor], None]:
+        """Runs in hivemind's background thread when a peer downloads our state; copies under the trainer lock."""
+        with self.lock, torch.no_grad():
+            params = [p.detach().to("cpu", copy=True) for p in self._params]
+            buffers = [b.detach().to("cpu", copy=True) for b in (self.model.buffers() if self.model else ())]
+            opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
+            opt_tensors = [t.clone() for t in opt_tensors]
+            metadata = dict(
+                local_step=self.local_step, samples=self.samples, num_params=len(params), num_buffers=len(buffers),
+                optimizer=opt_metadata, extra_state=self.get_extra_state() if self.get_extra_state else {},
+            )  # fmt: skip
+        return metadata, params + buffers + opt_tensors, None
+
+    def load_state_from_peers(self, timeout: float | None = None) -> dict | None:
+        """Download params/buffers/optimizer state/progress from a peer.
+
+        Returns the donor's extra-state dict (its training progress, see get_extra_state) or None if nobody answered.
+        The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
+        """
+        timeout = self.allreduce_timeout if timeout is None else timeout
+        try:
+            loaded = self.averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            loaded = None
+        if loaded is None:
+            logger.info("load_state_from_peers: no peer could share its state")
+            return None
+        metadata, tensors = loaded
+        num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]
+        local_buffers = list(self.model.buffers()) if self.model is not None else []
+        params, buffers = tensors[:num_params], tensors[num_params : num_params + num_buffers]
+        if [p.shape for p in params] != [p.shape for p in self._params] or (
+            [b.shape for b in buffers] != [b.shape for b in local_buffers]
+        ):
+            logger.warning("load_state_from_peers: the peer's model does not match ours, ignoring its state")
+            return None
+        with self.lock, torch.no_grad():
+            opt_metadata, opt_tensors = metadata["optimizer"], tensors[num_params + num_buffers :]
+            if not any(self.optimizer.state.values()):
+                self._init_optimizer_state()  # the peer's momentum etc. needs a place to go
+            if len(opt_metadata) == len(list(nested_flatten(self.optimizer.state_dict()))):
+                load_optimizer_state(self.optimizer, opt_metadata, opt_tensors)
+            else:
+                logger.warning("load_state_from_peers: optimizer state layout differs, keeping local optimizer state")
+            for local, loaded_tensor in zip(self._params + local_buffers, params + buffers, strict=True):
+                local.copy_(loaded_tensor)
+            self.local_step = self._last_sync_step = int(metadata["local_step"])
+            self.samples = int(metadata["samples"])
+            for r in self._rounds:
+                r.stale = r.stale or r.snapshot is not None  # their delta was computed against the old params
+        return metadata.get("extra_state") or {}
+
+    # --- lifecycle ---
+    def shutdown(self) -> None:
+        """Cancel pending rounds and stop the averager; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self.lock:
+            for r in self._rounds:
+                if not r.control.done():
+                    r.control.cancel()
+            self._rounds.clear()
+            self._watched = ()
+        if self._watcher.is_alive():
+            self._watcher.join()
+        if self.averager.is_alive():
+            self.averager.shutdown()
+        self.averager.state_fn = lambda: (None, [], None)  # drop the reference cycle to self
+
+    def __enter__(self) -> DecentralizedSGD:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

@@ -1,0 +1,129 @@
+"""VISSL task whose optimizer averages with a hivemind swarm: select it with
+``config.TRAINER.TASK_NAME=decentralized_self_supervision_task``.
+
+VISSL builds the model, the optimizer (LARC, param schedulers), the loss and the data exactly as for
+``self_supervision_task``; this task then wraps the optimizer in :class:`DecentralizedSGD` and, for a peer that
+joins a running swarm without a checkpoint of its own, takes over the swarm's parameters and training progress
+as if it resumed from a checkpoint. The hooks in ``hooks/`` drive the averager during training.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from classy_vision.tasks import register_task
+from vissl.trainer.train_task import SelfSupervisionTask
+from vissl.utils.env import get_machine_local_and_dist_rank
+
+import swarm
+from decentralized_sgd import DecentralizedSGD
+
+TASK_NAME = "decentralized_self_supervision_task"
+ROUNDS_FILE = "averaging_rounds.jsonl"
+
+
+
+@register_task(TASK_NAME)
+class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
+    """SelfSupervisionTask + DecentralizedSGD on local rank 0 (the box's one peer in the swarm)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.swarm_settings = swarm.SwarmSettings.from_config(config.get("SWARM", {}))
+        self.dht = None
+        self.decentralized_sgd: DecentralizedSGD | None = None
+        self.joined_from_swarm = False
+
+    @property
+    def joins_swarm(self) -> bool:
+        """Only local rank 0 of a box talks to the swarm; its other GPUs follow through VISSL's DDP."""
+        local_rank, _ = get_machine_local_and_dist_rank()
+        return local_rank == 0
+
+    def prepare(self, pin_memory: bool = False) -> SelfSupervisionTask:
+        super().prepare(pin_memory=pin_memory)
+        if self.joins_swarm:
+            self._start_averaging()
+        progress = None
+        timeout = self.swarm_settings.load_state_timeout
+        if self.checkpoint is None and self.decentralized_sgd is not None and timeout > 0:
+            progress = self.decentralized_sgd.load_state_from_peers(timeout=timeout)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [progress]
+            dist.broadcast_object_list(shared, src=0)  # DDP's construction broadcasts rank 0's weights
+            progress = shared[0]
+        if progress:
+            self._continue_from(progress)
+        return self
+
+    def _start_averaging(self) -> None:
+        settings = self.swarm_settings
+        self.dht = swarm.take_shared_dht() or swarm.start_dht(settings)
+        records_path = Path(self.checkpoint_folder or ".") / ROUNDS_FILE
+        with swarm.keep_ctrl_c():
+            self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
+        logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
+        print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
+
+    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> DecentralizedSGD:
+        wrapper = DecentralizedSGD
+        if settings.averager == "old":
+            from baseline_averaging import OldDesignAverager as wrapper
+        return wrapper(
+            self._torch_optimizer(),
+            self.dht,
+            prefix=f"{settings.run_id}_{settings.config_name or 'swav'}".replace(".", "_"),
+            model=self.base_model,
+            target_group_size=settings.target_group_size,
+            min_matchmaking_time=settings.min_matchmaking_time,
+            request_timeout=settings.request_timeout,
+            allreduce_timeout=settings.averaging_timeout,
+            next_chunk_timeout=settings.next_chunk_timeout,
+            max_staleness=settings.max_staleness if settings.max_staleness >= 0 else None,
+            average_optimizer_state=settings.average_optimizer_state,
+            compression=settings.compression,
+            records_path=str(records_path),
+            client_mode=settings.client_mode,
+            get_extra_state=self.training_progress,
+        )
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """VISSL's ClassyOptimizer holds a torch optimizer, possibly inside LARC: average what it updates."""
+        optimizer = self.optimizer.optimizer
+        return getattr(optimizer, "optim", optimizer)
+
+    def training_progress(self) -> dict:
+        """Where this peer is, in the shape of a VISSL mid-phase checkpoint (served to late joiners)."""
+        in_train_phase = bool(self.train)
+        return {
+            "phase_idx": int(self.phase_idx) - 1,
+            "train_phase_idx": int(self.train_phase_idx) - (1 if in_train_phase else 0),
+            "iteration": int(self.iteration),
+            "iteration_num": int(self.local_iteration_num),
+            "num_updates": int(self.num_updates),
+        }
+
+    def _continue_from(self, progress: dict) -> None:
+        """Take over the swarm's progress: VISSL's trainer then resumes as from an iteration checkpoint, so the
+        LR schedule, prototype freezing and the data sampler continue where the swarm is, not from warm-up."""
+        if progress.get("iteration", 0) <= 0:
+            return
+        self.checkpoint = {key: progress[key] for key in ("phase_idx", "train_phase_idx", "iteration", "iteration_num")}
+        self.iteration = progress["iteration"]
+        self.local_iteration_num = progress["iteration_num"]
+        self.phase_idx = progress["phase_idx"]
+        self.train_phase_idx = progress["train_phase_idx"]
+        self.num_updates = progress["num_updates"]
+        self.joined_from_swarm = True
+        logging.info(f"Joined the swarm at iteration {self.iteration} (phase {self.phase_idx + 1})")
+
+    def shutdown_averaging(self) -> None:
+        """Stop averaging and leave the swarm; idempotent (called on end, on exception and at exit)."""
+        if self.decentralized_sgd is not None:
+            self.decentralized_sgd.shutdown()
+        if self.dht is not None and self.dht is not swarm.take_shared_dht():
+            self.dht.shutdown()
+        self.decentralized_sgd = None

@@ -1,0 +1,35 @@
+"""VISSL hooks that drive the averager, one job each, named after the event they act on.
+
+``swarm_hook_generator`` adds them to VISSL's default hooks (it does not replace any); ``run_trainer.py``
+hands it to VISSL's ``launch_distributed``.
+"""
+
+from __future__ import annotations
+
+import vissl_compat
+
+vissl_compat.apply()
+
+from classy_vision.hooks import ClassyHook  # noqa: E402
+from vissl.hooks import default_hook_generator  # noqa: E402
+
+import decentralized_task  # noqa: E402,F401  (registers the task with classy_vision's registry)
+from hooks.average_on_update_hook import AverageOnUpdateHook  # noqa: E402
+from hooks.hold_params_during_update_hook import HoldParamsDuringUpdateHook  # noqa: E402
+from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
+from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
+
+__all__ = ["AverageOnUpdateHook", "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
+           "swarm_hook_generator"]
+
+
+def swarm_hook_generator(cfg) -> list[ClassyHook]:
+    """VISSL's default hooks plus ours; the swarm hooks do nothing for a task that does not average."""
+    log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
+    return [
+        *default_hook_generator(cfg),
+        HoldParamsDuringUpdateHook(),
+        AverageOnUpdateHook(),
+        LogProgressOnStepHook(log_every=log_every),
+        LeaveSwarmOnEndHook(),
+    ]

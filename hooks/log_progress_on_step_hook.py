@@ -1,0 +1,100 @@
+"""Every N steps, one line per peer with what users look at: progress, speed and the last averaging round."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from classy_vision.hooks import ClassyHook
+
+PROGRESS_FILE = "progress.jsonl"
+
+
+def world_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class LogProgressOnStepHook(ClassyHook):
+    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds) and rounds ok/failed,
+    and appends the same as a JSON line to CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it live).
+
+    On a box with several GPUs, every local rank also records a checksum of its parameters
+    (``progress_rank<r>.jsonl`` for ranks > 0), which shows that the replicas stay identical.
+    """
+
+    on_phase_start = ClassyHook._noop
+    on_forward = ClassyHook._noop
+    on_loss_and_meter = ClassyHook._noop
+    on_backward = ClassyHook._noop
+    on_update = ClassyHook._noop
+    on_phase_end = ClassyHook._noop
+
+    def __init__(self, log_every: int = 10) -> None:
+        super().__init__()
+        self.log_every = max(1, log_every)
+        self._last_time = self._last_iteration = None
+        self._file = None
+
+    def on_start(self, task) -> None:
+        self._last_time, self._last_iteration = time.monotonic(), task.iteration
+        rank, _ = world_rank_and_size()
+        if task.checkpoint_folder:
+            name = PROGRESS_FILE if rank == 0 else f"progress_rank{rank}.jsonl"
+            self._file = open(Path(task.checkpoint_folder) / name, "a")  # noqa: SIM115 (open for the whole run)
+
+    def on_step(self, task) -> None:
+        if not task.train or task.iteration % self.log_every != 0:
+            return
+        rank, world_size = world_rank_and_size()
+        entry = {"time": time.time(), "step": task.iteration}
+        if world_size > 1:
+            with torch.no_grad():
+                entry["param_checksum"] = float(sum(p.double().sum() for p in task.base_model.parameters()))
+        if rank == 0:
+            entry.update(self._progress_fields(task))
+            logging.info(self._line(entry))
+        if self._file is not None:
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
+
+    def _progress_fields(self, task) -> dict:
+        now = time.monotonic()
+        steps = task.iteration - self._last_iteration
+        samples_per_s = steps * task.get_global_batchsize() / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_iteration = now, task.iteration
+        fields = {"loss": float(task.last_batch.loss.item()), "samples_per_s": round(samples_per_s, 2),
+                  "lr": float(task.optimizer.options_view.lr)}
+        optimizer = getattr(task, "decentralized_sgd", None)
+        if optimizer is not None:
+            last = next((record for record in reversed(optimizer.records) if record.get("applied")), None) or {}
+            fields.update({
+                "peer_id": str(optimizer.peer_id),
+                "rounds_ok": int(optimizer.counters["rounds_applied"]),
+                "rounds_failed": int(optimizer.counters["rounds_failed"]),
+                "group_size": last.get("group_size"),
+                "staleness_steps": last.get("staleness_steps"),
+                "round_s": round(last["t_end"] - last["t_start"], 2) if last else None,
+            })  # fmt: skip
+        return fields
+
+    @staticmethod
+    def _line(entry: dict) -> str:
+        line = (f"step {entry['step']} | loss {entry['loss']:.4f} | {entry['samples_per_s']:.1f} samples/s | "
+                f"lr {entry['lr']:.5f}")
+        if "rounds_ok" in entry:
+            line += (f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
+                     f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']}")
+        return line
+
+    def on_end(self, task) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    on_exception = on_end

@@ -1,0 +1,148 @@
+"""Peers on this machine, each a real ``run_trainer.py`` process on 127.0.0.1: used by the demo, the tests and
+the benchmarks, so that all of them exercise exactly what a user runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The lines written so far; a line being written right now is skipped."""
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return entries
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:
+    """Poll ``condition`` until it returns something truthy; TimeoutError naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
+
+
+@dataclass
+class LocalPeer:
+    """One ``run_trainer.py`` process with its own checkpoint folder (progress, rounds and checkpoints in it)."""
+
+    name: str
+    out_dir: Path
+    config: str = "swav_tiny"
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / self.name
+
+    @property
+    def log_path(self) -> Path:
+        return self.out_dir / f"{self.name}.log"
+
+    def start(self, data_path: Path, initial_peers: list[str], flags: list[str], overrides: list[str]) -> None:
+        """Start (or restart) the trainer; its output goes to ``<out_dir>/<name>.log``."""
+        assert self.process is None or self.process.poll() is not None, f"{self.name} is still running"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, str(REPO / "run_trainer.py"), "--config", self.config, "--data_path",
+                   str(data_path), "--checkpoint_dir", str(self.checkpoint_dir), "--host_maddrs", LOOPBACK, *flags]
+        if initial_peers:
+            command += ["--initial_peers", *initial_peers]
+        command += overrides
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **self.env)
+        env["PYTHONPATH"] = str(REPO)
+        mode = "a" if self.process is not None else "w"
+        with open(self.log_path, mode) as log:
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self.started_at = time.time()
+        self.restarts += mode == "a"
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def join_addresses(self, timeout: float = 240.0) -> list[str]:
+        """The multiaddrs of the join line this peer printed."""
+
+        def addresses() -> list[str] | None:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.process.returncode}; see {self.log_path}")
+            for line in self.log_text().splitlines():
+                if "run_trainer.py" in line and "--initial_peers" in line:
+                    return line.split("--initial_peers", 1)[1].split()
+            return None
+
+        return wait_until(addresses, timeout, f"the join line of {self.name}")
+
+    def progress(self) -> list[dict]:
+        return read_jsonl(self.checkpoint_dir / "progress.jsonl")
+
+    def rounds(self) -> list[dict]:
+        return read_jsonl(self.checkpoint_dir / "averaging_rounds.jsonl")
+
+    def applied_rounds(self, since: float = 0.0) -> list[dict]:
+        return [r for r in self.rounds() if r.get("applied") and (r.get("t_end") or 0) >= since]
+
+    def last_step(self) -> int:
+        progress = self.progress()
+        return progress[-1]["step"] if progress else 0
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or a power cut would."""
+        if self.is_running():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ctrl-C (the peer leaves the swarm cleanly), then SIGKILL if it does not exit in time."""
+        if not self.is_running():
+            return
+        os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_swarm(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
+                per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None) -> list[str]:
+    """Start the first peer, read its join line, start the others with it; return the join addresses."""
+    extra = per_peer_overrides or (lambda peer: [])
+    peers[0].start(data_path, [], flags, overrides + extra(peers[0]))
+    addresses = peers[0].join_addresses()
+    for peer in peers[1:]:
+        peer.start(data_path, addresses, flags, overrides + extra(peer))
+    return addresses
+
+
+def stop_all(peers: list[LocalPeer]) -> None:
+    for peer in peers:
+        if peer.is_running():
+            os.killpg(peer.process.pid, signal.SIGINT)
+    for peer in peers:
+        peer.stop()

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""kNN top-1 accuracy of a trained trunk: how well frozen SwAV features separate the classes of a labelled set.
+
+    python run_eval.py --checkpoint checkpoints/peer0 --data_path data/digits
+    python run_eval.py --random_init --data_path data/digits          # the baseline: an untrained trunk
+
+Features are the trunk's own final output (global-pooled by its avgpool + flatten) on DATA_PATH/train and
+DATA_PATH/val, resized to the config's first crop size and normalized like the training data. Each val image
+votes among its k most cosine-similar train images, each vote weighted exp(similarity / T), T = VISSL's
+``NEAREST_NEIGHBOR.SIGMA`` (0.1): the rule of VISSL's nearest_neighbor benchmark and of DINO's kNN.
+
+Why not VISSL's own benchmark engine: the vissl 0.1.6 wheel ships neither the benchmark configs
+(configs/config/benchmark/nearest_neighbor) nor the kNN (tools/nearest_neighbor_test.py), both only in its source
+repository, and its extract_features engine runs through launch_distributed (a torch.distributed process group,
+per-rank feature files on disk), heavy for a function a benchmark calls in a loop. So VISSL composes the config
+and builds the model, the checkpoint is VISSL's own format, and the ~15-line kNN vote is written here in torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from config_loading import ConfigError, available_configs, config_path
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"}
+SPLITS = ("train", "val")
+
+
+class EvalError(ValueError):
+    """A missing or unusable checkpoint or dataset; the message names the file or folder."""
+
+
+@dataclass
+class KnnResult:
+    top1: float
+    k: int
+    temperature: float
+    num_train: int
+    num_val: int
+    feature_dim: int
+    checkpoint: str | None
+    config: str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path,
+                        help="a VISSL checkpoint file, or a peer's checkpoint folder (its checkpoint.torch, else "
+                             "its newest model_*.torch)")
+    source.add_argument("--random_init", action="store_true",
+                        help="evaluate the untrained trunk (seeded with the config's SEED_VALUE): the baseline")
+    parser.add_argument("--data_path", type=Path, required=True,
+                        help="labelled ImageFolder dataset: DATA_PATH/train/<class>/<image> and DATA_PATH/val/...")
+    parser.add_argument("--config", default="swav_tiny",
+                        help=f"the config the trunk was trained with (available: {', '.join(available_configs())})")
+    parser.add_argument("--k", type=int, default=20, help="number of neighbours that vote")
+    parser.add_argument("--batch_size", type=int, default=256, help="images per forward pass of the trunk")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here as JSON")
+    return parser
+
+
+def check_data_path(data_path: Path) -> list[str]:
+    """Both splits must be ImageFolders with the same classes; return the class names."""
+    classes = {}
+    for split in SPLITS:
+        folder = data_path / split
+        if not folder.is_dir():
+            raise EvalError(f"--data_path {data_path}: no folder {folder}; expected {data_path}/{split}/<class>/"
+                            f"<image> (`python scripts/export_digits.py --out {data_path}` makes a small one)")
+        names = sorted(path.name for path in folder.iterdir() if path.is_dir() and has_images(path))
+        if not names:
+            raise EvalError(f"--data_path {data_path}: {folder} has no class folders with images")
+        classes[split] = names
+    if classes["train"] != classes["val"]:
+        raise EvalError(f"--data_path {data_path}: train and val have different classes "
+                        f"({classes['train']} vs {classes['val']})")
+    return classes["train"]
+
+
+def has_images(folder: Path) -> bool:
+    return any(path.suffix.lower() in IMAGE_SUFFIXES for path in folder.iterdir())
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A file as given; a folder: VISSL's checkpoint.torch link to its newest, else the final or newest one."""
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise EvalError(f"--checkpoint {path}: no such file or folder")
+    if (path / "checkpoint.torch").is_file():
+        return (path / "checkpoint.torch").resolve()
+    finals = sorted(path.glob("model_final_checkpoint_phase*.torch"), key=_number)
+    for pattern in ("model_iteration*.torch", "model_phase*.torch"):
+        finals = finals or sorted(path.glob(pattern), key=_number)
+    if not finals:
+        raise EvalError(f"--checkpoint {path}: the folder holds no VISSL checkpoint (checkpoint.torch or "
+                        "model_*.torch)")
+    return finals[-1]
+
+
+def _number(path: Path) -> int:
+    found = re.findall(r"\d+", path.stem)
+    return int(found[-1]) if found else -1
+
+
+def load_trunk_state(path: Path) -> dict[str, Any]:
+    """The trunk's state dict from a VISSL checkpoint; weights_only: a checkpoint needs no code to unpickle."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated file, not a torch file, foreign pickle: all mean "not usable"
+        first_sentence = str(error).split(". ")[0].splitlines()[0] if str(error).strip() else ""
+        reason = f"{type(error).__name__}: {first_sentence}" if first_sentence else type(error).__name__
+        raise EvalError(f"--checkpoint {path}: cannot be read as a torch checkpoint, corrupt or not one ({reason})"
+                        ) from error
+    try:
+        return checkpoint["classy_state_dict"]["base_model"]["model"]["trunk"]
+    except (KeyError, TypeError) as error:
+        raise EvalError(f"--checkpoint {path}: not a VISSL checkpoint (no classy_state_dict/base_model/model/trunk)"
+                        ) from error
+
+
+def eval_transform(config: Any) -> Any:
+    """Resize + center crop to the config's (first) training crop size, normalized like the training data."""
+    from torchvision import transforms
+
+    size, mean, std = 224, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    for step in config.DATA.TRAIN.TRANSFORMS:
+        if step["name"] == "ImgPilToMultiCrop":
+            size = int(step["size_crops"][0])
+        elif step["name"] in ("RandomResizedCrop", "CenterCrop") and "size" in step:
+            size = int(step["size"])
+        elif step["name"] == "Normalize":
+            mean, std = list(step["mean"]), list(step["std"])
+    return transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
+                               transforms.Normalize(mean, std)])
+
+
+def build_trunk(config_name: str, trunk_state: dict[str, Any] | None, source: Path | None) -> tuple[Any, Any]:
+    """The config's trunk in eval mode, with the checkpoint's weights or its seeded random init."""
+    import torch
+
+    import vissl_compat
+
+    vissl_compat.apply()
+    from vissl.models import build_model
+
+    from config_loading import compose_config
+
+    config, _ = compose_config(config_name, [], has_gpu=False)
+    torch.manual_seed(config.SEED_VALUE)
+    trunk = build_model(config.MODEL, config.OPTIMIZER).trunk
+    if trunk_state is not None:
+        try:
+            trunk.load_state_dict(trunk_state)
+        except RuntimeError as error:
+            first_line = str(error).splitlines()[0]
+            raise EvalError(f"--checkpoint {source}: its trunk does not fit config {config_name!r} "
+                            f"({first_line}); pass the --config it was trained with") from error
+    return trunk.eval(), config
+
+
+def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int) -> tuple[Any, Any]:
+    """L2-normalized trunk features and labels of one ImageFolder split."""
+    import torch
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder(str(folder), transform=transform)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
+    features, labels = [], []
+    with torch.no_grad():
+        for images, targets in loader:
+            features.append(torch.nn.functional.normalize(trunk(images)[0].flatten(1).float(), dim=1))
+            labels.append(targets)
+    return torch.cat(features), torch.cat(labels)
+
+
+def knn_top1(train_features: Any, train_labels: Any, val_features: Any, val_labels: Any, k: int,
+             temperature: float) -> float:
+    """Share of val images whose weighted vote among their k nearest train images picks the right class."""
+    import torch
+
+    num_classes = int(max(train_labels.max(), val_labels.max())) + 1
+    k = min(k, len(train_labels))
+    similarity, neighbours = (val_features @ train_features.T).topk(k, dim=1)
+    votes = torch.zeros(len(val_labels), num_classes)
+    votes.scatter_add_(1, train_labels[neighbours], (similarity / temperature).exp())
+    return float((votes.argmax(dim=1) == val_labels).float().mean())
+
+
+def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20,
+             batch_size: int = 256) -> KnnResult:
+    if k < 1:
+        raise EvalError(f"--k must be at least 1, got {k}")
+    try:
+        config_path(config)
+    except ConfigError as error:
+        raise EvalError(str(error)) from error
+    check_data_path(data_path)
+    resolved = resolve_checkpoint(checkpoint) if checkpoint is not None else None
+    trunk_state = load_trunk_state(resolved) if resolved is not None else None  # before VISSL: fail fast
+    trunk, vissl_config = build_trunk(config, trunk_state, resolved)
+    transform = eval_transform(vissl_config)
+    train = extract_features(trunk, data_path / "train", transform, batch_size)
+    val = extract_features(trunk, data_path / "val", transform, batch_size)
+    temperature = float(vissl_config.NEAREST_NEIGHBOR.SIGMA)
+    return KnnResult(top1=knn_top1(*train, *val, k=k, temperature=temperature), k=min(k, len(train[1])),
+                     temperature=temperature, num_train=len(train[1]), num_val=len(val[1]),
+                     feature_dim=int(train[0].shape[1]), checkpoint=str(resolved) if resolved else None,
+                     config=config)
+
+
+def knn_accuracy(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20) -> float:
+    """kNN top-1 accuracy in [0, 1] on DATA_PATH/val; ``checkpoint=None``: the random-init trunk."""
+    return evaluate(checkpoint, data_path, config, k).top1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = evaluate(None if args.random_init else args.checkpoint, args.data_path, args.config, args.k,
+                          args.batch_size)
+    except EvalError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    trunk = result.checkpoint or f"random init (seed of {result.config})"
+    print(f"kNN top-1 on {args.data_path / 'val'}: {result.top1:.4f} (k={result.k}, T={result.temperature}, "
+          f"{result.num_val} val / {result.num_train} train images, {result.feature_dim}-dim features; "
+          f"trunk: {trunk})")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

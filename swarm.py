@@ -1,0 +1,141 @@
+"""Joining the swarm: the DHT a peer runs, checked early, and the join line other peers copy.
+
+hivemind only (no VISSL), so that run_trainer.py can fail fast on bad swarm flags before VISSL starts, and
+the VISSL task can reuse the DHT that run_trainer.py already started in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
+
+
+class SwarmError(ValueError):
+    """Bad swarm flags or an unreachable swarm; the message says what to do."""
+
+
+@dataclass
+class SwarmSettings:
+    """Everything a peer needs to join; stored in the VISSL config (``config.SWARM``) so spawned workers see it."""
+
+    run_id: str = "swav"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str = ""
+    client_mode: bool = False
+    use_auto_relay: bool = False
+    use_relay: bool = True
+    target_group_size: int = 4
+    min_matchmaking_time: float = 5.0
+    request_timeout: float = 3.0
+    averaging_timeout: float = 60.0
+    next_chunk_timeout: float = 10.0
+    max_staleness: int = -1  # -1: asynchronous (ASP); s >= 0: wait when more than s steps pass without a round
+    compression: str = "fp16"
+    average_optimizer_state: bool = False
+    load_state_timeout: float = 60.0
+    averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
+    config_name: str = ""
+
+    @classmethod
+    def from_config(cls, section: Any) -> SwarmSettings:
+        known = {name: section[name] for name in cls.__dataclass_fields__ if name in section}
+        return cls(**known)
+
+    def to_config(self) -> dict:
+        return asdict(self)
+
+
+def check_multiaddrs(flag: str, addresses: list[str]) -> None:
+    """Parse each multiaddr now: a typo should fail in a second, not after VISSL has built the model."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for address in addresses:
+        try:
+            Multiaddr(address)
+        except Exception as error:  # multiaddr raises several unrelated exception types
+            raise SwarmError(
+                f"{flag}: {address!r} is not a multiaddr ({error}). A multiaddr looks like "
+                "/ip4/203.0.113.5/tcp/31337/p2p/QmPeerID (copy the line the first peer printed)"
+            ) from error
+    if flag == "--initial_peers":
+        for address in addresses:
+            if "/p2p/" not in address:
+                raise SwarmError(
+                    f"--initial_peers: {address!r} has no /p2p/<peer id> part; copy the whole multiaddr that "
+                    "the first peer printed in its join line"
+                )
+
+
+def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
+    """Start this peer's DHT; unreachable initial peers give a SwarmError within about startup_timeout."""
+    import hivemind
+    from hivemind.p2p import P2PDaemonError
+
+    check_multiaddrs("--initial_peers", settings.initial_peers)
+    check_multiaddrs("--host_maddrs", settings.host_maddrs)
+    check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
+    try:
+        return hivemind.DHT(
+            start=True,
+            initial_peers=settings.initial_peers or None,
+            host_maddrs=settings.host_maddrs,
+            announce_maddrs=settings.announce_maddrs or None,
+            identity_path=settings.identity_path or None,
+            client_mode=settings.client_mode,
+            use_auto_relay=settings.use_auto_relay,
+            use_relay=settings.use_relay,
+            startup_timeout=startup_timeout,
+        )
+    except (P2PDaemonError, hivemind.p2p.P2PHandlerError, OSError, RuntimeError, TimeoutError) as error:
+        hint = (
+            "check that the first peer is running and that its address and port are reachable from here "
+            "(open the port, or use --client_mode / --use_auto_relay behind NAT)"
+            if settings.initial_peers
+            else "check --host_maddrs and --identity_path"
+        )
+        raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
+
+
+def visible_maddrs(dht: Any) -> list[str]:
+    """This peer's multiaddrs other peers can dial: loopback ones only when nothing else is visible."""
+    addresses = [str(address) for address in dht.get_visible_maddrs()]
+    public = [address for address in addresses if "/ip4/127." not in address and "/ip6/::1/" not in address]
+    return public or addresses
+
+
+def join_command(dht: Any, settings: SwarmSettings) -> str:
+    """The exact command another box runs to join this peer's swarm."""
+    peers = " ".join(visible_maddrs(dht))
+    return (f"python run_trainer.py --config {settings.config_name or '<config>'} --run_id {settings.run_id} "
+            f"--data_path <your ImageFolder dataset> --initial_peers {peers}")
+
+
+def use_shared_dht(dht: Any) -> None:
+    global _shared_dht
+    _shared_dht = dht
+
+
+def take_shared_dht() -> Any:
+    """The DHT run_trainer.py started in this process, or None in a spawned worker."""
+    return _shared_dht
+
+
+@contextlib.contextmanager
+def keep_ctrl_c() -> Iterator[None]:
+    """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so
+    that its child inherits it): afterwards Ctrl-C no longer stops the trainer. Restore the handler we had."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,437 @@
+"""DecentralizedSGD against real hivemind peers on 127.0.0.1 (threads in this process, plus one subprocess peer).
+
+Rounds are made fast with min_matchmaking_time=1s; every wait polls with a deadline, no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression
+
+from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=2.0, allreduce_timeout=15.0)
+RECORD_FIELDS = {
+    "round", "group_size", "matchmaking_s", "awaiting_trigger_s", "allreduce_s", "staleness_steps", "applied",
+    "error", "t_start", "t_end", "step_at_snapshot", "step_at_apply", "t_group_formed", "t_triggered",
+    "t_allreduce_start",
+}  # fmt: skip
+
+
+def make_model(value: float | None = None, width: int = 3) -> torch.nn.Sequential:
+    """Linear + BatchNorm, optionally with every parameter and float buffer set to `value`."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width))
+    if value is not None:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.fill_(value)
+    return model
+
+
+def averaged_tensors(peer: DecentralizedSGD) -> list[torch.Tensor]:
+    return [*peer.model.parameters(), peer.model[1].running_mean, peer.model[1].running_var]
+
+
+def all_equal_to(peers: list[DecentralizedSGD], value: float, atol: float = 1e-5) -> bool:
+    return all(torch.allclose(t, torch.full_like(t, value), atol=atol) for p in peers for t in averaged_tensors(p))
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, describe: Callable[[], object] = lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout}s: {describe()}")
+        time.sleep(0.05)
+
+
+def drive(peer: DecentralizedSGD, until: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Run the trainer loop in this thread (no local updates) until `until()` holds."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, f"timed out driving {peer.peer_id}: {peer.counters}"
+        peer.on_step_end()
+        time.sleep(0.01)
+
+
+class Trainer(threading.Thread):
+    """A training loop in a thread: `step()` every `period` seconds until stopped or `until()` holds."""
+
+    def __init__(self, step: Callable[[], None], period: float = 0.01, until: Callable[[], bool] | None = None):
+        super().__init__(daemon=True)
+        self.step, self.period, self.until = step, period, until
+        self.stopped, self.error = threading.Event(), None
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.is_set() and not (self.until is not None and self.until()):
+                self.step()
+                time.sleep(self.period)
+        except BaseException as e:  # surfaced by Swarm.stop_training
+            self.error = e
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=60)
+
+
+class Swarm:
+    """Creates DHT nodes (all bootstrapped from the first) and peers; tears everything down afterwards."""
+
+    def __init__(self):
+        self.dhts: list[hivemind.DHT] = []
+        self.peers: list[DecentralizedSGD] = []
+        self.trainers: list[Trainer] = []
+
+    def dht(self) -> hivemind.DHT:
+        initial_peers = self.dhts[0].get_visible_maddrs() if self.dhts else None
+        self.dhts.append(hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=initial_peers))
+        return self.dhts[-1]
+
+    def peer(self, model: torch.nn.Module, lr: float = 0.0, momentum: float = 0.0, **kwargs) -> DecentralizedSGD:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        peer = DecentralizedSGD(optimizer, self.dht(), prefix="test", model=model, **{**FAST, **kwargs})
+        self.peers.append(peer)
+        return peer
+
+    def train(self, peer: DecentralizedSGD, update: Callable[[], None] | None = None, **kwargs) -> Trainer:
+        def step() -> None:
+            if update is not None:
+                with torch.no_grad():
+                    update()
+            peer.on_step_end()
+
+        self.trainers.append(Trainer(step, **kwargs))
+        self.trainers[-1].start()
+        return self.trainers[-1]
+
+    def stop_training(self) -> None:
+        for trainer in self.trainers:
+            trainer.stop()
+        errors = [t.error for t in self.trainers if t.error is not None]
+        assert not errors, f"a trainer thread failed: {errors!r}"
+
+    def close(self) -> None:
+        for trainer in self.trainers:
+            trainer.stop()
+        for peer in self.peers:
+            peer.shutdown()
+        for dht in reversed(self.dhts):
+            dht.shutdown()
+
+
+@pytest.fixture
+def swarm():
+    swarm = Swarm()
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.mark.timeout(30)
+def test_compression_names_and_schema_fingerprint():
+    assert isinstance(make_compression("none"), NoCompression)
+    assert isinstance(make_compression("fp16"), Float16Compression)
+    assert isinstance(make_compression("uint8"), SizeAdaptiveCompression)
+    with pytest.raises(ValueError):
+        make_compression("int4")
+    same = schema_fingerprint([torch.zeros(3, 4), torch.zeros(3)])
+    assert same == schema_fingerprint([torch.ones(3, 4), torch.ones(3)]) and "." not in same
+    assert same != schema_fingerprint([torch.zeros(4, 3), torch.zeros(3)])
+    assert same != schema_fingerprint([torch.zeros(3, 4, dtype=torch.float16), torch.zeros(3)])
+
+
+@pytest.mark.timeout(150)
+def test_three_peers_converge_to_the_mean(swarm, tmp_path):
+    peers = []
+    for i, value in enumerate([0.0, 3.0, 6.0]):
+        model = make_model(value)
+        model[1].num_batches_tracked.fill_(i)
+        peer = swarm.peer(model, momentum=0.9, average_optimizer_state=True, records_path=str(tmp_path / f"{i}.jsonl"))
+        for param in model.parameters():
+            peer.state[param]["momentum_buffer"].fill_(value)
+        peers.append(peer)
+    for peer in peers:
+        swarm.train(peer)
+
+    def momentum_is_mean() -> bool:
+        return all(torch.allclose(s["momentum_buffer"], torch.full_like(s["momentum_buffer"], 3.0), atol=1e-5)
+                   for p in peers for s in p.state.values())  # fmt: skip
+
+    wait_until(lambda: all_equal_to(peers, 3.0) and momentum_is_mean(), 120, lambda: [p.counters for p in peers])
+    swarm.stop_training()
+
+    for i, peer in enumerate(peers):
+        assert peer.model[1].num_batches_tracked.item() == i  # integer buffers are not averaged
+        applied = [r for r in peer.records if r["applied"]]
+        assert applied and all(r["group_size"] >= 2 and r["error"] is None for r in applied)
+        assert RECORD_FIELDS <= set(peer.last_record())
+        with open(tmp_path / f"{i}.jsonl") as f:
+            assert [json.loads(line) for line in f] == peer.records
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delta_rule", [True, False])
+def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule):
+    filled = threading.Event()
+    a_model, b_model = make_model(0.0), make_model(2.0)
+    a = swarm.peer(a_model, delta_rule=delta_rule, before_allreduce=filled.set)
+    b = swarm.peer(b_model, delta_rule=delta_rule)
+    b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
+
+    drive(a, until=filled.is_set)  # A's first round now holds A's snapshot (all zeros) and is triggered
+    with torch.no_grad():
+        a_model[0].weight.add_(1.0)  # a local step while the AllReduce runs
+    drive(a, until=lambda: bool(a.records))
+    b_trainer.join(timeout=60)
+
+    record = a.records[0]
+    assert record["applied"] and record["group_size"] == 2, record
+    assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, 1.0))  # B only averaged: (0 + 2) / 2
+    assert torch.equal(a_model[0].bias, torch.full_like(a_model[0].bias, 1.0))
+    expected = 2.0 if delta_rule else 1.0  # w + averaged - snapshot = 1 + 1 - 0; overwriting loses the +1
+    assert torch.equal(a_model[0].weight, torch.full_like(a_model[0].weight, expected))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("refresh", [True, False])
+def test_snapshot_is_taken_after_the_group_formed(swarm, refresh):
+    a_model, b_model = make_model(0.0), make_model(0.0)
+    a = swarm.peer(a_model, refresh_before_allreduce=refresh, pipeline=False)
+    b = swarm.peer(b_model, refresh_before_allreduce=refresh, pipeline=False)
+    # A's weight always equals its step counter, so the averaged value reveals which step the snapshot came from
+    swarm.train(a, update=lambda: a_model[0].weight.fill_(float(a.local_step + 1)), until=lambda: bool(a.records))
+    b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
+    wait_until(lambda: bool(a.records) and not b_trainer.is_alive(), 90, lambda: (a.counters, b.counters))
+    swarm.stop_training()
+
+    record = a.records[0]
+    assert record["applied"] and record["group_size"] == 2, record
+    snapshot_step = record["step_at_snapshot"]
+    assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, snapshot_step / 2))  # (S + 0) / 2
+    if refresh:
+        assert record["step_at_start"] < record["step_at_group_formed"] <= snapshot_step
+        assert record["t_group_formed"] <= record["t_triggered"]
+    else:  # the old behaviour: parameters from when matchmaking began
+        assert record["step_at_start"] == snapshot_step < record["step_at_group_formed"]
+
+
+@pytest.mark.timeout(150)
+def test_next_group_forms_while_the_previous_allreduce_runs(swarm, monkeypatch):
+    original = hivemind.DecentralizedAverager._aggregate_with_group
+
+    async def slow_aggregate(self, *args, **kwargs):  # a slow network: each AllReduce outlasts matchmaking
+        await asyncio.sleep(2.5)
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(hivemind.DecentralizedAverager, "_aggregate_with_group", slow_aggregate)  # forks inherit it
+    peers = [swarm.peer(make_model(0.0), next_chunk_timeout=5.0), swarm.peer(make_model(2.0), next_chunk_timeout=5.0)]
+    for peer in peers:
+        swarm.train(peer)
+
+    def overlapped(peer: DecentralizedSGD) -> list[tuple[dict, dict]]:
+        pairs = zip(peer.records, peer.records[1:], strict=False)
+        return [(prev, nxt) for prev, nxt in pairs if nxt["applied"] and nxt["formed_during_prev_allreduce"]]
+
+    wait_until(lambda: all(overlapped(p) for p in peers), 120, lambda: [p.records for p in peers])
+    wait_until(lambda: all_equal_to(peers, 1.0, atol=1e-6), 60, lambda: [p.counters for p in peers])
+    swarm.stop_training()
+    for peer in peers:
+        prev, nxt = overlapped(peer)[0]
+        assert prev["round"] + 1 == nxt["round"]
+        assert nxt["t_start"] < nxt["t_group_formed"] < prev["t_end"]  # matched while the previous round ran
+        assert nxt["t_triggered"] >= prev["t_applied"]  # ... but ran only after its result was applied
+
+
+VICTIM = r"""
+import asyncio, json, pathlib, sys, time
+sys.path.insert(0, sys.argv[1])
+import hivemind, torch
+from hivemind.averaging.partition import TensorPartReducer
+from decentralized_sgd import DecentralizedSGD
+
+marker = pathlib.Path(sys.argv[3])
+
+async def freeze(self, *args, **kwargs):  # runs in the averager process: stall inside AllReduce and tell the test
+    marker.touch()
+    await asyncio.sleep(3600)
+
+TensorPartReducer.accumulate_part = freeze
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[sys.argv[2]])
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+opt = DecentralizedSGD(torch.optim.SGD(model.parameters(), lr=0.0), dht, prefix="test", model=model,
+                       **json.loads(sys.argv[4]))
+while True:
+    opt.on_step_end()
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_survivors_keep_averaging_after_a_peer_is_sigkilled_mid_allreduce(swarm, tmp_path):
+    peers = [swarm.peer(make_model(0.0))]
+    marker, log_path = tmp_path / "victim_in_allreduce", tmp_path / "victim.log"
+    with open(log_path, "w") as log:  # started early: importing torch in a fresh process is slow on a busy box
+        victim = subprocess.Popen(
+            [sys.executable, "-c", VICTIM, str(REPO), str(swarm.dhts[0].get_visible_maddrs()[0]), str(marker),
+             json.dumps(FAST)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        peers.append(swarm.peer(make_model(2.0)))
+        for peer in peers:
+            swarm.train(peer)
+        wait_until(lambda: marker.exists() or victim.poll() is not None, 150, log_path.read_text)
+        assert victim.poll() is None, log_path.read_text()
+        os.killpg(victim.pid, signal.SIGKILL)  # the whole process group: trainer, averager, DHT and p2p daemons
+        killed_at = time.time()
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+
+    ours = {str(p.peer_id) for p in peers}
+
+    def applied_after_kill(peer: DecentralizedSGD) -> list[dict]:
+        return [r for r in peer.records if r["applied"] and r["t_start"] > killed_at]
+
+    def resolved_with_victim() -> list[dict]:
+        return [r for p in peers for r in p.records if r["group"] and set(r["group"]) - ours]
+
+    wait_until(lambda: all(len(applied_after_kill(p)) >= 2 for p in peers) and resolved_with_victim(), 150,
+               lambda: [p.records for p in peers])  # fmt: skip
+    swarm.stop_training()
+    assert all(r["group_size"] == 2 for p in peers for r in applied_after_kill(p))
+    assert all(torch.isfinite(t).all() for p in peers for t in averaged_tensors(p))
+
+
+@pytest.mark.timeout(150)
+def test_late_joiner_starts_from_the_swarm_state(swarm):
+    peers: list[DecentralizedSGD] = []
+
+    def progress(index: int) -> dict:  # what a trainer would share: e.g. VISSL's iteration
+        return {"iteration": peers[index].local_step}
+
+    for index, seed in enumerate((1, 2)):
+        torch.manual_seed(seed)
+        model = make_model()
+        peer = swarm.peer(model, lr=0.05, momentum=0.9, get_extra_state=functools.partial(progress, index))
+        peers.append(peer)
+
+        def sgd_step(peer: DecentralizedSGD = peer, model: torch.nn.Module = model) -> None:
+            peer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            peer.step(batch_size=8)
+
+        swarm.trainers.append(Trainer(sgd_step))
+        swarm.trainers[-1].start()
+    wait_until(lambda: all(p.counters["rounds_applied"] >= 1 for p in peers), 90, lambda: [p.counters for p in peers])
+    swarm.stop_training()  # donors now hold still, so the joiner's copy can be compared exactly
+
+    torch.manual_seed(3)
+    joiner = swarm.peer(make_model(), lr=0.05, momentum=0.9)
+    extra = joiner.load_state_from_peers(timeout=30)
+    assert extra is not None and joiner.local_step == extra["iteration"] > 0
+    joiner_state = joiner.model.state_dict()
+    donors = [
+        p for p in peers
+        if p.local_step == extra["iteration"]
+        and all(torch.equal(t, joiner_state[k]) for k, t in p.model.state_dict().items())
+    ]  # fmt: skip
+    assert donors, "the joiner's params/buffers match no donor"
+    donor_momentum = [donors[0].state[p]["momentum_buffer"] for p in donors[0].model.parameters()]
+    joiner_momentum = [joiner.state[p]["momentum_buffer"] for p in joiner.model.parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(donor_momentum, joiner_momentum, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_ssp_bound_holds(swarm):
+    staleness = 3
+    a = swarm.peer(make_model(0.0), max_staleness=staleness, staleness_timeout=60.0)
+    b = swarm.peer(make_model(2.0))
+    swarm.train(b)
+    steps_since_sync = []
+    deadline = time.monotonic() + 90
+    while a.counters["rounds_applied"] < 3:
+        assert time.monotonic() < deadline, a.counters
+        a.on_step_end()
+        last_sync = max((r["step_at_apply"] for r in a.records if r["applied"]), default=0)
+        steps_since_sync.append(a.local_step - last_sync)
+        time.sleep(0.005)
+    assert a.counters["ssp_timeouts"] == 0
+    assert max(steps_since_sync) <= staleness
+    assert a.counters["ssp_waits"] >= 3 and a.counters["ssp_wait_s"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_ssp_wait_times_out_and_is_logged_when_alone(swarm, caplog):
+    a = swarm.peer(make_model(0.0), max_staleness=2, staleness_timeout=0.3)
+    with caplog.at_level(logging.WARNING, logger="decentralized_sgd"):
+        for _ in range(9):
+            a.on_step_end()
+    assert a.local_step == 9 and a.counters["rounds_applied"] == 0
+    assert a.counters["ssp_timeouts"] == 3  # at steps 3, 6, 9: each waited, logged and then allowed 2 more steps
+    assert sum("SSP" in r.getMessage() for r in caplog.records) == 3
+    assert a.counters["ssp_wait_s"] >= 0.9
+    with a:  # shutdown is idempotent and the context manager calls it too
+        a.shutdown()
+    assert not a.averager.is_alive()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("bad_peer_checks_itself", [True, False])
+def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_peer_checks_itself):
+    good = [swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))]
+    bad = swarm.peer(make_model(math.nan))
+    if not bad_peer_checks_itself:  # a buggy peer that sends its NaNs anyway: receivers must discard the round
+        monkeypatch.setattr(bad, "_all_finite", lambda tensors: True)
+    for peer in [*good, bad]:
+        swarm.train(peer)
+
+    def bad_was_grouped() -> bool:
+        return any(r["group"] and str(bad.peer_id) in r["group"] for p in good for r in p.records)
+
+    if bad_peer_checks_itself:  # weight 0: the good peers average exactly as if the bad one were absent
+        wait_until(lambda: bad_was_grouped() and all_equal_to(good, 1.0, atol=1e-6), 120, lambda: bad.records)
+        assert bad.counters["rounds_skipped_local_nonfinite"] >= 1
+        assert all(r["weight"] == 0.0 for r in bad.records if r["weight"] is not None)
+    else:
+        wait_until(lambda: sum(p.counters["rounds_discarded_nonfinite"] for p in good) >= 1, 120,
+                   lambda: [p.records for p in good])  # fmt: skip
+        discarded = [r for p in good for r in p.records if r["error"] == "averaged result not finite"]
+        assert discarded and not any(r["applied"] for r in discarded)
+    swarm.stop_training()
+    assert all(torch.isfinite(t).all() for p in good for t in averaged_tensors(p))
+
+
+@pytest.mark.timeout(120)
+def test_peers_with_different_models_never_group(swarm):
+    a, b = swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))
+    other = swarm.peer(make_model(5.0, width=5))
+    assert a.prefix == b.prefix != other.prefix and a.prefix.startswith("test_")
+    for peer in (a, b, other):
+        swarm.train(peer)
+    wait_until(lambda: a.counters["rounds_applied"] >= 2 and b.counters["rounds_applied"] >= 2, 90,
+               lambda: (a.counters, b.counters))  # fmt: skip
+    swarm.stop_training()
+    assert all(r["group_size"] == 2 for r in a.records + b.records if r["applied"])
+    assert other.counters["rounds_applied"] == 0 and all_equal_to([other], 5.0, atol=0)

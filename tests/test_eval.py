@@ -1,0 +1,111 @@
+"""run_eval.py: kNN accuracy of a trunk that run_trainer.py really trained, of the random-init baseline, the kNN
+vote itself, and clear errors for unusable checkpoints and data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from run_eval import EvalError, knn_accuracy, knn_top1, resolve_checkpoint
+from tests.conftest import REPO, run_trainer, trainer_env
+
+# 2 batches of 16 images, one epoch: a real VISSL checkpoint in seconds (alone, no swarm)
+SHORT_RUN = ["--isolated", "config.DATA.TRAIN.DATA_LIMIT=32", "config.OPTIMIZER.num_epochs=1",
+             "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1"]
+
+
+@pytest.fixture(scope="module")
+def trained_dir(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    checkpoint_dir = tmp_path_factory.mktemp("eval") / "peer"
+    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--checkpoint_dir",
+                         str(checkpoint_dir), *SHORT_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return checkpoint_dir
+
+
+@pytest.fixture
+def one_thread():
+    """The tests share 2 cores with other tests: the in-process evaluation uses one, like the subprocesses."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "run_eval.py"), *args], cwd=REPO, env=trainer_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_trained_and_random_init_trunks_are_evaluated(trained_dir: Path, digits_dir: Path, tmp_path: Path,
+                                                      one_thread: None) -> None:
+    result = run_eval("--checkpoint", str(trained_dir), "--data_path", str(digits_dir), "--json",
+                      str(tmp_path / "knn.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "knn.json").read_text())
+    assert 0.0 <= report["top1"] <= 1.0
+    # the folder resolves to the final checkpoint VISSL wrote, through its checkpoint.torch link
+    assert Path(report["checkpoint"]).name == "model_final_checkpoint_phase0.torch"
+    assert report["num_val"] == 360 and report["num_train"] == 1437 and report["feature_dim"] == 64
+    assert f"{report['top1']:.4f}" in result.stdout
+
+    random_init = knn_accuracy(None, digits_dir, config="swav_tiny", k=20)
+    assert 0.0 <= random_init <= 1.0
+    # 10 classes: a trunk, even an untrained one, separates the digits far better than chance
+    assert random_init > 0.2 and report["top1"] > 0.2
+
+
+def test_knn_vote_weights_close_neighbours_more() -> None:
+    train = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]]), dim=1)
+    labels = torch.tensor([0, 0, 1, 1])
+    val = torch.nn.functional.normalize(torch.tensor([[1.0, 0.05], [0.05, 1.0]]), dim=1)
+    assert knn_top1(train, labels, val, torch.tensor([0, 1]), k=2, temperature=0.1) == 1.0
+    assert knn_top1(train, labels, val, torch.tensor([1, 0]), k=2, temperature=0.1) == 0.0
+    # k=3 with two class-1 neighbours that are far and one class-0 neighbour that is close: the close one wins
+    train = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0], [0.2, 1.0], [0.3, 1.0]]), dim=1)
+    val = torch.nn.functional.normalize(torch.tensor([[1.0, 0.1]]), dim=1)
+    assert knn_top1(train, torch.tensor([0, 1, 1]), val, torch.tensor([0]), k=3, temperature=0.1) == 1.0
+
+
+def test_unusable_checkpoints_are_named(trained_dir: Path, digits_dir: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_peer"
+    result = run_eval("--checkpoint", str(missing), "--data_path", str(digits_dir))
+    assert result.returncode == 2 and f"--checkpoint {missing}: no such file or folder" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    truncated = tmp_path / "truncated.torch"
+    truncated.write_bytes((trained_dir / "checkpoint.torch").read_bytes()[:50_000])
+    with pytest.raises(EvalError, match=f"{truncated}: cannot be read as a torch checkpoint"):
+        knn_accuracy(truncated, digits_dir)
+
+    foreign = tmp_path / "foreign.torch"
+    torch.save({"state_dict": {"weight": torch.zeros(2)}}, foreign)
+    with pytest.raises(EvalError, match=f"{foreign}: not a VISSL checkpoint"):
+        knn_accuracy(foreign, digits_dir)
+
+    empty = tmp_path / "empty_peer"
+    empty.mkdir()
+    with pytest.raises(EvalError, match="holds no VISSL checkpoint"):
+        knn_accuracy(empty, digits_dir)
+
+    # without VISSL's checkpoint.torch link, a folder resolves to its final checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(trained_dir, copy, symlinks=True)
+    (copy / "checkpoint.torch").unlink()
+    assert resolve_checkpoint(copy).name == "model_final_checkpoint_phase0.torch"
+
+
+def test_missing_data_folder_is_named(trained_dir: Path, tmp_path: Path) -> None:
+    only_train = tmp_path / "only_train"
+    (only_train / "train" / "0").mkdir(parents=True)
+    (only_train / "train" / "0" / "a.png").write_bytes(b"")
+    result = run_eval("--checkpoint", str(trained_dir), "--data_path", str(only_train))
+    assert result.returncode == 2 and f"no folder {only_train / 'val'}" in result.stderr
+    with pytest.raises(EvalError, match="no folder"):
+        knn_accuracy(None, tmp_path / "nothing_here")

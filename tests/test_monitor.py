@@ -1,0 +1,160 @@
+"""The swarm monitor: signed progress records in a real hivemind DHT on 127.0.0.1, and run_monitor.py watching
+real VISSL trainers.
+
+test_monitor_shows_both_trainers needs PublishProgressOnStepHook in ``hooks.swarm_hook_generator`` (the trainers
+are plain run_trainer.py processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from local_swarm import LocalPeer, stop_all, wait_until
+from swarm_metrics import fetch_metrics, make_record, metrics_key, metrics_validators, owner_subkey
+from tests.conftest import REPO, trainer_env
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+FORGED_STEP = 10**6
+
+# the trainers run until the test stops them; publish (LOG_FREQUENCY) every 2 steps; no checkpoints on the way
+TRAINER_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300", "config.LOG_FREQUENCY=2",
+                     "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100000"]
+TRAINER_FLAGS = ["--run_id", "montest", "--target_group_size", "2", "--min_matchmaking_time", "2",
+                 "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none",
+                 "--load_state_timeout", "0"]
+
+
+def record(step: int, peer_id: str = "QmHonest") -> dict:
+    return make_record(step=step, samples_per_s=12.5, loss=3.2, group_size=2, staleness_steps=1, rounds_ok=4,
+                       rounds_failed=0, time=get_dht_time(), peer_id=peer_id)
+
+
+def dht(initial_peers: list[str], validators: list | None) -> hivemind.DHT:
+    node = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=initial_peers)
+    if validators is not None:
+        node.add_validators(validators)
+    return node
+
+
+def test_forged_and_malformed_records_are_rejected() -> None:
+    run_id = "valtest"
+    key, expiration = metrics_key(run_id), get_dht_time() + 60
+    monitor = dht([], metrics_validators(run_id))  # the monitor: this process's key
+    addresses = [str(address) for address in monitor.get_visible_maddrs()]
+    honest_key, forger_key = RSAPrivateKey(), RSAPrivateKey()
+    honest = dht(addresses, metrics_validators(run_id, honest_key))
+    forger = dht(addresses, metrics_validators(run_id, forger_key))  # follows the rules, with a key of its own
+    nodes = [monitor, honest, forger]
+    try:
+        victim = owner_subkey(honest_key)
+        assert honest.store(key, record(step=7), expiration, subkey=victim)
+
+        # (while every peer validates, a store's result says whether any peer took the record)
+        # another peer's subkey: the forger's DHT cannot sign for that key, and every peer refuses the record
+        assert not forger.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
+        # correctly signed but against the schema: a float step, a missing field, a field too many
+        bad_values = [{**record(8), "step": 8.0}, {k: v for k, v in record(8).items() if k != "loss"},
+                      {**record(8), "admin": True}]
+        for bad_value in bad_values:
+            assert not honest.store(key, bad_value, expiration + 2, subkey=victim), bad_value
+        # a subkey without the owner's public key in it
+        assert not honest.store(key, record(9), expiration + 2, subkey=b"not-a-public-key")
+
+        # a peer that added no validators keeps a forged record itself and serves it; readers reject its answers
+        rogue = dht(addresses, None)
+        nodes.append(rogue)
+        rogue.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
+        assert fetch_metrics(rogue, run_id)[victim]["step"] == FORGED_STEP  # the forgery is out there
+
+        records = fetch_metrics(monitor, run_id)
+        assert list(records) == [victim]
+        assert records[victim]["step"] == 7 and records[victim]["peer_id"] == "QmHonest"
+        assert fetch_metrics(forger, run_id)[victim]["step"] == 7  # any validating peer sees the same
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def start_monitor(tmp_path: Path, table: Path) -> tuple[subprocess.Popen, Path]:
+    log_path = tmp_path / "monitor.log"
+    command = [sys.executable, str(REPO / "run_monitor.py"), "--run_id", "montest", "--config", "swav_tiny",
+               "--host_maddrs", *LOOPBACK, "--refresh_period", "2", "--json", str(table)]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    return process, log_path
+
+
+def join_line(process: subprocess.Popen, log_path: Path) -> str:
+    def line() -> str | None:
+        assert process.poll() is None, f"the monitor exited: {log_path.read_text()[-2000:]}"
+        return next((text for text in log_path.read_text().splitlines() if "run_trainer.py" in text), None)
+
+    return wait_until(line, 120, "the monitor's join line")
+
+
+def monitor_table(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@pytest.mark.timeout(600)
+def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp_path: Path) -> None:
+    table = tmp_path / "table.json"
+    monitor, log_path = start_monitor(tmp_path, table)
+    trainers = [LocalPeer(f"peer{index}", tmp_path) for index in range(2)]
+    rogue = None
+    try:
+        line = join_line(monitor, log_path)
+        assert "--config swav_tiny --run_id montest" in line
+        addresses = line.split("--initial_peers", 1)[1].split()
+        assert addresses and all("/p2p/" in address for address in addresses)
+
+        for trainer in trainers:  # both join through the monitor, the swarm's bootstrap peer
+            trainer.start(digits_dir, addresses, TRAINER_FLAGS, TRAINER_OVERRIDES)
+        trainer_ids = {trainer.join_addresses()[0].rsplit("/p2p/", 1)[1] for trainer in trainers}
+
+        def both_trainers_listed() -> dict | None:
+            for trainer in trainers:
+                assert trainer.is_running(), trainer.log_text()[-3000:]
+            rows = monitor_table(table).get("peers", [])
+            ids = {row["peer_id"] for row in rows if row["step"] > 0}
+            return rows if ids == trainer_ids else None
+
+        wait_until(both_trainers_listed, 400, "both trainers in the monitor's table")
+        rows = wait_until(lambda: [row for row in both_trainers_listed() or [] if row["group_size"] == 2],
+                          300, "an averaging round of the two trainers in the monitor's table")
+        assert rows[0]["rounds_ok"] >= 1 and rows[0]["samples_per_s"] > 0
+
+        # a peer without validators overwrites one trainer's record: the monitor keeps showing the real one
+        rogue = dht(addresses, None)
+        raw = rogue.get(metrics_key("montest"), latest=True).value
+        victim = next(subkey for subkey, entry in raw.items() if entry.value["peer_id"] in trainer_ids)
+        victim_id = raw[victim].value["peer_id"]
+        forged = {**record(FORGED_STEP, peer_id=victim_id), "time": get_dht_time() + 30}
+        rogue.store(metrics_key("montest"), forged, get_dht_time() + 600, subkey=victim)
+        seen = monitor_table(table)["refresh"]
+        wait_until(lambda: monitor_table(table).get("refresh", 0) >= seen + 2, 60, "two more monitor refreshes")
+        victim_row = next(row for row in monitor_table(table)["peers"] if row["peer_id"] == victim_id)
+        assert 0 < victim_row["step"] < FORGED_STEP
+        totals = monitor_table(table)["totals"]
+        assert totals["peers_alive"] == 2 and totals["samples_per_s"] > 0
+    finally:
+        stop_all(trainers)
+        if rogue is not None:
+            rogue.shutdown()
+        if monitor.poll() is None:
+            os.killpg(monitor.pid, signal.SIGINT)
+            monitor.wait(timeout=60)
+    assert monitor.returncode == 0, log_path.read_text()[-2000:]
+    output = log_path.read_text()
+    assert "swarm: 2 peers alive" in output and "Traceback" not in output

@@ -1,0 +1,154 @@
+"""Real VISSL SwAV peers (run_trainer.py processes) averaging over hivemind on 127.0.0.1."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
+from tests.conftest import run_trainer
+
+# 10 batches of 16 real images per epoch, plenty of epochs: the test decides when peers stop
+SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
+                   "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10", "config.LOG_FREQUENCY=5"]
+SWARM_FLAGS = ["--run_id", "swarmtest", "--target_group_size", "3", "--min_matchmaking_time", "2",
+               "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none"]
+
+
+def float_tensors(model_state: dict) -> dict[str, torch.Tensor]:
+    """VISSL's classy state of a model: {"trunk": {...}, "heads": {...}}."""
+    return {f"{part}.{name}": tensor for part in ("trunk", "heads") for name, tensor in model_state[part].items()
+            if tensor.is_floating_point()}
+
+
+def latest_weights(peer: LocalPeer) -> dict[str, torch.Tensor]:
+    checkpoints = sorted(peer.checkpoint_dir.glob("model_iteration*.torch"),
+                         key=lambda path: int(path.stem.removeprefix("model_iteration")))
+    state = torch.load(checkpoints[-1], map_location="cpu")
+    return float_tensors(state["classy_state_dict"]["base_model"]["model"])
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a))
+
+
+def initial_weights(seed: int) -> dict[str, torch.Tensor]:
+    from vissl.models import build_model
+
+    from config_loading import compose_config
+
+    config, _ = compose_config("swav_tiny", [], has_gpu=False)
+    torch.manual_seed(seed)
+    return float_tensors(build_model(config.MODEL, config.OPTIMIZER).get_classy_state()["model"])
+
+
+@pytest.mark.timeout(900)
+def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(digits_dir: Path, tmp_path: Path) -> None:
+    peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
+    try:
+        # each peer starts from its own random init (seed) instead of downloading the first peer's weights
+        addresses = start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
+                                per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+
+        # 1. every peer applies rounds in groups of at least 2
+        for peer in peers:
+            wait_until(lambda peer=peer: len([r for r in peer.applied_rounds() if r["group_size"] >= 2]) >= 2,
+                       300, f"two averaging rounds on {peer.name}")
+
+        # 2. one peer is killed mid-training; the other two keep averaging with each other
+        peers[2].kill()
+        killed_at = time.time()
+        for peer in peers[:2]:
+            wait_until(lambda peer=peer: any(r["group_size"] == 2 for r in peer.applied_rounds(since=killed_at)),
+                       180, f"a round of the two survivors on {peer.name}")
+
+        # 3. the killed peer restarts, resumes from its own checkpoint and rejoins
+        peers[2].start(digits_dir, addresses, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES)
+        restarted_at = peers[2].started_at
+        wait_until(lambda: "Resume from file" in peers[2].log_text(), 120, "peer2 resuming from its checkpoint")
+        wait_until(lambda: peers[2].applied_rounds(since=restarted_at), 180, "peer2 averaging after its restart")
+
+        # 4. a late joiner without a checkpoint takes over the swarm's weights and progress
+        swarm_step = max(peer.last_step() for peer in peers[:2])
+        late = LocalPeer("late", tmp_path)
+        peers.append(late)
+        late.start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
+        wait_until(lambda: late.progress(), 180, "the late joiner's first logged step")
+        assert "Joined the swarm at iteration" in late.log_text()
+        assert late.progress()[0]["step"] >= swarm_step  # continues the swarm's schedule, not from warm-up
+        wait_until(lambda: late.applied_rounds(), 180, "the late joiner averaging")
+    finally:
+        stop_all(peers)
+
+    for peer in peers:
+        losses = [entry["loss"] for entry in peer.progress()]
+        assert losses and all(math.isfinite(loss) for loss in losses), peer.name
+    first_losses = [entry["loss"] for entry in peers[0].progress()[:3]]
+    last_losses = [entry["loss"] for entry in peers[0].progress()[-3:]]
+    assert sum(last_losses) < sum(first_losses), "SwAV loss of the first peer did not fall"
+
+    # averaging pulled the peers together: much closer than two random inits, which is where they started
+    start_distance = distance(initial_weights(0), initial_weights(1))
+    final_distance = distance(latest_weights(peers[0]), latest_weights(peers[1]))
+    assert final_distance < 0.5 * start_distance, (final_distance, start_distance)
+
+
+@pytest.mark.timeout(600)
+def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: Path, tmp_path: Path) -> None:
+    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm and broadcasts
+    each applied round, so rank 1 holds exactly the same weights at every logged step."""
+    box = LocalPeer("box", tmp_path)
+    single = LocalPeer("single", tmp_path)
+    box_overrides = [*SWARM_OVERRIDES, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
+    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--load_state_timeout", "0"]
+    try:
+        single.start(digits_dir, [], flags, SWARM_OVERRIDES)
+        addresses = single.join_addresses()
+        box.start(digits_dir, addresses, flags, box_overrides)
+        wait_until(lambda: len(box.applied_rounds()) >= 3, 420, "three rounds on the two-process peer")
+        first_round_step = min(r["step_at_apply"] for r in box.applied_rounds())
+        rank1_log = box.checkpoint_dir / "progress_rank1.jsonl"
+        wait_until(lambda: len([e for e in read_jsonl(rank1_log) if e["step"] > first_round_step]) >= 3, 300,
+                   "three logged steps of rank 1 after the first applied round")
+    finally:
+        stop_all([box, single])
+    rank0 = {entry["step"]: entry["param_checksum"] for entry in box.progress()}
+    rank1 = {entry["step"]: entry["param_checksum"] for entry in read_jsonl(rank1_log)}
+    common = sorted(set(rank0) & set(rank1))
+    assert len([step for step in common if step > first_round_step]) >= 2
+    for step in common:
+        assert rank0[step] == pytest.approx(rank1[step], rel=1e-9, abs=1e-6), f"replicas differ at step {step}"
+
+
+def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
+    started = time.monotonic()
+    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers",
+                         "/ip4/127.0.0.1/tcp/notaport/p2p/QmX", timeout=120)
+    assert result.returncode != 0
+    assert "is not a multiaddr" in result.stderr and "/p2p/" in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_initial_peer_without_peer_id(digits_dir: Path) -> None:
+    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers",
+                         "/ip4/127.0.0.1/tcp/31337", timeout=120)
+    assert result.returncode != 0 and "has no /p2p/<peer id> part" in result.stderr
+
+
+def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path) -> None:
+    unreachable = "/ip4/127.0.0.1/tcp/9/p2p/QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn"
+    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers", unreachable,
+                         "--host_maddrs", "/ip4/127.0.0.1/tcp/0", timeout=180)
+    assert result.returncode != 0
+    assert "could not start or join the swarm" in result.stderr and "first peer is running" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_averaging_knobs_are_rejected(digits_dir: Path) -> None:
+    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--target_group_size", "1",
+                         timeout=120)
+    assert result.returncode != 0 and "--target_group_size must be at least 2" in result.stderr
