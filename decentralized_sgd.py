@@ -9,17 +9,20 @@ design, each round (1) fills the averager with the *latest* local parameters onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
 
 import hivemind
+import numpy as np
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import (
@@ -29,15 +32,30 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
+from hivemind.compression.quantization import Quantization
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time, nested_flatten
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 logger = logging.getLogger(__name__)
 
 _FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
+
+
+def _extract_8bit(self: Quantization, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """hivemind 1.1.12's Quantization.extract with one fix: it calls int() on a 1-element array, an error in NumPy 2,
+    so every 8-bit part failed to decode and silently stayed un-averaged. Patched in before averagers fork."""
+    codebook_size = int(np.frombuffer(serialized_tensor.buffer, count=1, dtype=np.int64)[0])
+    codebook = np.frombuffer(serialized_tensor.buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(serialized_tensor.buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+    codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
+Quantization.extract = _extract_8bit
 
 
 def make_compression(name: str) -> CompressionBase:
@@ -49,6 +67,17 @@ def make_compression(name: str) -> CompressionBase:
     if name == "uint8":  # 8-bit quantization needs many values for its statistics: small tensors travel as fp16
         return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
     raise ValueError(f"compression must be 'none', 'fp16' or 'uint8', got {name!r}")
+
+
+@contextlib.contextmanager
+def keep_ctrl_c() -> Iterator[None]:
+    """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so
+    that its child inherits it): afterwards Ctrl-C no longer stops the trainer. Restore the handler we had."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def schema_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
@@ -244,7 +273,8 @@ class DecentralizedSGD:
 
     def start(self) -> None:
         """Start the averager process (only needed if created with start=False)."""
-        self.averager.run_in_background(await_ready=True)
+        with keep_ctrl_c():
+            self.averager.run_in_background(await_ready=True)
         self._watcher.start()
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
@@ -303,17 +333,16 @@ class DecentralizedSGD:
         if self.before_allreduce is not None:
             self.before_allreduce()
         source = r.snapshot if r.snapshot is not None else self._local_tensors()
-        r.local_nonfinite = not self._all_finite(source)
         with torch.no_grad(), self.averager.get_tensors() as buffers:
             for buf, t in zip(buffers, source, strict=True):
-                if r.local_nonfinite:
+                buf.copy_(t)
+            r.local_nonfinite = not self._all_finite(buffers)  # checked on the CPU copies: no GPU syncs
+            if r.local_nonfinite:  # contribute zeros with weight 0 rather than poison the group
+                logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
+                for buf in buffers:
                     buf.zero_()
-                else:
-                    buf.copy_(t)
             if r.snapshot is None:
                 r.snapshot = [buf.clone() for buf in buffers]
-        if r.local_nonfinite:  # contribute nothing rather than poison the group
-            logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
         r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
         if r.local_nonfinite:
             r.weight = 0.0

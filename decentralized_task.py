@@ -19,7 +19,7 @@ from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
 
 import swarm
-from decentralized_sgd import DecentralizedSGD
+from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
@@ -63,7 +63,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         settings = self.swarm_settings
         self.dht = swarm.take_shared_dht() or swarm.start_dht(settings)
         records_path = Path(self.checkpoint_folder or ".") / ROUNDS_FILE
-        with swarm.keep_ctrl_c():
+        with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
             self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)

@@ -159,9 +159,15 @@ def monitor(dht: Any, args: argparse.Namespace, join_line: str) -> None:
     refresh = 0
     try:
         while True:
-            rows = peer_rows(fetch_metrics(dht, args.run_id), time.time(), alive_window)
-            totals = swarm_totals(rows)
             refresh += 1
+            try:
+                records = fetch_metrics(dht, args.run_id, timeout=max(args.refresh_period, 10.0))
+            except TimeoutError:
+                print(f"refresh {refresh}: the DHT did not answer in time; trying again", flush=True)
+                time.sleep(args.refresh_period)
+                continue
+            rows = peer_rows(records, time.time(), alive_window)
+            totals = swarm_totals(rows)
             header = f"run {args.run_id!r}, refresh {refresh}, {time.strftime('%H:%M:%S')}"
             if redraw:
                 print("\033[H\033[J" + join_line)

@@ -155,6 +155,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check_resume_checkpoint(config) -> None:
+    """A truncated or corrupt newest checkpoint fails here, naming the file, not deep inside VISSL's loader."""
+    import torch
+    from vissl.utils.checkpoint import get_checkpoint_folder, get_resume_checkpoint
+
+    path = get_resume_checkpoint(config, checkpoint_folder=get_checkpoint_folder(config))
+    if path is None:
+        return
+    try:
+        torch.load(path, map_location="cpu")
+    except Exception as error:
+        raise ConfigError(
+            f"cannot resume from {path}: the file is corrupt or truncated ({type(error).__name__}: {error}). "
+            "Move it away to resume from the previous checkpoint in that folder, or pass another --checkpoint_dir"
+        ) from error
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -177,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         config, changes = compose_config(
             args.config, overrides, has_gpu=torch.cuda.is_available(), dump_config=True
         )
+        check_resume_checkpoint(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -6,10 +6,7 @@ the VISSL task can reuse the DHT that run_trainer.py already started in the same
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -129,13 +126,3 @@ def take_shared_dht() -> Any:
     """The DHT run_trainer.py started in this process, or None in a spawned worker."""
     return _shared_dht
 
-
-@contextlib.contextmanager
-def keep_ctrl_c() -> Iterator[None]:
-    """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so
-    that its child inherits it): afterwards Ctrl-C no longer stops the trainer. Restore the handler we had."""
-    handler = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)

@@ -79,10 +79,14 @@ def make_record(*, step: int, samples_per_s: float, loss: float | None, group_si
     }
 
 
-def fetch_metrics(dht: Any, run_id: str) -> dict[bytes, dict[str, Any]]:
-    """{owner subkey: record} of every peer with a live record. The DHT already dropped records that failed the
-    validators; parsing again here only guards against a DHT that was started without them."""
-    found = dht.get(metrics_key(run_id), latest=True)
+def fetch_metrics(dht: Any, run_id: str, timeout: float = 30.0) -> dict[bytes, dict[str, Any]]:
+    """{owner subkey: record} of every peer with a live record; TimeoutError if the DHT does not answer in time.
+
+    ``dht`` must have :func:`metrics_validators`: they strip the signatures, and hivemind 1.1 cannot decode a signed
+    value without them (its ``get`` then never returns). The DHT already dropped records that failed the
+    validators; parsing again here guards against a DHT that was started without the schema.
+    """
+    found = dht.get(metrics_key(run_id), latest=True, return_future=True).result(timeout=timeout)
     if found is None or not isinstance(found.value, dict):
         return {}
     records = {}

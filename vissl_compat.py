@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import warnings
 from typing import Any
 
@@ -58,6 +59,58 @@ def silence_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"\s*The version_base parameter is not specified")
 
 
+def atomic_save_checkpoint(checkpoint_folder: str, state: Any, checkpoint_file: str) -> str:
+    """classy_vision's ``save_checkpoint`` says "write checkpoint atomically" but writes straight into the final
+    file: a crash or a full disk mid-write leaves a truncated checkpoint that AUTO_RESUME then picks as the
+    newest. Write a temporary file, fsync, and rename it into place (classy_vision ``generic/util.py``,
+    facebookresearch/ClassyVision; unmaintained upstream)."""
+    import torch
+
+    os.makedirs(checkpoint_folder, exist_ok=True)
+    final_path = os.path.join(checkpoint_folder, checkpoint_file)
+    temporary_path = f"{final_path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary_path, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary_path, final_path)
+    except BaseException:
+        logger.error(f"Could not write checkpoint {final_path}; the previous checkpoints are untouched")
+        if os.path.exists(temporary_path):
+            os.remove(temporary_path)
+        raise
+    return final_path
+
+
+def make_checkpoints_atomic() -> None:
+    import vissl.utils.checkpoint
+
+    vissl.utils.checkpoint.save_checkpoint = atomic_save_checkpoint
+
+
+def skip_unreadable_images() -> None:
+    """VISSL's ``DiskImageDataset.__getitem__`` loads a ``disk_folder`` image (``self.image_dataset[idx]``) *before*
+    its try/except, so its own fallback for unreadable images (warn, use a mean image, mark it invalid) never runs
+    and one corrupt JPEG kills the training (vissl/data/disk_dataset.py, 0.1.6). Run that fallback."""
+    from vissl.data.disk_dataset import DiskImageDataset, get_mean_image
+
+    load = DiskImageDataset.__getitem__
+    if getattr(load, "_skips_unreadable", False):
+        return
+
+    def getitem(self, idx: int):
+        try:
+            return load(self, idx)
+        except (OSError, ValueError, SyntaxError) as error:  # what PIL raises for broken files
+            path = self.image_dataset.samples[idx][0] if hasattr(self.image_dataset, "samples") else idx
+            logging.warning(f"Couldn't load: {path}; using a mean image instead. Exception: {error}")
+            return get_mean_image(self.cfg["DATA"][self.split].DEFAULT_GRAY_IMG_SIZE), False
+
+    getitem._skips_unreadable = True
+    DiskImageDataset.__getitem__ = getitem
+
+
 def apply() -> None:
     """Apply the import-level patches once; safe to call many times."""
     global _applied
@@ -66,6 +119,8 @@ def apply() -> None:
     require_pkg_resources()
     silence_known_warnings()
     alias_kinetics400()
+    make_checkpoints_atomic()
+    skip_unreadable_images()
     _applied = True
 
 

@@ -22,7 +22,13 @@ from pathlib import Path
 import hivemind
 import pytest
 import torch
-from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression
+from hivemind.compression import (
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    deserialize_torch_tensor,
+)
 
 from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
 
@@ -154,6 +160,12 @@ def test_compression_names_and_schema_fingerprint():
     assert isinstance(make_compression("uint8"), SizeAdaptiveCompression)
     with pytest.raises(ValueError):
         make_compression("int4")
+    big = torch.randn(2**16)  # large enough for 8 bits; decoded the way a receiving peer does (hivemind's registry)
+    for name, max_bytes, max_mean_error in [("none", 4 * big.numel(), 0), ("fp16", 2 * big.numel(), 1e-3),
+                                            ("uint8", big.numel() + 2048, 0.05)]:  # fmt: skip
+        serialized = make_compression(name).compress(big, CompressionInfo.from_tensor(big))
+        assert len(serialized.buffer) <= max_bytes
+        assert (deserialize_torch_tensor(serialized) - big).abs().mean() <= max_mean_error
     same = schema_fingerprint([torch.zeros(3, 4), torch.zeros(3)])
     assert same == schema_fingerprint([torch.ones(3, 4), torch.ones(3)]) and "." not in same
     assert same != schema_fingerprint([torch.zeros(4, 3), torch.zeros(3)])
@@ -435,3 +447,11 @@ def test_peers_with_different_models_never_group(swarm):
     swarm.stop_training()
     assert all(r["group_size"] == 2 for r in a.records + b.records if r["applied"])
     assert other.counters["rounds_applied"] == 0 and all_equal_to([other], 5.0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_still_stops_the_trainer_after_the_averager_started(swarm):
+    """hivemind's run_in_background sets SIGINT to SIG_IGN in the calling process; we restore the handler."""
+    handler = signal.getsignal(signal.SIGINT)
+    swarm.peer(make_model(0.0))
+    assert signal.getsignal(signal.SIGINT) is handler

@@ -12,11 +12,16 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import hivemind
 import pytest
-from hivemind.utils import get_dht_time
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from local_swarm import LocalPeer, stop_all, wait_until
@@ -44,6 +49,22 @@ def dht(initial_peers: list[str], validators: list | None) -> hivemind.DHT:
     if validators is not None:
         node.add_validators(validators)
     return node
+
+
+async def _stored_step(_dht: hivemind.DHT, node, key: str, subkey: bytes) -> int | None:
+    """Runs inside a DHT's process: the step of the record that this very node keeps (no search, no validation)."""
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    if found is None or not isinstance(found.value, DictionaryDHTValue):
+        return None
+    entry = found.value.get(subkey)
+    if entry is None:
+        return None
+    unsigned = RSASignatureValidator().strip_value(DHTRecord(b"", b"", entry.value, entry.expiration_time))
+    return MSGPackSerializer.loads(unsigned)["step"]
+
+
+def stored_step(node: hivemind.DHT, key: str, subkey: bytes) -> int | None:
+    return node.run_coroutine(partial(_stored_step, key=key, subkey=subkey))
 
 
 def test_forged_and_malformed_records_are_rejected() -> None:
@@ -74,7 +95,8 @@ def test_forged_and_malformed_records_are_rejected() -> None:
         rogue = dht(addresses, None)
         nodes.append(rogue)
         rogue.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
-        assert fetch_metrics(rogue, run_id)[victim]["step"] == FORGED_STEP  # the forgery is out there
+        assert stored_step(rogue, key, victim) == FORGED_STEP  # the forgery is out there
+        assert stored_step(monitor, key, victim) == 7
 
         records = fetch_metrics(monitor, run_id)
         assert list(records) == [victim]
@@ -112,7 +134,7 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
     table = tmp_path / "table.json"
     monitor, log_path = start_monitor(tmp_path, table)
     trainers = [LocalPeer(f"peer{index}", tmp_path) for index in range(2)]
-    rogue = None
+    reader = rogue = None
     try:
         line = join_line(monitor, log_path)
         assert "--config swav_tiny --run_id montest" in line
@@ -136,12 +158,15 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
         assert rows[0]["rounds_ok"] >= 1 and rows[0]["samples_per_s"] > 0
 
         # a peer without validators overwrites one trainer's record: the monitor keeps showing the real one
+        reader = dht(addresses, metrics_validators("montest"))  # (only a validating DHT can read signed records)
+        victim, victim_record = next(iter(fetch_metrics(reader, "montest").items()))
+        victim_id = victim_record["peer_id"]
+        assert victim_id in trainer_ids
         rogue = dht(addresses, None)
-        raw = rogue.get(metrics_key("montest"), latest=True).value
-        victim = next(subkey for subkey, entry in raw.items() if entry.value["peer_id"] in trainer_ids)
-        victim_id = raw[victim].value["peer_id"]
         forged = {**record(FORGED_STEP, peer_id=victim_id), "time": get_dht_time() + 30}
-        rogue.store(metrics_key("montest"), forged, get_dht_time() + 600, subkey=victim)
+        rogue.store(metrics_key("montest"), forged, get_dht_time() + 600, subkey=victim, return_future=True
+                    ).result(timeout=60)
+        assert stored_step(rogue, metrics_key("montest"), victim) == FORGED_STEP  # it validates nothing
         seen = monitor_table(table)["refresh"]
         wait_until(lambda: monitor_table(table).get("refresh", 0) >= seen + 2, 60, "two more monitor refreshes")
         victim_row = next(row for row in monitor_table(table)["peers"] if row["peer_id"] == victim_id)
@@ -150,8 +175,9 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
         assert totals["peers_alive"] == 2 and totals["samples_per_s"] > 0
     finally:
         stop_all(trainers)
-        if rogue is not None:
-            rogue.shutdown()
+        for node in (reader, rogue):
+            if node is not None:
+                node.shutdown()
         if monitor.poll() is None:
             os.killpg(monitor.pid, signal.SIGINT)
             monitor.wait(timeout=60)

@@ -1,0 +1,58 @@
+"""The README's commands and code run as written, so the README cannot drift from the code."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, trainer_env
+
+README = (REPO / "README.md").read_text()
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+
+
+def test_readme_shows_the_two_commands_and_makefile_has_them() -> None:
+    assert "make demo" in README and "make test" in README
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, flags=re.MULTILINE) and re.search(r"^test:", makefile, flags=re.MULTILINE)
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_plain_pytorch_snippet_runs() -> None:
+    """The README's plain-PyTorch loop, as the first peer of a swarm (nobody to average with yet)."""
+    (snippet,) = readme_python_blocks()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    inputs, targets = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    loader = [(inputs[i : i + 16], targets[i : i + 16]) for i in range(0, 64, 16)]
+    snippet = snippet.replace("/ip4/0.0.0.0/tcp/31337", "/ip4/127.0.0.1/tcp/0")  # loopback only in tests
+    assert "/ip4/127.0.0.1/tcp/0" in snippet
+    namespace = {"INITIAL_PEERS": [], "model": model, "loader": loader, "loss_fn": torch.nn.functional.cross_entropy}
+    before = [p.detach().clone() for p in model.parameters()]
+    exec(compile(snippet, "README.md", "exec"), namespace)  # noqa: S102 (our own README)
+    assert namespace["opt"].local_step == len(loader)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it trained
+
+
+@pytest.mark.timeout(600)
+def test_demo_in_a_short_mode(digits_dir: Path, tmp_path: Path) -> None:
+    """`make demo` runs demo.py: here with 2 peers for a short while; it must end with the table and the plot."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "demo.py"), "--data_path", str(digits_dir), "--peers", "2", "--minutes", "0.5",
+         "--min_matchmaking_time", "2", "--out", str(tmp_path)],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=540,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
+    assert "| peer | steps | final_loss | rounds | mean_group_size | mean_staleness |" in result.stdout
+    assert (tmp_path / "swarm.png").stat().st_size > 10_000
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| peer") and "steps" not in line]
+    assert len(rows) == 2 and all(int(row.split("|")[2]) > 0 for row in rows)
