@@ -13,6 +13,7 @@ Each trainer publishes a signed record every few steps (hooks/publish_progress_o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -153,36 +154,36 @@ def settings_from(args: argparse.Namespace) -> swarm.SwarmSettings:
 
 def monitor(dht: Any, args: argparse.Namespace, join_line: str) -> None:
     """Refresh until --iterations or Ctrl-C; each refresh prints the table (redrawn in place on a terminal)."""
-    alive_window = max(2 * args.refresh_period, MIN_ALIVE_WINDOW_S)
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir else None
-    redraw = sys.stdout.isatty()
-    refresh = 0
     try:
-        while True:
-            refresh += 1
+        for refresh in itertools.count(1):
             try:
                 records = fetch_metrics(dht, args.run_id, timeout=max(args.refresh_period, 10.0))
             except TimeoutError:
                 print(f"refresh {refresh}: the DHT did not answer in time; trying again", flush=True)
-                time.sleep(args.refresh_period)
-                continue
-            rows = peer_rows(records, time.time(), alive_window)
-            totals = swarm_totals(rows)
-            header = f"run {args.run_id!r}, refresh {refresh}, {time.strftime('%H:%M:%S')}"
-            if redraw:
-                print("\033[H\033[J" + join_line)
-            print(f"{header}\n{format_table(rows, totals)}\n", flush=True)
-            if args.json is not None:
-                write_json(args.json, {"run_id": args.run_id, "refresh": refresh, "time": time.time(),
-                                       "peers": rows, "totals": totals})
-            if tensorboard is not None:
-                tensorboard.add(rows, totals)
+            else:
+                report(records, refresh, args, join_line, tensorboard)
             if args.iterations is not None and refresh >= args.iterations:
                 return
             time.sleep(args.refresh_period)
     finally:
         if tensorboard is not None:
             tensorboard.close()
+
+
+def report(records: dict[bytes, dict[str, Any]], refresh: int, args: argparse.Namespace, join_line: str,
+           tensorboard: TensorBoardLog | None) -> None:
+    rows = peer_rows(records, time.time(), alive_window=max(2 * args.refresh_period, MIN_ALIVE_WINDOW_S))
+    totals = swarm_totals(rows)
+    if sys.stdout.isatty():
+        print("\033[H\033[J" + join_line)
+    print(f"run {args.run_id!r}, refresh {refresh}, {time.strftime('%H:%M:%S')}\n{format_table(rows, totals)}\n",
+          flush=True)
+    if args.json is not None:
+        write_json(args.json, {"run_id": args.run_id, "refresh": refresh, "time": time.time(), "peers": rows,
+                               "totals": totals})
+    if tensorboard is not None:
+        tensorboard.add(rows, totals)
 
 
 def main(argv: list[str] | None = None) -> int:

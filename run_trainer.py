@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from config_loading import compose_config
     from decentralized_task import TASK_NAME
     from hooks import swarm_hook_generator
+    from swarm_metrics import metrics_validators
 
     try:
         config, changes = compose_config(
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         except swarm.SwarmError as error:
             print(f"error: {error}", file=sys.stderr)
             return 3
+        dht.add_validators(metrics_validators(settings.run_id))  # signed progress records (run_monitor.py)
         swarm.use_shared_dht(dht)
     try:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)

@@ -18,7 +18,7 @@ Regimes: sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32
          cpu_full, cpu_not_full (real CPU training of a ~0.5M-param CNN on sklearn digits).
          "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4 (groups never fill up).
 Modes:   none, old, improved, no_delta, no_refresh, no_pipeline.
---quick: 8 s windows (4 s for `none`), 5M params, min_matchmaking_time 2 s; every regime and mode still runs.
+--quick: 7 s windows (4 s for `none`), 5M params, min_matchmaking_time 2 s; every regime and mode still runs.
 
 Metrics (per run; rounds count if they finished inside the measured window):
     samples_per_s_per_peer, throughput_ratio (vs `none` of the same regime), rounds_per_min (applied rounds per
@@ -898,7 +898,7 @@ def build_configs(args: argparse.Namespace) -> list[RunConfig]:
     """Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
     base = RunConfig(regime="sim_full", mode="none", peers=args.peers, verbose=args.verbose)
     if args.quick:
-        base = replace(base, seconds=8.0, sim_params=5_000_000, min_matchmaking_time=2.0, request_timeout=1.0,
+        base = replace(base, seconds=7.0, sim_params=5_000_000, min_matchmaking_time=2.0, request_timeout=1.0,
                        allreduce_timeout=20.0, setup_timeout=40.0, shutdown_grace=0.5)  # fmt: skip
     baseline_seconds = 4.0 if args.quick and args.seconds is None else None  # `none` has no rounds to wait for
     if args.seconds is not None:

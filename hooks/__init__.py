@@ -18,9 +18,10 @@ from hooks.average_on_update_hook import AverageOnUpdateHook  # noqa: E402
 from hooks.hold_params_during_update_hook import HoldParamsDuringUpdateHook  # noqa: E402
 from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
 from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
+from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
 
 __all__ = ["AverageOnUpdateHook", "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
-           "swarm_hook_generator"]
+           "PublishProgressOnStepHook", "swarm_hook_generator"]
 
 
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
@@ -31,5 +32,6 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
         HoldParamsDuringUpdateHook(),
         AverageOnUpdateHook(),
         LogProgressOnStepHook(log_every=log_every),
+        PublishProgressOnStepHook(publish_every=log_every),
         LeaveSwarmOnEndHook(),
     ]

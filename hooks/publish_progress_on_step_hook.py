@@ -36,6 +36,7 @@ class PublishProgressOnStepHook(ClassyHook):
         self.expiration_s = expiration_s
         self._key: str | None = None
         self._subkey: bytes | None = None
+        self._peer_id = ""
         self._pending: Any = None  # the MPFuture of the last store
         self._last_time = self._last_iteration = None
         self._warned = False
@@ -52,6 +53,7 @@ class PublishProgressOnStepHook(ClassyHook):
             logging.warning(f"Not publishing progress to the swarm monitor: {error!r}")
             return
         self._key, self._subkey = metrics_key(run_id), owner_subkey()
+        self._peer_id = str(task.dht.peer_id)  # asks the DHT process once; on_step never waits for it
         self._last_time, self._last_iteration = time.monotonic(), task.iteration
 
     def on_step(self, task) -> None:
@@ -81,7 +83,7 @@ class PublishProgressOnStepHook(ClassyHook):
             step=task.iteration, samples_per_s=samples_per_s, loss=None if loss is None else float(loss.item()),
             group_size=last.get("group_size"), staleness_steps=last.get("staleness_steps"),
             rounds_ok=optimizer.counters["rounds_applied"], rounds_failed=optimizer.counters["rounds_failed"],
-            time=time.time(), peer_id=str(task.dht.peer_id),
+            time=time.time(), peer_id=self._peer_id,
         )
         return record, interval
 

@@ -1,8 +1,8 @@
 """The swarm monitor: signed progress records in a real hivemind DHT on 127.0.0.1, and run_monitor.py watching
 real VISSL trainers.
 
-test_monitor_shows_both_trainers needs PublishProgressOnStepHook in ``hooks.swarm_hook_generator`` (the trainers
-are plain run_trainer.py processes).
+The trainers are plain run_trainer.py processes: they publish once PublishProgressOnStepHook is in
+``hooks.swarm_hook_generator`` (test_trainers_publish_through_the_swarm_hooks checks that it is).
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import hivemind
 import pytest
+import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
@@ -107,10 +109,65 @@ def test_forged_and_malformed_records_are_rejected() -> None:
             node.shutdown()
 
 
+def stub_task(node: hivemind.DHT, iteration: int) -> SimpleNamespace:
+    """The parts of a DecentralizedSelfSupervisionTask that the hook reads, around a real DHT."""
+    averager = SimpleNamespace(records=[{"applied": True, "group_size": 3, "staleness_steps": 2}, {"applied": False}],
+                               counters={"rounds_applied": 5, "rounds_failed": 1})
+    return SimpleNamespace(dht=node, decentralized_sgd=averager, swarm_settings=SimpleNamespace(run_id="hooktest"),
+                           train=True, iteration=iteration, get_global_batchsize=lambda: 16,
+                           last_batch=SimpleNamespace(loss=torch.tensor(float("nan"))))
+
+
+def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture) -> None:
+    from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook
+
+    monitor = dht([], metrics_validators("hooktest"))
+    trainer = dht([str(address) for address in monitor.get_visible_maddrs()], None)  # the hook adds validators
+    try:
+        hook = PublishProgressOnStepHook(publish_every=5)
+        task = stub_task(trainer, iteration=0)
+        hook.on_start(task)
+        for last in (5, 10):  # the record of step 10 replaces that of step 5 (the same owner subkey)
+            for iteration in range(last - 4, last + 1):
+                task.iteration = iteration
+                hook.on_step(task)
+            published = wait_until(
+                lambda last=last: [r for r in fetch_metrics(monitor, "hooktest").values() if r["step"] == last],
+                30, f"the hook's record of step {last}")
+        assert published == [{**published[0], "group_size": 3, "staleness_steps": 2, "rounds_ok": 5,
+                               "rounds_failed": 1, "loss": None, "peer_id": str(trainer.peer_id)}]
+    finally:
+        trainer.shutdown()
+    try:
+        task.iteration = 15
+        hook.on_step(task)  # the DHT is gone: a warning, never an exception in the trainer
+        hook.on_step(task)
+        assert "could not publish progress" in caplog.text or "publishing progress to the DHT failed" in caplog.text
+    finally:
+        monitor.shutdown()
+
+
+def publishing_hooks() -> list:
+    """The publishing hooks that run_trainer.py hands to VISSL for the tiny config."""
+    from config_loading import compose_config
+    from hooks import swarm_hook_generator
+    from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook
+
+    config, _ = compose_config("swav_tiny", ["config.LOG_FREQUENCY=2"], has_gpu=False)
+    return [hook for hook in swarm_hook_generator(config) if isinstance(hook, PublishProgressOnStepHook)]
+
+
+def test_trainers_publish_through_the_swarm_hooks() -> None:
+    hooks = publishing_hooks()
+    assert len(hooks) == 1, "wire PublishProgressOnStepHook into hooks.swarm_hook_generator"
+    assert hooks[0].publish_every == 2  # as often as the progress log line (config.LOG_FREQUENCY)
+
+
 def start_monitor(tmp_path: Path, table: Path) -> tuple[subprocess.Popen, Path]:
     log_path = tmp_path / "monitor.log"
     command = [sys.executable, str(REPO / "run_monitor.py"), "--run_id", "montest", "--config", "swav_tiny",
-               "--host_maddrs", *LOOPBACK, "--refresh_period", "2", "--json", str(table)]
+               "--host_maddrs", *LOOPBACK, "--refresh_period", "2", "--json", str(table),
+               "--tensorboard_dir", str(tmp_path / "tensorboard")]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -131,6 +188,7 @@ def monitor_table(path: Path) -> dict:
 
 @pytest.mark.timeout(600)
 def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp_path: Path) -> None:
+    assert publishing_hooks(), "wire PublishProgressOnStepHook into hooks.swarm_hook_generator"
     table = tmp_path / "table.json"
     monitor, log_path = start_monitor(tmp_path, table)
     trainers = [LocalPeer(f"peer{index}", tmp_path) for index in range(2)]
@@ -184,3 +242,22 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
     assert monitor.returncode == 0, log_path.read_text()[-2000:]
     output = log_path.read_text()
     assert "swarm: 2 peers alive" in output and "Traceback" not in output
+    assert 2 in tensorboard_scalars(tmp_path / "tensorboard", "swarm/peers_alive")
+
+
+def tensorboard_scalars(log_dir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--initial_peers", "/ip4/127.0.0.1/tcp/31337"], "has no /p2p/<peer id> part"),
+    (["--refresh_period", "0"], "--refresh_period must be positive"),
+])
+def test_bad_monitor_flags_fail_with_a_clear_error(flags: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, str(REPO / "run_monitor.py"), *flags], cwd=REPO, env=trainer_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
