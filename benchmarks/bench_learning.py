@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (train/ val/)")
     parser.add_argument("--minutes", type=float, default=4.0, help="wall-clock training budget of each mode")
     parser.add_argument("--peers", type=int, default=3, help="peers per mode")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs of the LR schedule (a peer stops early if done)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/out/learning", help="checkpoints and logs")
     parser.add_argument("--json", type=Path, default=None, help="write {'runs': [...]} here")
@@ -65,19 +66,23 @@ def mean_pairwise_distance(checkpoints: list[Path]) -> float:
 
 
 def train_swarm(mode: str, args: argparse.Namespace) -> list[LocalPeer]:
-    """Three peers of one mode, each from its own seed, for the same wall-clock budget."""
+    """Three peers of one mode, each from its own seed, for the same wall-clock budget (or until done)."""
     out = args.out / mode
     peers = [LocalPeer(f"peer{index}", out) for index in range(args.peers)]
     flags = ["--run_id", f"learn{mode}", "--target_group_size", str(args.peers), "--min_matchmaking_time", "3",
              "--averaging_timeout", "30", "--next_chunk_timeout", "5", "--load_state_timeout", "0",
              *MODE_FLAGS[mode]]
-    overrides = ["config.OPTIMIZER.num_epochs=30", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=20",
+    overrides = [f"config.OPTIMIZER.num_epochs={args.epochs}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=20",
                  "config.CHECKPOINT.OVERWRITE_EXISTING=True", "config.LOG_FREQUENCY=10"]
+    seed = lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"]  # noqa: E731
     try:
-        start_swarm(peers, args.data_path, flags, overrides,
-                    per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+        if mode == "isolated":  # no swarm, so no join line: each peer on its own
+            for peer in peers:
+                peer.start(args.data_path, [], flags, overrides + seed(peer))
+        else:
+            start_swarm(peers, args.data_path, flags, overrides, per_peer_overrides=seed)
         deadline = time.monotonic() + args.minutes * 60.0
-        while time.monotonic() < deadline and all(peer.is_running() for peer in peers):
+        while time.monotonic() < deadline and any(peer.is_running() for peer in peers):
             time.sleep(2.0)
     finally:
         stop_all(peers)
