@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -42,6 +43,21 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 logger = logging.getLogger(__name__)
 
 _FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
+_MIN_PIPELINED_MATCHMAKING = 0.5  # seconds: shortest matchmaking scheduled for a round started during an AllReduce
+
+
+class _LockedConnection:
+    """The averager's control pipe with sends serialized: the trainer and the watcher thread both call step()."""
+
+    def __init__(self, connection: Any):
+        self._connection, self._send_lock = connection, threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._send_lock:
+            self._connection.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
 
 
 def _extract_8bit(self: Quantization, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
@@ -204,6 +220,9 @@ class DecentralizedSGD:
              "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s"), 0
         )  # fmt: skip
         self._rounds: deque[_Round] = deque()  # oldest first; at most two: one in AllReduce, one matchmaking
+        # _rounds is changed by the trainer (under self.lock) and by the watcher, which starts the next round as soon
+        # as the current one's AllReduce began; both hold _rounds_lock while they change it (order: lock, then this)
+        self._rounds_lock = threading.Lock()
         self._watched: tuple[_Round, ...] = ()
         self._num_rounds = self._last_sync_step = self._samples_since_fill = 0
         self._allreduce_ema: float | None = None
@@ -240,6 +259,9 @@ class DecentralizedSGD:
             state_fn=self._serve_state,
             trigger_grace=next_chunk_timeout,
         )
+        # the exact values put into the averager for the round in flight: only the oldest round fills, and its
+        # snapshot is released when it resolves, so one preallocated set serves every round (no clone per round)
+        self._snapshot_buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in local]
         self._watcher = threading.Thread(target=self._watch, name="dsgd-watcher", daemon=True)
         if start:
             self.start()
@@ -275,6 +297,7 @@ class DecentralizedSGD:
         """Start the averager process (only needed if created with start=False)."""
         with keep_ctrl_c():
             self.averager.run_in_background(await_ready=True)
+        self.averager._outer_pipe = _LockedConnection(self.averager._outer_pipe)  # after the fork: parent side only
         self._watcher.start()
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
@@ -300,24 +323,46 @@ class DecentralizedSGD:
         if self._closed or not self.averager.is_alive():
             return
         while self._rounds and self._rounds[0].control.done():
-            self._resolve(self._rounds.popleft())
+            self._resolve(self._pop_head())
         if self._rounds:  # only the oldest round may touch the buffers: a newer one waits for its result
             head = self._rounds[0]
             self._observe(head)
             if head.t_triggered is None and head.control.stage == AveragingStage.AWAITING_TRIGGER:
                 if time.time() - (head.t_group_formed or time.time()) > self.next_chunk_timeout:
                     head.control.cancel()  # groupmates have dropped us by now; triggering would only stall us
-                    self._resolve(self._rounds.popleft())
+                    self._resolve(self._pop_head())
                 else:
                     self._fill_and_trigger(head)
-        if not self._rounds:
-            self._start_round(self.min_matchmaking_time)
-        elif self.pipeline and len(self._rounds) == 1 and self._rounds[0].control.began_allreduce:
-            # look for the next group now, scheduled to form about when this AllReduce ends
-            self._start_round(max(self._allreduce_ema or 0.0, self.min_matchmaking_time))
-        self._watched = tuple(self._rounds)
+        with self._rounds_lock:
+            if not self._rounds:
+                self._start_round(self.min_matchmaking_time)
+            else:  # normally the watcher has done this already, right when the AllReduce began
+                self._maybe_start_next_round()
+            self._watched = tuple(self._rounds)
+
+    def _pop_head(self) -> _Round:
+        with self._rounds_lock:
+            r = self._rounds.popleft()
+            self._watched = tuple(self._rounds)
+        return r
+
+    def _maybe_start_next_round(self) -> None:
+        """Pipelining (under _rounds_lock): once the only round's AllReduce began, look for the next group, scheduled
+        to form about when this AllReduce ends (expected remaining time from the EMA of past AllReduce durations)."""
+        if not (self.pipeline and len(self._rounds) == 1 and self._rounds[0].control.began_allreduce):
+            return
+        head = self._rounds[0]
+        if self._allreduce_ema is None:
+            remaining = 0.0
+        else:
+            started = head.t_allreduce_start if head.t_allreduce_start is not None else time.time()
+            remaining = max(self._allreduce_ema - (time.time() - started), 0.0)
+        # no min_matchmaking_time floor here: the peers are already known, and these groups form while the
+        # previous AllReduce runs; only a short floor so that groupmates starting a few ms apart still meet
+        self._start_round(max(remaining, min(self.min_matchmaking_time, _MIN_PIPELINED_MATCHMAKING)))
 
     def _start_round(self, delay: float) -> None:
+        """Called with _rounds_lock held, from the trainer (holding self.lock) or from the watcher."""
         control = self.averager.step(
             scheduled_time=get_dht_time() + delay, require_trigger=True, allow_retries=False, wait=False
         )
@@ -334,15 +379,14 @@ class DecentralizedSGD:
             self.before_allreduce()
         source = r.snapshot if r.snapshot is not None else self._local_tensors()
         with torch.no_grad(), self.averager.get_tensors() as buffers:
-            for buf, t in zip(buffers, source, strict=True):
-                buf.copy_(t)
+            self._copy(buffers, source)
             r.local_nonfinite = not self._all_finite(buffers)  # checked on the CPU copies: no GPU syncs
             if r.local_nonfinite:  # contribute zeros with weight 0 rather than poison the group
                 logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
-                for buf in buffers:
-                    buf.zero_()
+                torch._foreach_zero_(buffers)
             if r.snapshot is None:
-                r.snapshot = [buf.clone() for buf in buffers]
+                torch._foreach_copy_(self._snapshot_buffers, buffers)
+                r.snapshot = self._snapshot_buffers
         r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
         if r.local_nonfinite:
             r.weight = 0.0
@@ -394,18 +438,39 @@ class DecentralizedSGD:
     def _apply(self, r: _Round) -> bool:
         """Apply the averaged buffers: w <- w + averaged - snapshot (or overwrite without delta_rule)."""
         with torch.no_grad(), self.averager.get_tensors() as buffers:
+            # the round is finished: the buffers are ours until the next fill overwrites them, so work in place
+            if not self.delta_rule:
+                if not self._all_finite(buffers):
+                    return False
+                self._copy(self._local_tensors(), buffers)
+                return True
+            torch._foreach_sub_(buffers, r.snapshot)  # the snapshot is finite, so the delta is iff the average is
             if not self._all_finite(buffers):
                 return False
-            for t, avg, snap in zip(self._local_tensors(), buffers, r.snapshot, strict=True):
-                if self.delta_rule:
-                    t.add_((avg - snap).to(t.device, t.dtype))
-                else:
-                    t.copy_(avg)
+            local = self._local_tensors()
+            if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in local):
+                torch._foreach_add_(local, buffers)
+            else:
+                for t, delta in zip(local, buffers, strict=True):
+                    t.add_(delta.to(t.device, t.dtype))
         return True
 
     @staticmethod
+    def _copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        assert len(dst) == len(src)
+        if all(a.device == b.device and a.dtype == b.dtype for a, b in zip(dst, src, strict=True)):
+            torch._foreach_copy_(list(dst), list(src))
+        else:
+            for a, b in zip(dst, src, strict=True):
+                a.copy_(b)
+
+    @staticmethod
     def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        return all(bool(torch.isfinite(t).all()) for t in tensors)
+        """One pass per tensor, one sync: max |x| is nan/inf iff some element is (nan propagates through max)."""
+        tensors = [t for t in tensors if t.numel() > 0]
+        if not tensors:
+            return True
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
 
     def _wait_for_round(self) -> None:
         """SSP: block until a round is applied, at most staleness_timeout seconds."""
@@ -442,6 +507,14 @@ class DecentralizedSGD:
         while not self._stop.wait(0.02):
             for r in self._watched:
                 self._observe(r)
+            if self.pipeline and self.refresh_before_allreduce and self.averager.is_alive():
+                try:
+                    with self._rounds_lock:
+                        if not self._closed:
+                            self._maybe_start_next_round()
+                            self._watched = tuple(self._rounds)
+                except Exception as e:  # the averager may be shutting down; the trainer retries at its next step
+                    logger.debug(f"watcher could not start the next round: {e!r}")
 
     def _base_record(self, r: _Round) -> dict:
         """One JSON-able dict per resolved round; t_applied/step_at_apply: when the trainer processed the result."""
@@ -529,7 +602,9 @@ class DecentralizedSGD:
                 local.copy_(loaded_tensor)
             self.local_step = self._last_sync_step = int(metadata["local_step"])
             self.samples = int(metadata["samples"])
-            for r in self._rounds:
+            with self._rounds_lock:  # the watcher may append a round meanwhile
+                rounds = tuple(self._rounds)
+            for r in rounds:
                 r.stale = r.stale or r.snapshot is not None  # their delta was computed against the old params
         return metadata.get("extra_state") or {}
 
@@ -540,7 +615,7 @@ class DecentralizedSGD:
             return
         self._closed = True
         self._stop.set()
-        with self.lock:
+        with self.lock, self._rounds_lock:  # the watcher starts no round once _closed is set
             for r in self._rounds:
                 if not r.control.done():
                     r.control.cancel()
