@@ -16,7 +16,9 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,8 +157,13 @@ def settings_from(args: argparse.Namespace) -> swarm.SwarmSettings:
 def monitor(dht: Any, args: argparse.Namespace, join_line: str) -> None:
     """Refresh until --iterations or Ctrl-C; each refresh prints the table (redrawn in place on a terminal)."""
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir else None
+    stop = threading.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):  # a flag, not KeyboardInterrupt: hivemind's futures
+        signal.signal(signal_number, lambda *_: stop.set())  # may swallow it while the main thread waits on them
     try:
         for refresh in itertools.count(1):
+            if stop.is_set():
+                return
             try:
                 records = fetch_metrics(dht, args.run_id, timeout=max(args.refresh_period, 10.0))
             except TimeoutError:
@@ -165,7 +172,7 @@ def monitor(dht: Any, args: argparse.Namespace, join_line: str) -> None:
                 report(records, refresh, args, join_line, tensorboard)
             if args.iterations is not None and refresh >= args.iterations:
                 return
-            time.sleep(args.refresh_period)
+            stop.wait(args.refresh_period)
     finally:
         if tensorboard is not None:
             tensorboard.close()

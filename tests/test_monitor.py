@@ -128,6 +128,8 @@ def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture
         task = stub_task(trainer, iteration=0)
         hook.on_start(task)
         for last in (5, 10):  # the record of step 10 replaces that of step 5 (the same owner subkey)
+            # the hook skips a step while its previous store is in flight: let that one finish first
+            wait_until(lambda: hook._pending is None or hook._pending.done(), 30, "the hook's previous store")
             for iteration in range(last - 4, last + 1):
                 task.iteration = iteration
                 hook.on_step(task)
@@ -136,6 +138,8 @@ def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture
                 30, f"the hook's record of step {last}")
         assert published == [{**published[0], "group_size": 3, "staleness_steps": 2, "rounds_ok": 5,
                                "rounds_failed": 1, "loss": None, "peer_id": str(trainer.peer_id)}]
+        # the hook skips a step while its previous store is in flight: let that one finish before the DHT dies
+        wait_until(lambda: hook._pending is None or hook._pending.done(), 30, "the hook's last store")
     finally:
         trainer.shutdown()
     try:
