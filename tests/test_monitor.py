@@ -146,7 +146,9 @@ def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture
         task.iteration = 15
         hook.on_step(task)  # the DHT is gone: a warning, never an exception in the trainer
         hook.on_step(task)
-        assert "could not publish progress" in caplog.text or "publishing progress to the DHT failed" in caplog.text
+        # one warning per run of failures: the first one may be about the last store before the DHT went away
+        warnings = [r for r in caplog.records if r.levelname == "WARNING" and "publish_progress" in r.pathname]
+        assert warnings, caplog.text
     finally:
         monitor.shutdown()
 
