@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import signal
 import threading
 import time
@@ -110,10 +109,23 @@ class _Averager(hivemind.DecentralizedAverager):
 
     def __init__(self, *args, state_fn: Callable[[], tuple], trigger_grace: float, **kwargs):
         self.state_fn, self.trigger_grace = state_fn, trigger_grace
+        self._live_steps: set[asyncio.Task] = set()
         super().__init__(*args, **kwargs)
 
     def get_current_state(self) -> tuple:
         return self.state_fn()
+
+    async def _step(self, **kwargs) -> None:
+        # hivemind creates this task without keeping a reference to it (averager.py, _run), and the trigger it awaits
+        # is an MPFuture that hivemind holds only by weak reference: while a round awaits its trigger, the garbage
+        # collector may destroy the whole chain ("Task was destroyed but it is pending!") and the round never ends,
+        # for us and for our groupmates. Keep the task alive until it finishes.
+        task = asyncio.current_task()
+        self._live_steps.add(task)
+        try:
+            await super()._step(**kwargs)
+        finally:
+            self._live_steps.discard(task)
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -157,6 +169,9 @@ class _Round:
     weight: float | None = None
     local_nonfinite: bool = False
     stale: bool = False  # params were replaced by load_state_from_peers after the snapshot
+    filled: bool = False  # the trainer copied its params into the averager's buffers; the watcher triggers
+    delta_ready: bool | None = None  # buffers hold the update to add (averaged - snapshot); False: not finite
+    resolved: bool = False
 
 
 class DecentralizedSGD:
@@ -217,7 +232,8 @@ class DecentralizedSGD:
         self.records: list[dict] = []
         self.counters: dict[str, float] = dict.fromkeys(
             ("rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
-             "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s"), 0
+             "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s",
+             "trainer_s"), 0
         )  # fmt: skip
         self._rounds: deque[_Round] = deque()  # oldest first; at most two: one in AllReduce, one matchmaking
         # _rounds is changed by the trainer (under self.lock) and by the watcher, which starts the next round as soon
@@ -225,8 +241,12 @@ class DecentralizedSGD:
         self._rounds_lock = threading.Lock()
         self._watched: tuple[_Round, ...] = ()
         self._num_rounds = self._last_sync_step = self._samples_since_fill = 0
+        self._starting = False  # a round is being launched (the averager RPC runs outside _rounds_lock)
         self._allreduce_ema: float | None = None
         self._closed, self._stop, self._observe_lock = False, threading.Event(), threading.Lock()
+        self._wake = threading.Event()  # the trainer filled a round: the watcher should trigger it now
+        # the averager's buffers are shared by the trainer (fill, apply) and the watcher (trigger, prepare the delta)
+        self._buffers_lock = threading.Lock()
 
         # what we average: the params (fixed objects), float buffers by name, param-shaped optimizer state by key
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -310,11 +330,13 @@ class DecentralizedSGD:
         """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
         Polls the averager: applies a finished round (delta rule), fills+triggers a formed group with fresh params,
         schedules the next matchmaking, enforces max_staleness. Cheap when nothing happened (no tensor copies)."""
+        t0 = time.perf_counter()
         with self.lock:
             self.local_step += 1
             self.samples += batch_size or 1
             self._samples_since_fill += batch_size or 1
             self._poll()
+        self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
         if self.max_staleness is not None and self.local_step - self._last_sync_step > self.max_staleness:
             self._wait_for_round()
 
@@ -327,18 +349,16 @@ class DecentralizedSGD:
         if self._rounds:  # only the oldest round may touch the buffers: a newer one waits for its result
             head = self._rounds[0]
             self._observe(head)
-            if head.t_triggered is None and head.control.stage == AveragingStage.AWAITING_TRIGGER:
+            if not head.filled and head.control.stage == AveragingStage.AWAITING_TRIGGER:
                 if time.time() - (head.t_group_formed or time.time()) > self.next_chunk_timeout:
                     head.control.cancel()  # groupmates have dropped us by now; triggering would only stall us
                     self._resolve(self._pop_head())
                 else:
-                    self._fill_and_trigger(head)
-        with self._rounds_lock:
-            if not self._rounds:
-                self._start_round(self.min_matchmaking_time)
-            else:  # normally the watcher has done this already, right when the AllReduce began
-                self._maybe_start_next_round()
-            self._watched = tuple(self._rounds)
+                    self._fill(head)
+        with self._rounds_lock:  # normally the watcher has started the next round already, when the group formed
+            delay = self._claim_next_round(first_allowed=True)
+        if delay is not None:
+            self._launch_round(delay)
 
     def _pop_head(self) -> _Round:
         with self._rounds_lock:
@@ -346,56 +366,107 @@ class DecentralizedSGD:
             self._watched = tuple(self._rounds)
         return r
 
-    def _maybe_start_next_round(self) -> None:
-        """Pipelining (under _rounds_lock): once the only round's AllReduce began, look for the next group, scheduled
-        to form about when this AllReduce ends (expected remaining time from the EMA of past AllReduce durations)."""
-        if not (self.pipeline and len(self._rounds) == 1 and self._rounds[0].control.began_allreduce):
-            return
+    def _claim_next_round(self, first_allowed: bool) -> float | None:
+        """Under _rounds_lock: the matchmaking delay of a round to start now, or None. A claim must be followed by
+        _launch_round; one launch at a time. Only the trainer starts a round when none is in flight: a peer whose
+        trainer stalls stops joining groups (its groupmates would wait for its trigger)."""
+        if self._starting or self._closed:
+            return None
+        if not self._rounds:
+            delay = self.min_matchmaking_time if first_allowed else None
+        else:
+            delay = self._pipelined_delay()
+        self._starting = delay is not None
+        return delay
+
+    def _pipelined_delay(self) -> float | None:
+        """Pipelining: once the only round's group has formed (hivemind's matchmaking is free again), look for the
+        next group, scheduled to form about when this round's AllReduce ends (expected remaining time from the EMA
+        of past AllReduce durations). The next round is triggered only after this round's result is applied."""
+        if not (self.pipeline and len(self._rounds) == 1):
+            return None
         head = self._rounds[0]
+        if head.t_group_formed is None and not head.control.began_allreduce:
+            return None
         if self._allreduce_ema is None:
             remaining = 0.0
         else:
             started = head.t_allreduce_start if head.t_allreduce_start is not None else time.time()
             remaining = max(self._allreduce_ema - (time.time() - started), 0.0)
-        # no min_matchmaking_time floor here: the peers are already known, and these groups form while the
-        # previous AllReduce runs; only a short floor so that groupmates starting a few ms apart still meet
-        self._start_round(max(remaining, min(self.min_matchmaking_time, _MIN_PIPELINED_MATCHMAKING)))
+        # hivemind never lets a group that is not full form before min_matchmaking_time (matchmaking.py): a full
+        # group forms as early as this schedule, with a short floor so that groupmates a few ms apart still meet
+        return max(remaining, min(self.min_matchmaking_time, _MIN_PIPELINED_MATCHMAKING))
 
-    def _start_round(self, delay: float) -> None:
-        """Called with _rounds_lock held, from the trainer (holding self.lock) or from the watcher."""
-        control = self.averager.step(
-            scheduled_time=get_dht_time() + delay, require_trigger=True, allow_retries=False, wait=False
-        )
-        prev = self._rounds[-1].control if self._rounds else None
-        r = _Round(self._num_rounds, control, prev, time.time(), self.local_step)
-        self._num_rounds += 1
-        if not self.refresh_before_allreduce:  # ablation: the old behaviour, snapshot when matchmaking starts
-            r.snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self._local_tensors()]
-            r.step_at_snapshot = self.local_step
-        self._rounds.append(r)
+    def _launch_round(self, delay: float) -> None:
+        """After a claim: ask the averager process for a step (an RPC, done outside _rounds_lock so that the trainer
+        never waits for the watcher's), then queue the round."""
+        t_start, step_at_start = time.time(), self.local_step
+        try:
+            control = self.averager.step(
+                scheduled_time=get_dht_time() + delay, require_trigger=True, allow_retries=False, wait=False
+            )
+        except BaseException:
+            with self._rounds_lock:
+                self._starting = False
+            raise
+        with self._rounds_lock:
+            self._starting = False
+            if self._closed:
+                control.cancel()
+                return
+            prev = self._rounds[-1].control if self._rounds else None
+            r = _Round(self._num_rounds, control, prev, t_start, step_at_start)
+            self._num_rounds += 1
+            if not self.refresh_before_allreduce:  # ablation, trainer thread: snapshot when matchmaking starts
+                r.snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self._local_tensors()]
+                r.step_at_snapshot = self.local_step
+            self._rounds.append(r)
+            self._watched = tuple(self._rounds)
 
-    def _fill_and_trigger(self, r: _Round) -> None:
+    def _fill(self, r: _Round) -> None:
+        """Trainer thread, at a step boundary: the one copy that must see consistent params. The rest of the
+        preparation (finite check, keeping the snapshot, trigger) is the watcher's, off the training thread."""
         if self.before_allreduce is not None:
             self.before_allreduce()
         source = r.snapshot if r.snapshot is not None else self._local_tensors()
-        with torch.no_grad(), self.averager.get_tensors() as buffers:
+        with self._buffers_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
             self._copy(buffers, source)
+        r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
+        self._samples_since_fill = 0
+        if r.step_at_snapshot is None:
+            r.step_at_snapshot = self.local_step
+        r.filled = True
+        self._wake.set()
+
+    def _trigger(self, r: _Round) -> None:
+        """Watcher thread: check and keep the filled values, then let the AllReduce begin."""
+        with self._buffers_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+            if r.t_triggered is not None or r.resolved or r.control.done():
+                return
             r.local_nonfinite = not self._all_finite(buffers)  # checked on the CPU copies: no GPU syncs
             if r.local_nonfinite:  # contribute zeros with weight 0 rather than poison the group
                 logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
                 torch._foreach_zero_(buffers)
+                r.weight = 0.0
             if r.snapshot is None:
                 torch._foreach_copy_(self._snapshot_buffers, buffers)
                 r.snapshot = self._snapshot_buffers
-        r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
-        if r.local_nonfinite:
-            r.weight = 0.0
-        self._samples_since_fill = 0
-        r.control.weight = r.weight
-        if r.step_at_snapshot is None:
-            r.step_at_snapshot = self.local_step
-        r.t_triggered = time.time()
-        r.control.allow_allreduce()
+            r.control.weight = r.weight
+            r.t_triggered = time.time()
+            r.control.allow_allreduce()
+
+    def _prepare_delta(self, r: _Round) -> None:
+        """Turn the averaged buffers into the update to add (averaged - snapshot) and check it is finite; the watcher
+        does this as soon as the AllReduce ends, so that applying costs the trainer a single add."""
+        with self._buffers_lock:
+            if r.delta_ready is not None or r.resolved or r.stale or r.local_nonfinite or r.t_triggered is None:
+                return
+            if not r.control.done() or r.control.cancelled() or r.control.exception() is not None:
+                return
+            with torch.no_grad(), self.averager.get_tensors() as buffers:
+                if self.delta_rule:  # the snapshot is finite, so the delta is iff the average is
+                    torch._foreach_sub_(buffers, r.snapshot)
+                r.delta_ready = self._all_finite(buffers)
 
     def _resolve(self, r: _Round) -> None:
         """Record a finished (or cancelled) round and apply its result if it is usable."""
@@ -427,7 +498,8 @@ class DecentralizedSGD:
                 self._allreduce_ema = new if ema is None else 0.7 * ema + 0.3 * new
             if not self.averager.client_mode:  # let late joiners prefer the most trained peer
                 self.averager.state_sharing_priority = float(self.local_step)
-        r.snapshot = None
+        with self._buffers_lock:
+            r.resolved, r.snapshot = True, None
         self.records.append(record)
         if self.records_path is not None:
             with open(self.records_path, "a") as f:
@@ -437,16 +509,14 @@ class DecentralizedSGD:
 
     def _apply(self, r: _Round) -> bool:
         """Apply the averaged buffers: w <- w + averaged - snapshot (or overwrite without delta_rule)."""
-        with torch.no_grad(), self.averager.get_tensors() as buffers:
-            # the round is finished: the buffers are ours until the next fill overwrites them, so work in place
+        self._prepare_delta(r)  # normally the watcher has done it already
+        if not r.delta_ready:
+            return False
+        # the round is finished: the buffers are ours until the next fill overwrites them
+        with self._buffers_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
             if not self.delta_rule:
-                if not self._all_finite(buffers):
-                    return False
                 self._copy(self._local_tensors(), buffers)
                 return True
-            torch._foreach_sub_(buffers, r.snapshot)  # the snapshot is finite, so the delta is iff the average is
-            if not self._all_finite(buffers):
-                return False
             local = self._local_tensors()
             if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in local):
                 torch._foreach_add_(local, buffers)
@@ -466,11 +536,12 @@ class DecentralizedSGD:
 
     @staticmethod
     def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        """One pass per tensor, one sync: max |x| is nan/inf iff some element is (nan propagates through max)."""
+        """One pass per tensor, one sync: an L2 norm is nan/inf iff an element is (or exceeds ~1e19, whose square
+        overflows: no trained weight is that large, so it is rejected too). ~15x faster than isfinite or max |x|."""
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
 
     def _wait_for_round(self) -> None:
         """SSP: block until a round is applied, at most staleness_timeout seconds."""
@@ -504,17 +575,24 @@ class DecentralizedSGD:
                 r.t_end = time.time()
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.02):
-            for r in self._watched:
-                self._observe(r)
-            if self.pipeline and self.refresh_before_allreduce and self.averager.is_alive():
-                try:
+        """Background thread: timestamps, trigger of filled rounds, delta preparation, pipelined matchmaking."""
+        while not self._stop.is_set():
+            self._wake.wait(0.02)
+            self._wake.clear()
+            try:
+                for r in self._watched:
+                    self._observe(r)
+                    if r.filled and r.t_triggered is None:
+                        self._trigger(r)
+                    if r.t_end is not None:
+                        self._prepare_delta(r)
+                if self.pipeline and self.refresh_before_allreduce and self.averager.is_alive():
                     with self._rounds_lock:
-                        if not self._closed:
-                            self._maybe_start_next_round()
-                            self._watched = tuple(self._rounds)
-                except Exception as e:  # the averager may be shutting down; the trainer retries at its next step
-                    logger.debug(f"watcher could not start the next round: {e!r}")
+                        delay = self._claim_next_round(first_allowed=False)
+                    if delay is not None:
+                        self._launch_round(delay)
+            except Exception as e:  # the averager may be shutting down; the trainer retries at its next step
+                logger.debug(f"watcher: {e!r}")
 
     def _base_record(self, r: _Round) -> dict:
         """One JSON-able dict per resolved round; t_applied/step_at_apply: when the trainer processed the result."""
@@ -605,7 +683,7 @@ class DecentralizedSGD:
             with self._rounds_lock:  # the watcher may append a round meanwhile
                 rounds = tuple(self._rounds)
             for r in rounds:
-                r.stale = r.stale or r.snapshot is not None  # their delta was computed against the old params
+                r.stale = r.stale or r.filled or r.snapshot is not None  # their delta is against the old params
         return metadata.get("extra_state") or {}
 
     # --- lifecycle ---
@@ -615,6 +693,7 @@ class DecentralizedSGD:
             return
         self._closed = True
         self._stop.set()
+        self._wake.set()
         with self.lock, self._rounds_lock:  # the watcher starts no round once _closed is set
             for r in self._rounds:
                 if not r.control.done():

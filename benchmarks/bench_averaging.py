@@ -11,14 +11,16 @@ CPU contention are realistic. Each (regime, mode) gets fresh processes; their pr
 
 Usage:
     python benchmarks/bench_averaging.py [--quick] [--regimes R ...] [--modes M ...] [--seconds S] [--peers N]
-        [--sim-params P] [--min-matchmaking-time T] [--json PATH [--json-peers]] [--markdown PATH] [--plot PATH]
-        [--verbose]
+        [--warmup W] [--sim-params P] [--min-matchmaking-time T] [--json PATH [--json-peers]] [--markdown PATH]
+        [--plot PATH] [--verbose]
 
 Regimes: sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32 params really averaged),
          cpu_full, cpu_not_full (real CPU training of a ~0.5M-param CNN on sklearn digits).
          "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4 (groups never fill up).
 Modes:   none, old, improved, no_delta, no_refresh, no_pipeline.
---quick: 7 s windows (4 s for `none`), 5M params, min_matchmaking_time 2 s; every regime and mode still runs.
+Each run trains for a warm-up (10 s; --quick 3 s; 1 s for `none`) in which averaging already runs, then measures a
+window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up.
+--quick: 5M params, min_matchmaking_time 2 s; every regime and mode still runs.
 
 Metrics (per run; rounds count if they finished inside the measured window):
     samples_per_s_per_peer, throughput_ratio (vs `none` of the same regime), rounds_per_min (applied rounds per
@@ -79,6 +81,7 @@ class RunConfig:
     regime: str
     mode: str
     seconds: float = 60.0
+    warmup_s: float = 10.0  # trained (and averaged) before the measured window: steady state, not start-up
     peers: int = 3
     sim_params: int = 25_000_000
     sim_step_s: float = 0.3
@@ -435,10 +438,12 @@ def _start_dht(rank: int, cfg: RunConfig, channels: Channels) -> Any:
     return hivemind.DHT(start=True, initial_peers=addrs, host_maddrs=host)
 
 
-def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t0: float) -> dict:
-    """Train until t0 + seconds; remember when every local step ended (for throughput and the timeline)."""
+def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> dict:
+    """Train for warmup_s + seconds from t_train; the measured window [t0, t1] is the last `seconds`.
+    Remember when every local step ended (for throughput and the timeline)."""
     step_times: list[float] = []
     losses: list[float] = []
+    t0 = t_train + cfg.warmup_s
     t1 = t0 + cfg.seconds
     while time.time() < t1:
         driver.train_step()
@@ -446,7 +451,7 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t0: float) -> dict:
         if trainer.last_loss is not None:
             losses.append(trainer.last_loss)
     tail = losses[-20:]
-    return {"t0": t0, "t1": t1, "step_times": step_times, "batch_size": trainer.batch_size,
+    return {"t_train": t_train, "t0": t0, "t1": t1, "step_times": step_times, "batch_size": trainer.batch_size,
             "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
 
 
@@ -553,7 +558,7 @@ def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
         }
         channels.start_at.value = time.time() + 0.2  # every peer starts its window at the same instant
         channels.go.set()
-        peers = _collect(channels, cfg, "result", time.time() + cfg.seconds + cfg.setup_timeout)
+        peers = _collect(channels, cfg, "result", time.time() + cfg.warmup_s + cfg.seconds + cfg.setup_timeout)
     except Exception as e:
         summary["error"] = f"{type(e).__name__}: {e}"[-2000:]
         summary["logs"] = [str(log_path(cfg, rank)) for rank in range(cfg.peers)]
@@ -652,7 +657,10 @@ def _peer_metrics(peer: dict) -> dict:
     """One peer's numbers over its window [t0, t1]; rounds count if they finished inside it."""
     t0, t1, offset = peer["t0"], peer["t1"], peer["clock_offset"]
     window = t1 - t0
-    steps = [t for t in peer["step_times"] if t <= t1]
+    step_times = peer["step_times"]
+    # duration of every local step since training began; those that ended inside the window are measured
+    all_durations = [b - a for a, b in pairwise([peer.get("t_train", t0)] + step_times)]
+    measured = [i for i, t in enumerate(step_times) if t0 < t <= t1]
     in_window = [r for r in peer["records"] if t0 <= (_to_wall(r.get("t_end"), offset) or math.inf) <= t1]
     applied = [r for r in in_window if r.get("applied")]
     ends = sorted(_to_wall(r["t_end"], offset) for r in applied)
@@ -661,11 +669,13 @@ def _peer_metrics(peer: dict) -> dict:
     def values(key: str) -> list[float]:
         return [float(r[key]) for r in applied if r.get(key) is not None]
 
-    durations = [b - a for a, b in pairwise([t0] + steps)]
-    copy_steps = {i for r in applied for i in _copy_step_indices(r) if 0 <= i < len(durations)}
+    durations = [all_durations[i] for i in measured]
+    measured_set = set(measured)
+    copy_steps = {i for r in applied for i in _copy_step_indices(r) if i in measured_set}
 
     return {
-        "rate": len(steps) * peer["batch_size"] / window,
+        # whole steps over the time they took: no error from a step cut in half by the window's edges
+        "rate": len(durations) * peer["batch_size"] / sum(durations) if durations else 0.0,
         "rounds_per_min": len(applied) / (window / 60.0),
         "round_interval": _mean([b - a for a, b in pairwise(ends)]),
         "duty": _union_length(busy, t0, t1) / window,
@@ -673,8 +683,8 @@ def _peer_metrics(peer: dict) -> dict:
         "failed": sum(1 for r in in_window if r.get("error")),
         "skipped": sum(1 for r in in_window if not r.get("applied") and not r.get("error")),
         "step_durations": durations,
-        "copy_step_durations": [durations[i] for i in sorted(copy_steps)],
-        "other_step_durations": [d for i, d in enumerate(durations) if i not in copy_steps],
+        "copy_step_durations": [all_durations[i] for i in sorted(copy_steps)],
+        "other_step_durations": [all_durations[i] for i in measured if i not in copy_steps],
         "staleness": [s for s in map(_staleness, applied) if s is not None],
         "group_size": [float(r["group_size"]) for r in applied if r.get("group_size")],
         "allreduce_s": values("allreduce_s"),
@@ -842,7 +852,7 @@ def plot_timeline(
         if not run:
             continue
         for row, peer in enumerate(run["peers"]):
-            t0, offset, base = peer["t0"], peer["clock_offset"], row * 1.5
+            t0, offset, base = peer.get("t_train", peer["t0"]), peer["clock_offset"], row * 1.5
             for record in peer["records"] + peer.get("in_flight", []):
                 lane = base + 0.5 * (int(record.get("round") or 0) % 2)
                 for name, a, b in round_spans(record, offset, t_open=peer["t1"]) + _old_copy_spans(record):
@@ -854,8 +864,12 @@ def plot_timeline(
             ax.vlines(ticks, base - 0.25, base - 0.05, color="black", linewidth=0.5)
         ax.set_yticks([row * 1.5 + 0.5 for row in range(len(run["peers"]))])
         ax.set_yticklabels([f"peer {p['rank']}" for p in run["peers"]])
-        ax.set_xlim(0, run["peers"][0]["t1"] - run["peers"][0]["t0"])
-        ax.set_xlabel("seconds since start (ticks: local steps, dots: result applied)")
+        first = run["peers"][0]
+        t_train = first.get("t_train", first["t0"])
+        ax.axvspan(0, first["t0"] - t_train, color="0.9", zorder=0)
+        ax.set_xlim(0, first["t1"] - t_train)
+        ax.set_xlabel("seconds since training began (shaded: warm-up, not measured; ticks: local steps, "
+                      "dots: result applied)")
     handles = [Patch(color=c, label=n) for n, c in SPAN_COLORS.items()]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
@@ -883,6 +897,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=None, help="seconds trained before the measured window")
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--sim-params", type=int, default=None, help="parameters of the simulated model")
     parser.add_argument("--min-matchmaking-time", type=float, default=None)
@@ -898,18 +913,22 @@ def build_configs(args: argparse.Namespace) -> list[RunConfig]:
     """Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
     base = RunConfig(regime="sim_full", mode="none", peers=args.peers, verbose=args.verbose)
     if args.quick:
-        base = replace(base, seconds=7.0, sim_params=5_000_000, min_matchmaking_time=2.0, request_timeout=1.0,
-                       allreduce_timeout=20.0, setup_timeout=40.0, shutdown_grace=0.5)  # fmt: skip
+        base = replace(base, seconds=6.0, warmup_s=3.0, sim_params=5_000_000, min_matchmaking_time=2.0,
+                       request_timeout=1.0, allreduce_timeout=20.0, setup_timeout=40.0, shutdown_grace=0.5)  # fmt: skip
     baseline_seconds = 4.0 if args.quick and args.seconds is None else None  # `none` has no rounds to wait for
     if args.seconds is not None:
         base = replace(base, seconds=args.seconds)
+    if args.warmup is not None:
+        base = replace(base, warmup_s=args.warmup)
     if args.sim_params is not None:
         base = replace(base, sim_params=args.sim_params)
     if args.min_matchmaking_time is not None:
         mmt = args.min_matchmaking_time
         base = replace(base, min_matchmaking_time=mmt, request_timeout=min(base.request_timeout, 0.6 * mmt))
     return [
-        replace(base, regime=r, mode=m, seconds=baseline_seconds if m == "none" and baseline_seconds else base.seconds)
+        replace(base, regime=r, mode=m, seconds=baseline_seconds or base.seconds, warmup_s=min(base.warmup_s, 1.0))
+        if m == "none"
+        else replace(base, regime=r, mode=m)
         for r in REGIMES
         if r in args.regimes
         for m in MODES

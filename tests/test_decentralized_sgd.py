@@ -418,11 +418,12 @@ def test_ssp_wait_times_out_and_is_logged_when_alone(swarm, caplog):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("bad_peer_checks_itself", [True, False])
-def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_peer_checks_itself):
+@pytest.mark.parametrize(("bad_value", "bad_peer_checks_itself"), [(math.nan, True), (math.nan, False), (1e30, False)])
+def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_value, bad_peer_checks_itself):
+    """NaN, or absurdly large weights (1e30: their average is finite, but no model trains there)."""
     good = [swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))]
-    bad = swarm.peer(make_model(math.nan))
-    if not bad_peer_checks_itself:  # a buggy peer that sends its NaNs anyway: receivers must discard the round
+    bad = swarm.peer(make_model(bad_value))
+    if not bad_peer_checks_itself:  # a buggy peer that sends its values anyway: receivers must discard the round
         monkeypatch.setattr(bad, "_all_finite", lambda tensors: True)
     for peer in [*good, bad]:
         swarm.train(peer)
