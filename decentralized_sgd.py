@@ -33,16 +33,19 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 from hivemind.compression.quantization import Quantization
+from hivemind.dht import DHTNode
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time, nested_flatten
 from hivemind.utils.asyncio import achain, anext, as_aiter
+from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 
 _FORMED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 _MIN_PIPELINED_MATCHMAKING = 0.5  # seconds: shortest matchmaking scheduled for a round started during an AllReduce
+_REJOIN_CHECK_PERIOD = 10.0  # seconds between checks that our DHT still knows somebody
 
 
 class _LockedConnection:
@@ -99,6 +102,24 @@ def schema_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
     """Short hash of shapes/dtypes; put into the prefix so that peers with different models never even meet."""
     schema = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
     return hashlib.sha256(schema.encode()).hexdigest()[:16]
+
+
+async def _rejoin_if_alone(dht: hivemind.DHT, node: DHTNode) -> int | None:
+    """Runs in the DHT process. hivemind's DHT drops peers that stop answering and bootstraps only once, at start:
+    after a network outage a peer stays alone for good (and its matchmaking never ends). If our routing table is
+    empty, dial the initial peers again and ping them, which puts us back into each other's tables.
+    Returns how many initial peers answered, or None when we were not alone."""
+    if node.protocol.routing_table.uid_to_peer_id:
+        return None
+    answered = 0
+    for maddr in map(Multiaddr, map(str, dht.initial_peers or ())):
+        peer_id = PeerID.from_base58(maddr["p2p"])
+        try:
+            await node.p2p._client.connect(peer_id, [maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))])
+            answered += await node.protocol.call_ping(peer_id) is not None
+        except Exception as e:  # still unreachable: try again at the next check
+            logger.debug(f"rejoin: {maddr} did not answer: {e!r}")
+    return answered
 
 
 class _Averager(hivemind.DecentralizedAverager):
@@ -233,7 +254,7 @@ class DecentralizedSGD:
         self.counters: dict[str, float] = dict.fromkeys(
             ("rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
              "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s",
-             "trainer_s"), 0
+             "trainer_s", "dht_rejoins"), 0
         )  # fmt: skip
         self._rounds: deque[_Round] = deque()  # oldest first; at most two: one in AllReduce, one matchmaking
         # _rounds is changed by the trainer (under self.lock) and by the watcher, which starts the next round as soon
@@ -242,6 +263,7 @@ class DecentralizedSGD:
         self._watched: tuple[_Round, ...] = ()
         self._num_rounds = self._last_sync_step = self._samples_since_fill = 0
         self._starting = False  # a round is being launched (the averager RPC runs outside _rounds_lock)
+        self._rejoin_future: Any = None
         self._allreduce_ema: float | None = None
         self._closed, self._stop, self._observe_lock = False, threading.Event(), threading.Lock()
         self._wake = threading.Event()  # the trainer filled a round: the watcher should trigger it now
@@ -575,7 +597,9 @@ class DecentralizedSGD:
                 r.t_end = time.time()
 
     def _watch(self) -> None:
-        """Background thread: timestamps, trigger of filled rounds, delta preparation, pipelined matchmaking."""
+        """Background thread: timestamps, trigger of filled rounds, delta preparation, pipelined matchmaking,
+        and a periodic check that the DHT still knows somebody."""
+        next_rejoin_check = time.monotonic() + _REJOIN_CHECK_PERIOD
         while not self._stop.is_set():
             self._wake.wait(0.02)
             self._wake.clear()
@@ -591,8 +615,23 @@ class DecentralizedSGD:
                         delay = self._claim_next_round(first_allowed=False)
                     if delay is not None:
                         self._launch_round(delay)
+                if time.monotonic() > next_rejoin_check:
+                    next_rejoin_check = time.monotonic() + _REJOIN_CHECK_PERIOD
+                    self._check_dht_connected()
             except Exception as e:  # the averager may be shutting down; the trainer retries at its next step
                 logger.debug(f"watcher: {e!r}")
+
+    def _check_dht_connected(self) -> None:
+        """Watcher thread, every few seconds: if our DHT lost every peer (network outage), rejoin via initial peers."""
+        if self._rejoin_future is not None and not self._rejoin_future.done():
+            return
+        if self._rejoin_future is not None and not self._rejoin_future.exception():
+            answered = self._rejoin_future.result()
+            if answered is not None:
+                self.counters["dht_rejoins"] += bool(answered)
+                logger.warning(f"Our DHT had lost every peer; rejoined through {answered} initial peer(s)"
+                               if answered else "Our DHT has lost every peer and no initial peer answers yet")
+        self._rejoin_future = self.dht.run_coroutine(_rejoin_if_alone, return_future=True)
 
     def _base_record(self, r: _Round) -> dict:
         """One JSON-able dict per resolved round; t_applied/step_at_apply: when the trainer processed the result."""

@@ -39,3 +39,15 @@ def run_trainer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
         [sys.executable, str(REPO / "run_trainer.py"), *args],
         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout,
     )
+
+
+@pytest.fixture
+def swarm():
+    """DecentralizedSGD peers on 127.0.0.1, torn down after the test (see dsgd_swarm.Swarm)."""
+    from dsgd_swarm import Swarm
+
+    swarm = Swarm()
+    try:
+        yield swarm
+    finally:
+        swarm.close()

@@ -1,0 +1,69 @@
+"""A DecentralizedSGD peer in its own process, for fault-injection tests: the test kills, restarts or cuts it off.
+
+It trains a tiny model (a local step adds a small constant to the weights, so every round has local steps to keep),
+writes its peer id and its round records to files, and touches a marker file at the moment the test waits for:
+``looking`` (its only round is in matchmaking, after one applied round) or ``applied`` (it just applied a round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dsgd_swarm import FAST, make_model  # noqa: E402
+
+from decentralized_sgd import DecentralizedSGD  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--initial_peers", nargs="+", required=True)
+    parser.add_argument("--host_maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"])
+    parser.add_argument("--value", type=float, default=0.0, help="initial value of every weight and float buffer")
+    parser.add_argument("--step_s", type=float, default=0.01)
+    parser.add_argument("--marker", type=Path, default=None)
+    parser.add_argument("--marker_when", choices=["looking", "applied"], default="looking")
+    parser.add_argument("--out", type=Path, required=True, help="folder for peer_id.txt and rounds.jsonl")
+    parser.add_argument("--load_state", action="store_true", help="download the swarm's state first (a restart)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dht = hivemind.DHT(start=True, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers)
+    model = make_model(args.value)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    peer = DecentralizedSGD(optimizer, dht, prefix="test", model=model, records_path=str(args.out / "rounds.jsonl"),
+                            **FAST)  # fmt: skip
+    (args.out / "peer_id.txt").write_text(str(peer.peer_id))
+    if args.load_state:
+        peer.load_state_from_peers(timeout=20)
+    applied = 0
+    while True:
+        with peer.lock, torch.no_grad():
+            model[0].weight.add_(1e-3)  # a local step: the delta rule must keep it
+        peer.on_step_end()
+        if args.marker is not None and not args.marker.exists():
+            rounds = list(peer._rounds)
+            looking = len(rounds) == 1 and rounds[0].control.stage == AveragingStage.LOOKING_FOR_GROUP
+            newly_applied = peer.counters["rounds_applied"] > applied
+            if (args.marker_when == "looking" and applied and looking) or (
+                args.marker_when == "applied" and newly_applied
+            ):
+                args.marker.touch()
+            applied = int(peer.counters["rounds_applied"])
+        time.sleep(args.step_s)
+
+
+if __name__ == "__main__":
+    main()
