@@ -263,6 +263,7 @@ class DecentralizedSGD:
         self._watched: tuple[_Round, ...] = ()
         self._num_rounds = self._last_sync_step = self._samples_since_fill = 0
         self._starting = False  # a round is being launched (the averager RPC runs outside _rounds_lock)
+        self._round_wanted = False  # the trainer stepped with no round in flight: the watcher starts one
         self._rejoin_future: Any = None
         self._allreduce_ema: float | None = None
         self._closed, self._stop, self._observe_lock = False, threading.Event(), threading.Lock()
@@ -343,22 +344,29 @@ class DecentralizedSGD:
         self._watcher.start()
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
-        with self.lock:
+        with self.lock:  # one hold: the step and its count are seen together by the watcher and by late joiners
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self.on_step_end(batch_size)
+            self._count_step_and_poll(batch_size)
+        self._enforce_staleness_bound()
         return loss
 
     def on_step_end(self, batch_size: int | None = None) -> None:
         """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
         Polls the averager: applies a finished round (delta rule), fills+triggers a formed group with fresh params,
         schedules the next matchmaking, enforces max_staleness. Cheap when nothing happened (no tensor copies)."""
-        t0 = time.perf_counter()
         with self.lock:
-            self.local_step += 1
-            self.samples += batch_size or 1
-            self._samples_since_fill += batch_size or 1
-            self._poll()
+            self._count_step_and_poll(batch_size)
+        self._enforce_staleness_bound()
+
+    def _count_step_and_poll(self, batch_size: int | None) -> None:
+        t0 = time.perf_counter()
+        self.local_step += 1
+        self.samples += batch_size or 1
+        self._samples_since_fill += batch_size or 1
+        self._poll()
         self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
+
+    def _enforce_staleness_bound(self) -> None:
         if self.max_staleness is not None and self.local_step - self._last_sync_step > self.max_staleness:
             self._wait_for_round()
 
@@ -367,6 +375,9 @@ class DecentralizedSGD:
         if self._closed or not self.averager.is_alive():
             return
         while self._rounds and self._rounds[0].control.done():
+            if self._delta_pending(self._rounds[0]):  # the watcher is preparing it: apply at a later step
+                self._wake.set()
+                break
             self._resolve(self._pop_head())
         if self._rounds:  # only the oldest round may touch the buffers: a newer one waits for its result
             head = self._rounds[0]
@@ -377,10 +388,18 @@ class DecentralizedSGD:
                     self._resolve(self._pop_head())
                 else:
                     self._fill(head)
-        with self._rounds_lock:  # normally the watcher has started the next round already, when the group formed
-            delay = self._claim_next_round(first_allowed=True)
-        if delay is not None:
-            self._launch_round(delay)
+        if not self._rounds and not self._round_wanted:  # the watcher starts it: the RPC never blocks the trainer
+            self._round_wanted = True
+            self._wake.set()
+
+    def _delta_pending(self, r: _Round) -> bool:
+        """A finished round whose update the watcher has not prepared yet (but will: give it a moment, at most a
+        second, after which the trainer prepares it itself)."""
+        if r.delta_ready is not None or r.stale or r.local_nonfinite or r.t_triggered is None:
+            return False
+        if r.control.cancelled() or r.control.exception() is not None:
+            return False
+        return r.t_end is None or time.time() - r.t_end < 1.0
 
     def _pop_head(self) -> _Round:
         with self._rounds_lock:
@@ -388,14 +407,16 @@ class DecentralizedSGD:
             self._watched = tuple(self._rounds)
         return r
 
-    def _claim_next_round(self, first_allowed: bool) -> float | None:
-        """Under _rounds_lock: the matchmaking delay of a round to start now, or None. A claim must be followed by
-        _launch_round; one launch at a time. Only the trainer starts a round when none is in flight: a peer whose
-        trainer stalls stops joining groups (its groupmates would wait for its trigger)."""
+    def _claim_next_round(self) -> float | None:
+        """Watcher, under _rounds_lock: the matchmaking delay of a round to start now, or None. A claim must be
+        followed by _launch_round; one launch at a time. With no round in flight, a round starts only when the
+        trainer asked for one at a step: a peer whose trainer stalls stops joining groups (its groupmates would
+        wait for its trigger)."""
         if self._starting or self._closed:
             return None
         if not self._rounds:
-            delay = self.min_matchmaking_time if first_allowed else None
+            delay = self.min_matchmaking_time if self._round_wanted else None
+            self._round_wanted = False
         else:
             delay = self._pipelined_delay()
         self._starting = delay is not None
@@ -420,9 +441,13 @@ class DecentralizedSGD:
         return max(remaining, min(self.min_matchmaking_time, _MIN_PIPELINED_MATCHMAKING))
 
     def _launch_round(self, delay: float) -> None:
-        """After a claim: ask the averager process for a step (an RPC, done outside _rounds_lock so that the trainer
-        never waits for the watcher's), then queue the round."""
-        t_start, step_at_start = time.time(), self.local_step
+        """Watcher, after a claim: ask the averager process for a step (an RPC of up to a few hundred ms on a busy
+        machine, done outside _rounds_lock so that the trainer never waits for it), then queue the round."""
+        t_start, step_at_start, snapshot = time.time(), self.local_step, None
+        if not self.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts
+            with self.lock, torch.no_grad():  # between two trainer steps
+                snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self._local_tensors()]
+                step_at_start = self.local_step
         try:
             control = self.averager.step(
                 scheduled_time=get_dht_time() + delay, require_trigger=True, allow_retries=False, wait=False
@@ -439,9 +464,8 @@ class DecentralizedSGD:
             prev = self._rounds[-1].control if self._rounds else None
             r = _Round(self._num_rounds, control, prev, t_start, step_at_start)
             self._num_rounds += 1
-            if not self.refresh_before_allreduce:  # ablation, trainer thread: snapshot when matchmaking starts
-                r.snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self._local_tensors()]
-                r.step_at_snapshot = self.local_step
+            if snapshot is not None:
+                r.snapshot, r.step_at_snapshot = snapshot, step_at_start
             self._rounds.append(r)
             self._watched = tuple(self._rounds)
 
@@ -610,9 +634,9 @@ class DecentralizedSGD:
                         self._trigger(r)
                     if r.t_end is not None:
                         self._prepare_delta(r)
-                if self.pipeline and self.refresh_before_allreduce and self.averager.is_alive():
+                if self.averager.is_alive():
                     with self._rounds_lock:
-                        delay = self._claim_next_round(first_allowed=False)
+                        delay = self._claim_next_round()
                     if delay is not None:
                         self._launch_round(delay)
                 if time.monotonic() > next_rejoin_check:
@@ -653,6 +677,9 @@ class DecentralizedSGD:
     def last_record(self) -> dict | None:
         return self.records[-1] if self.records else None
 
+    def last_applied_record(self) -> dict | None:
+        return next((record for record in reversed(self.records) if record["applied"]), None)
+
     # --- local tensors and state sharing ---
     def _local_tensors(self) -> list[torch.Tensor]:
         """Current references (optimizer.load_state_dict may replace state tensors) in the averager's order."""
@@ -684,10 +711,13 @@ class DecentralizedSGD:
             )  # fmt: skip
         return metadata, params + buffers + opt_tensors, None
 
-    def load_state_from_peers(self, timeout: float | None = None) -> dict | None:
+    def load_state_from_peers(
+        self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None
+    ) -> dict | None:
         """Download params/buffers/optimizer state/progress from a peer.
 
-        Returns the donor's extra-state dict (its training progress, see get_extra_state) or None if nobody answered.
+        Returns the donor's extra-state dict (its training progress, see get_extra_state) or None if nobody answered
+        or ``accept(extra_state)`` said no (e.g. the donor is not ahead of our checkpoint): then nothing changes.
         The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
         """
         timeout = self.allreduce_timeout if timeout is None else timeout
@@ -706,6 +736,9 @@ class DecentralizedSGD:
             [b.shape for b in buffers] != [b.shape for b in local_buffers]
         ):
             logger.warning("load_state_from_peers: the peer's model does not match ours, ignoring its state")
+            return None
+        if accept is not None and not accept(metadata.get("extra_state") or {}):
+            logger.info("load_state_from_peers: keeping our own state (the peer's was not accepted)")
             return None
         with self.lock, torch.no_grad():
             opt_metadata, opt_tensors = metadata["optimizer"], tensors[num_params + num_buffers :]

@@ -3,8 +3,9 @@
 
 VISSL builds the model, the optimizer (LARC, param schedulers), the loss and the data exactly as for
 ``self_supervision_task``; this task then wraps the optimizer in :class:`DecentralizedSGD` and, for a peer that
-joins a running swarm without a checkpoint of its own, takes over the swarm's parameters and training progress
-as if it resumed from a checkpoint. The hooks in ``hooks/`` drive the averager during training.
+joins a running swarm without a checkpoint of its own (or whose checkpoint is behind the swarm), takes over the
+swarm's parameters and training progress as if it resumed from a checkpoint. The hooks in ``hooks/`` drive the
+averager during training.
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             self._start_averaging()
         progress = None
         timeout = self.swarm_settings.load_state_timeout
-        if self.checkpoint is None and self.decentralized_sgd is not None and timeout > 0:
-            progress = self.decentralized_sgd.load_state_from_peers(timeout=timeout)
+        if self.decentralized_sgd is not None and timeout > 0:
+            # a late joiner takes the swarm's state; a restarted peer too, if the swarm got ahead of its checkpoint
+            # (else its LR schedule would lag the others' for the rest of the run)
+            resumed_at = None if self.checkpoint is None else int(self.checkpoint["iteration"])
+            progress = self.decentralized_sgd.load_state_from_peers(
+                timeout=timeout,
+                accept=None if resumed_at is None else lambda extra: int(extra.get("iteration", 0)) > resumed_at,
+            )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             shared = [progress]
             dist.broadcast_object_list(shared, src=0)  # DDP's construction broadcasts rank 0's weights
@@ -117,6 +124,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         self.phase_idx = progress["phase_idx"]
         self.train_phase_idx = progress["train_phase_idx"]
         self.num_updates = progress["num_updates"]
+        if self.checkpoint_path is not None:
+            logging.info(f"{self.checkpoint_path} is behind the swarm: continuing from the swarm's state instead")
         self.joined_from_swarm = True
         logging.info(f"Joined the swarm at iteration {self.iteration} (phase {self.phase_idx + 1})")
 

@@ -163,8 +163,8 @@ def check_resume_checkpoint(config) -> None:
     path = get_resume_checkpoint(config, checkpoint_folder=get_checkpoint_folder(config))
     if path is None:
         return
-    try:
-        torch.load(path, map_location="cpu")
+    try:  # mmap: the zip's index and pickle are read and checked, the tensors are not (VISSL reads them next)
+        torch.load(path, map_location="cpu", mmap=True)
     except Exception as error:
         raise ConfigError(
             f"cannot resume from {path}: the file is corrupt or truncated ({type(error).__name__}: {error}). "

@@ -25,7 +25,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from demo import markdown_table  # noqa: E402
 from local_swarm import LocalPeer, start_swarm, stop_all  # noqa: E402
+from run_eval import load_trunk_state, resolve_checkpoint  # noqa: E402
 
 MODES = ("random_init", "isolated", "old", "improved")
 MODE_FLAGS = {"isolated": ["--isolated"], "old": ["--averager", "old"], "improved": []}
@@ -44,18 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def latest_checkpoint(peer: LocalPeer) -> Path:
-    checkpoints = sorted(peer.checkpoint_dir.glob("model_iteration*.torch"),
-                         key=lambda path: int(path.stem.removeprefix("model_iteration")))
-    if not checkpoints:
-        raise RuntimeError(f"{peer.name} wrote no checkpoint; see {peer.log_path}")
-    return checkpoints[-1]
-
-
 def trunk_weights(checkpoint: Path) -> list[torch.Tensor]:
-    state = torch.load(checkpoint, map_location="cpu")
-    trunk = state["classy_state_dict"]["base_model"]["model"]["trunk"]
-    return [tensor.double() for _, tensor in sorted(trunk.items()) if tensor.is_floating_point()]
+    return [tensor.double() for _, tensor in sorted(load_trunk_state(checkpoint).items()) if tensor.is_floating_point()]
 
 
 def mean_pairwise_distance(checkpoints: list[Path]) -> float:
@@ -96,7 +88,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         return {"mode": mode, "accuracy": knn_accuracy(None, args.data_path), "peer_distance": None,
                 "steps_mean": 0, "rounds_mean": 0}
     peers = train_swarm(mode, args)
-    checkpoints = [latest_checkpoint(peer) for peer in peers]
+    checkpoints = [resolve_checkpoint(peer.checkpoint_dir) for peer in peers]  # the final one if training ended
     accuracies = [knn_accuracy(path, args.data_path) for path in checkpoints]
     return {
         "mode": mode,
@@ -109,12 +101,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
 
 
 def markdown(runs: list[dict]) -> str:
-    lines = ["| mode | kNN accuracy | peer distance | steps per peer | rounds per peer |", "|---|---|---|---|---|"]
-    for run in runs:
-        distance = "—" if run["peer_distance"] is None else f"{run['peer_distance']:.3f}"
-        lines.append(f"| {run['mode']} | {run['accuracy']:.4f} | {distance} | {run['steps_mean']} | "
-                     f"{run['rounds_mean']} |")
-    return "\n".join(lines)
+    return markdown_table([
+        {"mode": run["mode"], "kNN accuracy": f"{run['accuracy']:.4f}",
+         "peer distance": "—" if run["peer_distance"] is None else f"{run['peer_distance']:.3f}",
+         "steps per peer": run["steps_mean"], "rounds per peer": run["rounds_mean"]}
+        for run in runs
+    ])  # fmt: skip
 
 
 def main() -> int:

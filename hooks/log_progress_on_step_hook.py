@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
+from hooks.samples_per_second import SamplesPerSecond
+
 PROGRESS_FILE = "progress.jsonl"
 
 
@@ -38,11 +40,11 @@ class LogProgressOnStepHook(ClassyHook):
     def __init__(self, log_every: int = 10) -> None:
         super().__init__()
         self.log_every = max(1, log_every)
-        self._last_time = self._last_iteration = None
+        self._rate = SamplesPerSecond()
         self._file = None
 
     def on_start(self, task) -> None:
-        self._last_time, self._last_iteration = time.monotonic(), task.iteration
+        self._rate.start(task.iteration)
         rank, _ = world_rank_and_size()
         if task.checkpoint_folder:
             name = PROGRESS_FILE if rank == 0 else f"progress_rank{rank}.jsonl"
@@ -64,15 +66,12 @@ class LogProgressOnStepHook(ClassyHook):
             self._file.flush()
 
     def _progress_fields(self, task) -> dict:
-        now = time.monotonic()
-        steps = task.iteration - self._last_iteration
-        samples_per_s = steps * task.get_global_batchsize() / max(now - self._last_time, 1e-9)
-        self._last_time, self._last_iteration = now, task.iteration
+        samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
         fields = {"loss": float(task.last_batch.loss.item()), "samples_per_s": round(samples_per_s, 2),
                   "lr": float(task.optimizer.options_view.lr)}
         optimizer = getattr(task, "decentralized_sgd", None)
         if optimizer is not None:
-            last = next((record for record in reversed(optimizer.records) if record.get("applied")), None) or {}
+            last = optimizer.last_applied_record() or {}
             fields.update({
                 "peer_id": str(optimizer.peer_id),
                 "rounds_ok": int(optimizer.counters["rounds_applied"]),

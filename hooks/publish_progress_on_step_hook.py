@@ -9,6 +9,7 @@ from typing import Any
 from classy_vision.hooks import ClassyHook
 from hivemind.utils import get_dht_time
 
+from hooks.samples_per_second import SamplesPerSecond
 from swarm_metrics import make_record, metrics_key, metrics_validators, owner_subkey
 
 
@@ -38,7 +39,7 @@ class PublishProgressOnStepHook(ClassyHook):
         self._subkey: bytes | None = None
         self._peer_id = ""
         self._pending: Any = None  # the MPFuture of the last store
-        self._last_time = self._last_iteration = None
+        self._rate = SamplesPerSecond()
         self._warned = False
 
     def on_start(self, task) -> None:
@@ -54,7 +55,7 @@ class PublishProgressOnStepHook(ClassyHook):
             return
         self._key, self._subkey = metrics_key(run_id), owner_subkey()
         self._peer_id = str(task.dht.peer_id)  # asks the DHT process once; on_step never waits for it
-        self._last_time, self._last_iteration = time.monotonic(), task.iteration
+        self._rate.start(task.iteration)
 
     def on_step(self, task) -> None:
         if self._key is None or not task.train or task.iteration % self.publish_every != 0:
@@ -72,12 +73,9 @@ class PublishProgressOnStepHook(ClassyHook):
             self._warn(f"could not publish progress to the DHT: {error!r}")
 
     def _record(self, task) -> tuple[dict, float]:
-        now = time.monotonic()
-        interval = max(now - self._last_time, 1e-9)
-        samples_per_s = (task.iteration - self._last_iteration) * task.get_global_batchsize() / interval
-        self._last_time, self._last_iteration = now, task.iteration
+        samples_per_s, interval = self._rate.update(task.iteration, task.get_global_batchsize())
         optimizer = task.decentralized_sgd
-        last = next((record for record in reversed(optimizer.records) if record.get("applied")), None) or {}
+        last = optimizer.last_applied_record() or {}
         loss = getattr(task.last_batch, "loss", None) if task.last_batch is not None else None
         record = make_record(
             step=task.iteration, samples_per_s=samples_per_s, loss=None if loss is None else float(loss.item()),

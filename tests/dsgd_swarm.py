@@ -96,10 +96,11 @@ class Swarm:
 
     def train(self, peer: DecentralizedSGD, update: Callable[[], None] | None = None, **kwargs) -> Trainer:
         def step() -> None:
-            if update is not None:
-                with torch.no_grad():
-                    update()
-            peer.on_step_end()
+            with peer.lock:  # a local update and its step count, seen together (as DecentralizedSGD.step does)
+                if update is not None:
+                    with torch.no_grad():
+                        update()
+                peer.on_step_end()
 
         self.trainers.append(Trainer(step, **kwargs))
         self.trainers[-1].start()

@@ -111,8 +111,8 @@ def test_forged_and_malformed_records_are_rejected() -> None:
 
 def stub_task(node: hivemind.DHT, iteration: int) -> SimpleNamespace:
     """The parts of a DecentralizedSelfSupervisionTask that the hook reads, around a real DHT."""
-    averager = SimpleNamespace(records=[{"applied": True, "group_size": 3, "staleness_steps": 2}, {"applied": False}],
-                               counters={"rounds_applied": 5, "rounds_failed": 1})
+    applied = {"applied": True, "group_size": 3, "staleness_steps": 2}  # then a failed round
+    averager = SimpleNamespace(last_applied_record=lambda: applied, counters={"rounds_applied": 5, "rounds_failed": 1})
     return SimpleNamespace(dht=node, decentralized_sgd=averager, swarm_settings=SimpleNamespace(run_id="hooktest"),
                            train=True, iteration=iteration, get_global_batchsize=lambda: 16,
                            last_batch=SimpleNamespace(loss=torch.tensor(float("nan"))))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
+from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
 
 # 10 batches of 16 real images per epoch, plenty of epochs: the test decides when peers stop
@@ -26,9 +27,7 @@ def float_tensors(model_state: dict) -> dict[str, torch.Tensor]:
 
 
 def latest_weights(peer: LocalPeer) -> dict[str, torch.Tensor]:
-    checkpoints = sorted(peer.checkpoint_dir.glob("model_iteration*.torch"),
-                         key=lambda path: int(path.stem.removeprefix("model_iteration")))
-    state = torch.load(checkpoints[-1], map_location="cpu")
+    state = torch.load(resolve_checkpoint(peer.checkpoint_dir), map_location="cpu")
     return float_tensors(state["classy_state_dict"]["base_model"]["model"])
 
 
@@ -66,11 +65,16 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
             wait_until(lambda peer=peer: any(r["group_size"] == 2 for r in peer.applied_rounds(since=killed_at)),
                        180, f"a round of the two survivors on {peer.name}")
 
-        # 3. the killed peer restarts, resumes from its own checkpoint and rejoins
-        peers[2].start(digits_dir, addresses, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES)
+        # 3. the killed peer restarts: VISSL resumes its checkpoint, which is behind the swarm by now, so it takes
+        #    over the swarm's state and progress (its LR schedule does not lag), then averages again
+        swarm_step = max(peer.last_step() for peer in peers[:2])
+        peers[2].start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
         restarted_at = peers[2].started_at
-        wait_until(lambda: "Resume from file" in peers[2].log_text(), 120, "peer2 resuming from its checkpoint")
+        wait_until(lambda: "Resume from file" in peers[2].log_text() and "is behind the swarm" in peers[2].log_text(),
+                   180, "peer2 resuming from its checkpoint, then catching up with the swarm")  # fmt: skip
         wait_until(lambda: peers[2].applied_rounds(since=restarted_at), 180, "peer2 averaging after its restart")
+        first_step_after_restart = next(e["step"] for e in peers[2].progress() if e["time"] > restarted_at)
+        assert first_step_after_restart >= swarm_step
 
         # 4. a late joiner without a checkpoint takes over the swarm's weights and progress
         swarm_step = max(peer.last_step() for peer in peers[:2])
