@@ -190,7 +190,8 @@ class _Round:
     weight: float | None = None
     local_nonfinite: bool = False
     stale: bool = False  # params were replaced by load_state_from_peers after the snapshot
-    filled: bool = False  # the trainer copied its params into the averager's buffers; the watcher triggers
+    fill_requested: bool = False  # the trainer passed a step boundary after the group formed
+    filled: bool = False  # that boundary's params are in the averager's buffers; the trigger follows
     delta_ready: bool | None = None  # buffers hold the update to add (averaged - snapshot); False: not finite
     resolved: bool = False
 
@@ -201,11 +202,16 @@ class DecentralizedSGD:
     Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step; averaging runs in the
     background and its results are applied at step boundaries in the trainer's thread.
 
+    The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; if you call
+    ``optimizer.step()`` yourself, do it and ``on_step_end()`` under ``with dsgd.lock:``). At the first step
+    boundary after a group formed, the background thread copies them into the averager under that lock while the
+    trainer computes its next step; late joiners download them under it too, so neither sees half an update.
+    LR schedulers should be given ``dsgd.optimizer``.
+
     Non-finite values: a peer whose own snapshot is not finite contributes zeros with weight 0 (its groupmates
     average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
     A peer that stops calling on_step_end joins at most one group without triggering it; its groupmates drop it
-    after ``next_chunk_timeout``. If you call ``optimizer.step()`` yourself, do it under ``with dsgd.lock:`` so that
-    state served to late joiners is never torn. LR schedulers should be given ``dsgd.optimizer``.
+    after ``next_chunk_timeout``.
     """
 
     def __init__(
@@ -382,12 +388,13 @@ class DecentralizedSGD:
         if self._rounds:  # only the oldest round may touch the buffers: a newer one waits for its result
             head = self._rounds[0]
             self._observe(head)
-            if not head.filled and head.control.stage == AveragingStage.AWAITING_TRIGGER:
+            if not head.fill_requested and head.control.stage == AveragingStage.AWAITING_TRIGGER:
                 if time.time() - (head.t_group_formed or time.time()) > self.next_chunk_timeout:
                     head.control.cancel()  # groupmates have dropped us by now; triggering would only stall us
                     self._resolve(self._pop_head())
-                else:
-                    self._fill(head)
+                else:  # the watcher copies the params of this step boundary while we compute the next step
+                    head.fill_requested = True
+                    self._wake.set()
         if not self._rounds and not self._round_wanted:  # the watcher starts it: the RPC never blocks the trainer
             self._round_wanted = True
             self._wake.set()
@@ -456,6 +463,7 @@ class DecentralizedSGD:
             with self._rounds_lock:
                 self._starting = False
             raise
+        control.add_done_callback(lambda _: self._wake.set())  # the watcher prepares the result right away
         with self._rounds_lock:
             self._starting = False
             if self._closed:
@@ -469,20 +477,27 @@ class DecentralizedSGD:
             self._rounds.append(r)
             self._watched = tuple(self._rounds)
 
-    def _fill(self, r: _Round) -> None:
-        """Trainer thread, at a step boundary: the one copy that must see consistent params. The rest of the
-        preparation (finite check, keeping the snapshot, trigger) is the watcher's, off the training thread."""
-        if self.before_allreduce is not None:
-            self.before_allreduce()
-        source = r.snapshot if r.snapshot is not None else self._local_tensors()
-        with self._buffers_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
-            self._copy(buffers, source)
-        r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
-        self._samples_since_fill = 0
-        if r.step_at_snapshot is None:
-            r.step_at_snapshot = self.local_step
-        r.filled = True
-        self._wake.set()
+    def _fill(self, r: _Round) -> bool:
+        """Watcher thread, right after the trainer's first step boundary since the group formed: copy the params
+        into the averager while the trainer computes its next step. Under self.lock, which the trainer holds
+        whenever it changes them (optimizer step, apply), so the copy is exactly that step boundary's. Only the
+        oldest round fills: a newer one waits until its predecessor's result is applied."""
+        if r.filled or not r.fill_requested or not self._rounds or self._rounds[0] is not r:
+            return False
+        with self.lock:
+            if r.filled or self._closed or not self._rounds or self._rounds[0] is not r:
+                return False
+            if self.before_allreduce is not None:
+                self.before_allreduce()
+            source = r.snapshot if r.snapshot is not None else self._local_tensors()
+            with self._buffers_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+                self._copy(buffers, source)
+            r.weight = float(max(self._samples_since_fill, 1) if self.weight_by_samples else 1)
+            self._samples_since_fill = 0
+            if r.step_at_snapshot is None:
+                r.step_at_snapshot = self.local_step
+            r.filled = True
+        return True
 
     def _trigger(self, r: _Round) -> None:
         """Watcher thread: check and keep the filled values, then let the AllReduce begin."""
@@ -630,6 +645,8 @@ class DecentralizedSGD:
             try:
                 for r in self._watched:
                     self._observe(r)
+                    if r.fill_requested and not r.filled:
+                        self._fill(r)
                     if r.filled and r.t_triggered is None:
                         self._trigger(r)
                     if r.t_end is not None:

@@ -95,9 +95,9 @@ def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule
     b = swarm.peer(b_model, delta_rule=delta_rule)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
 
-    drive(a, until=filled.is_set)  # A's first round now holds A's snapshot (all zeros) and is triggered
-    with torch.no_grad():
-        a_model[0].weight.add_(1.0)  # a local step while the AllReduce runs
+    drive(a, until=filled.is_set)  # A's first round is being filled with A's params (all zeros)
+    with a.lock, torch.no_grad():  # (waits for the fill) a local step while the round runs
+        a_model[0].weight.add_(1.0)
     drive(a, until=lambda: bool(a.records))
     b_trainer.join(timeout=60)
 
