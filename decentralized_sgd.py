@@ -388,11 +388,11 @@ class DecentralizedSGD:
         if self._rounds:  # only the oldest round may touch the buffers: a newer one waits for its result
             head = self._rounds[0]
             self._observe(head)
-            if not head.fill_requested and head.control.stage == AveragingStage.AWAITING_TRIGGER:
+            if head.t_triggered is None and head.control.stage == AveragingStage.AWAITING_TRIGGER:
                 if time.time() - (head.t_group_formed or time.time()) > self.next_chunk_timeout:
                     head.control.cancel()  # groupmates have dropped us by now; triggering would only stall us
                     self._resolve(self._pop_head())
-                else:  # the watcher copies the params of this step boundary while we compute the next step
+                elif not head.fill_requested:  # the watcher copies this step boundary's params while we compute
                     head.fill_requested = True
                     self._wake.set()
         if not self._rounds and not self._round_wanted:  # the watcher starts it: the RPC never blocks the trainer
