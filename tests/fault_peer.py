@@ -24,6 +24,12 @@ from dsgd_swarm import FAST, make_model  # noqa: E402
 from decentralized_sgd import DecentralizedSGD  # noqa: E402
 
 
+def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) -> list[str]:
+    """The command line that runs this script (used by the fault tests and the network-cut scenario)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--initial_peers", *initial_peers, "--out", str(out),
+            "--marker", str(out / "marker"), "--marker_when", marker_when, *extra]  # fmt: skip
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--initial_peers", nargs="+", required=True)

@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dsgd_swarm import REPO, Swarm, averaged_tensors, make_model, wait_until  # noqa: E402
+import fault_peer  # noqa: E402
+from dsgd_swarm import Swarm, averaged_tensors, make_model, wait_until  # noqa: E402
 
 SURVIVOR_HOST, VICTIM_HOST = "10.77.0.1", "10.77.0.2"
 
@@ -34,9 +35,8 @@ def start_victim(out: Path, initial_peers: list[str]) -> subprocess.Popen:
     """fault_peer.py in a nested network namespace that receives v1 once it exists (moved there by pid)."""
     configure = (f"until ip link show v1 >/dev/null 2>&1; do sleep 0.05; done; ip link set lo up; "
                  f"ip addr add {VICTIM_HOST}/24 dev v1; ip link set v1 up; exec \"$0\" \"$@\"")  # fmt: skip
-    command = [sys.executable, str(REPO / "tests" / "fault_peer.py"), "--initial_peers", *initial_peers,
-               "--host_maddrs", f"/ip4/{VICTIM_HOST}/tcp/0", "--out", str(out), "--marker", str(out / "marker"),
-               "--marker_when", "applied", "--value", "4"]  # fmt: skip
+    command = fault_peer.command(out, initial_peers, "applied", "--host_maddrs", f"/ip4/{VICTIM_HOST}/tcp/0",
+                                 "--value", "4")
     out.mkdir(parents=True)
     log = open(out / "log.txt", "w")  # the process outlives this function
     victim = subprocess.Popen(["unshare", "-n", "sh", "-c", configure, *command], stdout=log, stderr=log,

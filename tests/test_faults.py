@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import fault_peer
 import pytest
 import torch
 from dsgd_swarm import REPO, Swarm, averaged_tensors, make_model, wait_until
@@ -31,9 +32,8 @@ class FaultPeer:
         self.out, self.marker = out, out / "marker"
         out.mkdir(parents=True)
         self.log = open(out / "log.txt", "w")  # closed in kill()
-        command = [sys.executable, str(REPO / "tests" / "fault_peer.py"), "--initial_peers", *initial_peers,
-                   "--out", str(out), "--marker", str(self.marker), "--marker_when", marker_when, *extra]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(fault_peer.command(out, initial_peers, marker_when, *extra), stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
     def wait_for_marker(self, timeout: float) -> None:
         wait_until(lambda: self.marker.exists() or self.process.poll() is not None, timeout, self.log_text)
