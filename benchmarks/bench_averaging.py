@@ -17,7 +17,8 @@ Usage:
 Regimes: sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32 params really averaged),
          cpu_full, cpu_not_full (real CPU training of a ~0.5M-param CNN on sklearn digits).
          "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4 (groups never fill up).
-Modes:   none, old, improved, no_delta, no_refresh, no_pipeline.
+Modes:   none, old, improved, no_delta, no_refresh, no_pipeline, no_fill_when_formed (fill at the first step
+         boundary after the group formed, the behaviour before issue 11).
 Each run trains for a warm-up (10 s; --quick 3 s; 1 s for `none`) in which averaging already runs, then measures a
 window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up.
 --quick: 5M params, min_matchmaking_time 2 s; every regime and mode still runs.
@@ -63,12 +64,13 @@ REGIMES: dict[str, tuple[str, int]] = {  # name -> (trainer kind, target_group_s
     "cpu_full": ("cpu", 3),
     "cpu_not_full": ("cpu", 4),
 }
-MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline")
+MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline", "no_fill_when_formed")
 IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs that define each mode
     "improved": {},
     "no_delta": {"delta_rule": False},
     "no_refresh": {"refresh_before_allreduce": False},
     "no_pipeline": {"pipeline": False},
+    "no_fill_when_formed": {"fill_when_formed": False},
 }
 LOG_DIR = Path(tempfile.gettempdir()) / "bench_averaging_logs"
 SPAN_COLORS = {"matchmaking": "tab:blue", "awaiting": "tab:orange", "allreduce": "tab:green", "copy": "tab:gray"}
@@ -384,15 +386,8 @@ class ImprovedDesign:
         return [dict(record) for record in list(self.opt.records)]
 
     def in_flight(self) -> list[dict]:
-        """Rounds not resolved yet. DecentralizedSGD has no public API for them, so read its round queue if present;
-        without it, duty cycle only misses the tail of the window."""
-        fields = ("index", "t_start", "t_group_formed", "t_triggered", "t_allreduce_start")
-        found = []
-        for r in list(getattr(self.opt, "_rounds", ()) or ()):
-            record = {f: getattr(r, f, None) for f in fields}
-            record["round"], record["in_flight"] = record.pop("index"), True
-            found.append(record)
-        return found
+        """Rounds not resolved yet (their spans count towards the duty cycle up to the end of the window)."""
+        return [dict(record, in_flight=True) for record in self.opt.in_flight_rounds()]
 
     def counters(self) -> dict:
         return dict(getattr(self.opt, "counters", {}) or {})
@@ -786,12 +781,12 @@ def run_metadata(args: argparse.Namespace, started: float) -> dict:
     """What the numbers depend on: versions, the exact optimizer file, and how busy the shared machine was."""
     import hivemind
 
-    source = REPO_ROOT / "decentralized_sgd.py"
+    sources = sorted((REPO_ROOT / "decentralized_sgd").glob("*.py"))
     return {
         "argv": sys.argv[1:], "quick": args.quick, "started": time.strftime("%F %T", time.localtime(started)),
         "total_s": time.time() - started, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "torch": torch.__version__, "hivemind": hivemind.__version__,
-        "decentralized_sgd_sha256": hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.exists() else None,
+        "decentralized_sgd_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16],
     }  # fmt: skip
 
 
