@@ -5,6 +5,7 @@ own averager only, in the trainer's process or in the forked averager process (e
 ``fixed_8bit_decoding`` is the one process-wide patch, and only inside the averager process (``HivemindFixes.run``):
 hivemind decodes every received part through a global registry keyed by the wire type
 (``compression/serialization.py``), not through the averager's compression object, so no narrower scope exists.
+The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``).
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. Each work-around is tested on its own in ``tests/test_hivemind_fixes.py``.
 """
@@ -73,6 +74,14 @@ def fixed_8bit_decoding() -> Iterator[None]:
         Quantization.extract = original
 
 
+class _NoGroupIsNoError(logging.Filter):
+    """hivemind logs a round that found no group as an ERROR with a traceback (averager.py, _step). With a
+    matchmaking deadline (see start_step) that is an expected outcome, counted as ``rounds_no_group``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
+
+
 class LockedConnection:
     """The averager's control pipe with sends serialized. hivemind sends on it from whichever thread calls step(),
     load_state_from_peers() or a property setter; concurrent sends on one multiprocessing connection interleave."""
@@ -119,8 +128,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     def run(self) -> None:
         """Averager process. Ignore SIGINT here rather than in the parent (hivemind's run_in_background does the
         latter, so that the child inherits it): Ctrl-C reaches the whole process group, and the trainer shuts us
-        down in order. Decode 8-bit parts with the NumPy 2 fix."""
+        down in order. Decode 8-bit parts with the NumPy 2 fix; do not log rounds without a group as errors."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
         with fixed_8bit_decoding():
             super().run()
 
@@ -182,13 +192,17 @@ class HivemindFixes(hivemind.DecentralizedAverager):
             raise AveragerUnresponsive(f"the averager process did not start within {timeout:.0f}s") from None
         self._outer_pipe = LockedConnection(self._outer_pipe)  # after the fork: the parent's side only
 
-    def start_step(self, *, scheduled_time: float, gather: Any, timeout: float) -> StepControl:
+    def start_step(self, *, scheduled_time: float, deadline: float, gather: Any, timeout: float) -> StepControl:
         """Begin matchmaking for one round that waits for our trigger (hivemind's ``step(require_trigger=True,
         wait=False, allow_retries=False)``). hivemind's step() then waits for the averager process to acknowledge
         with no timeout (``future_for_init.result()``): a stopped or wedged averager blocks its caller forever.
-        The same request with a deadline; raises AveragerUnresponsive."""
+        The same request with a deadline (`timeout` s); raises AveragerUnresponsive.
+
+        `deadline` (DHT time) ends the matchmaking: by default hivemind looks for a group forever, and a
+        groupmate whose averager died while its p2p daemon lives on (a restart, a crash) leaves the others'
+        matchmaking stuck for good (a join request to its dead handlers never ends)."""
         data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
-        step = StepControl(scheduled_time=scheduled_time, deadline=float("inf"), allow_retries=False, weight=1.0,
+        step = StepControl(scheduled_time=scheduled_time, deadline=deadline, allow_retries=False, weight=1.0,
                            data_for_gather=data_for_gather)  # fmt: skip
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))

@@ -36,6 +36,8 @@ from .tensors import AveragedTensors, ResultSlots, add_, copy_
 logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
+AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
+SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 6.0  # see HivemindFixes.shutdown
 COUNTERS = (
     "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
     "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
@@ -52,8 +54,7 @@ class DecentralizedSGD:
     average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
     A peer whose trainer stalls joins at most one group it does not trigger; its groupmates drop it after
     ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``).
-    ``shutdown()`` returns within about ``SCHEDULER_JOIN_S`` + hivemind's shutdown_timeout (5 s) + 6 s, even if
-    the averager process is stopped.
+    ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (16 s), even if the averager process is stopped.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -119,6 +120,7 @@ class DecentralizedSGD:
             allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression), client_mode=client_mode, state_fn=self._serve_state,
             trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
+            shutdown_timeout=AVERAGER_SHUTDOWN_S,
         )  # fmt: skip
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout

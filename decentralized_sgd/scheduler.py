@@ -16,8 +16,10 @@ Every tick (20 ms, or at once when a round ends or the trainer steps) it:
 4. turns a finished AllReduce into the update ``averaged − snapshot`` in the slot (the trainer adds it at its next
    step boundary: an in-place change between forward and backward would break autograd);
 5. starts the next matchmaking, only once the newest round is triggered, and only if the trainer passed a step
-   boundary since the previous round started: a stalled trainer joins at most one group it does not trigger
-   (the formed round is cancelled after ``next_chunk_timeout``, when its groupmates have dropped it anyway).
+   boundary since the previous round started (or since a formed round was cancelled unfilled): a trainer stalled
+   inside its optimizer step joins at most one group it does not trigger (that round is cancelled after
+   ``next_chunk_timeout``, when its groupmates have dropped it anyway). A trainer stalled elsewhere keeps
+   averaging its last step (its rounds are filled without it) for at most the rounds already started.
 
 Lock order: the averager's buffer lock, then ``dsgd.lock``, then ``RoundBook.lock``. Every wait has a deadline:
 ``dsgd.lock`` is tried for ``LOCK_POLL_S`` (then the next tick tries again), hivemind calls time out after
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.02
 LOCK_POLL_S = 0.1  # longest a tick waits for dsgd.lock (the trainer is inside its optimizer step or apply)
 MIN_PIPELINED_MATCHMAKING = 0.5  # seconds: shortest matchmaking scheduled for a round started during an AllReduce
+MATCHMAKING_SLACK = 2.0  # a round finds no group if none formed this many min_matchmaking_time after its schedule
 _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
@@ -64,7 +67,7 @@ class RoundScheduler(threading.Thread):
         super().__init__(name="dsgd-scheduler", daemon=True)
         self.owner, self.supervisor, self.book = owner, supervisor, book
         self._wake, self._stopping = threading.Event(), threading.Event()
-        self._boundary_at_last_start = 0
+        self._boundary_at_last_start = self._failures_seen = 0
         self._allreduce_ema: float | None = None
         self._errors_seen: set[str] = set()
 
@@ -103,9 +106,11 @@ class RoundScheduler(threading.Thread):
     def _tick(self) -> None:
         owner = self.owner
         owner.counters["dht_rejoins"] = rejoin_count(owner.dht)
-        if not self.supervisor.check():
-            self._fail_in_flight(f"averager failed: {self.supervisor.failure}")
-        else:
+        usable = self.supervisor.check()
+        if self.supervisor.failures != self._failures_seen:  # rounds of a failed averager never end by themselves
+            self._failures_seen = self.supervisor.failures
+            self._fail_in_flight(f"averager failed: {self.supervisor.last_failure}")
+        if usable:
             with self.book.lock:
                 rounds = list(self.book.rounds)
             for i, r in enumerate(rounds):
@@ -140,6 +145,7 @@ class RoundScheduler(threading.Thread):
             elif time.monotonic() - r.formed_at > self.owner.next_chunk_timeout:
                 with self.book.lock:  # its groupmates have dropped us by now; triggering would only stall us
                     r.cancel(f"not filled within next_chunk_timeout ({self.owner.next_chunk_timeout}s)")
+                self._boundary_at_last_start = self.owner.boundaries  # maybe stalled: start again after a boundary
             elif self._may_fill(r, older):
                 self._fill_and_trigger(r)
         if r.state is S.TRIGGERED and r.control.done():
@@ -263,8 +269,10 @@ class RoundScheduler(threading.Thread):
                 step = owner.local_step
             finally:
                 owner.lock.release()
+        scheduled = get_dht_time() + delay
         control = self.supervisor.averager.start_step(
-            scheduled_time=get_dht_time() + delay, gather=self.gather_payload(), timeout=owner.averager_timeout
+            scheduled_time=scheduled, deadline=scheduled + MATCHMAKING_SLACK * owner.min_matchmaking_time,
+            gather=self.gather_payload(), timeout=owner.averager_timeout,
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:

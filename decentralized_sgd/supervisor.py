@@ -41,6 +41,7 @@ class AveragerSupervisor:
         self.make_averager, self.counters, self.timeout = make_averager, counters, timeout
         self.averager = make_averager()
         self.failure: str | None = None  # what went wrong, until the averager has been restarted
+        self.failures, self.last_failure = 0, ""  # the scheduler fails the rounds of every failed averager
         self._failures_in_a_row, self._restart_at, self._last_restart = 0, 0.0, float("-inf")
         self._probe: MPFuture | None = None
         self._probe_sent_at = self._next_probe_at = 0.0
@@ -79,7 +80,8 @@ class AveragerSupervisor:
         if now - self._last_restart > QUIET_S:
             self._failures_in_a_row = 0
         self._failures_in_a_row += 1
-        self.failure, self._restart_at = what, now + self._backoff()
+        self.failure, self.last_failure, self._restart_at = what, what, now + self._backoff()
+        self.failures += 1
         self.counters["averager_failures"] += 1
         self.averager.kill_now()
         self._probe = None
