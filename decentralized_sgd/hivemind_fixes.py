@@ -189,7 +189,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         try:
             self.wait_until_ready(timeout)
         except concurrent.futures.TimeoutError:
-            raise AveragerUnresponsive(f"the averager process did not start within {timeout:.0f}s") from None
+            raise AveragerUnresponsive(f"process did not start within {timeout:.0f}s") from None
         self._outer_pipe = LockedConnection(self._outer_pipe)  # after the fork: the parent's side only
 
     def start_step(self, *, scheduled_time: float, deadline: float, gather: Any, timeout: float) -> StepControl:
@@ -213,7 +213,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
             trigger.cancel()
             step.attach(trigger, MPFuture())  # a StepControl without a trigger raises in its __del__
             step.cancel()
-            raise AveragerUnresponsive(f"the averager did not start a round within {timeout:.0f}s") from None
+            raise AveragerUnresponsive(f"did not start a round within {timeout:.0f}s") from None
         return step
 
     @contextlib.contextmanager
@@ -221,7 +221,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         """The averaged tensors under their lock, like get_tensors(); hivemind's waits for the lock forever, and an
         averager killed mid-AllReduce leaves it locked for good. Raises AveragerUnresponsive after `timeout` s."""
         if not self.lock_averaged_tensors.acquire(timeout=timeout):
-            raise AveragerUnresponsive(f"the averager held its buffers for over {timeout:.0f}s")
+            raise AveragerUnresponsive(f"held its buffers for over {timeout:.0f}s")
         try:
             yield self._averaged_tensors
         finally:

@@ -74,7 +74,9 @@ class Round:
     stale: bool = False  # params were replaced by load_state_from_peers after our fill
     error: str | None = None
     group: list[str] | None = None
-    formed_at: float | None = None  # monotonic, like the two below
+    must_form_by: float = float("inf")  # monotonic, like the four below: hivemind's matchmaking deadline + slack
+    triggered_at: float | None = None
+    formed_at: float | None = None
     boundary_at_formed: int | None = None  # the trainer's step-boundary count when the group formed
     allreduce_started_at: float | None = None
     ended_at: float | None = None
@@ -119,7 +121,8 @@ class Round:
         lock (the slot already holds the snapshot)."""
         if not self._move({S.FILLED}, S.TRIGGERED):
             return False
-        self.weight, self.local_nonfinite, self.t_triggered = weight, local_nonfinite, time.time()
+        self.weight, self.local_nonfinite = weight, local_nonfinite
+        self.t_triggered, self.triggered_at = time.time(), time.monotonic()
         self.control.weight = weight
         self.control.allow_allreduce()
         return True

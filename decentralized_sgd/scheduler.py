@@ -129,6 +129,7 @@ class RoundScheduler(threading.Thread):
 
     def _advance(self, r: Round, older: list[Round]) -> None:
         r.observe()
+        self._check_hivemind_progress(r)
         if r.state is S.LOOKING:
             if r.control.done():
                 self._fail(r)
@@ -150,6 +151,15 @@ class RoundScheduler(threading.Thread):
                 self._fill_and_trigger(r)
         if r.state is S.TRIGGERED and r.control.done():
             self._finish(r)
+
+    def _check_hivemind_progress(self, r: Round) -> None:
+        """hivemind ends matchmaking by the round's deadline and an AllReduce after allreduce_timeout; if it does
+        not (a coroutine stuck on a dead peer), the averager is no use any more: treat it as failed."""
+        now, allreduce_limit = time.monotonic(), self.owner.allreduce_timeout + self.owner.averager_timeout
+        if r.state is S.LOOKING and not r.control.done() and now > r.must_form_by:
+            raise AveragerUnresponsive(f"did not end the matchmaking of round {r.index} by its deadline")
+        if r.state is S.TRIGGERED and not r.control.done() and now - r.triggered_at > allreduce_limit:
+            raise AveragerUnresponsive(f"did not end the AllReduce of round {r.index} within allreduce_timeout")
 
     def _fail(self, r: Round) -> None:
         try:
@@ -269,17 +279,19 @@ class RoundScheduler(threading.Thread):
                 step = owner.local_step
             finally:
                 owner.lock.release()
-        scheduled = get_dht_time() + delay
+        scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * owner.min_matchmaking_time
         control = self.supervisor.averager.start_step(
-            scheduled_time=scheduled, deadline=scheduled + MATCHMAKING_SLACK * owner.min_matchmaking_time,
-            gather=self.gather_payload(), timeout=owner.averager_timeout,
+            scheduled_time=scheduled, deadline=scheduled + slack, gather=self.gather_payload(),
+            timeout=owner.averager_timeout,
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:
             if self._stopping.is_set():
                 control.cancel()
                 return
-            self.book.rounds.append(Round(self.book.num_started, control, t_start, step, early))
+            r = Round(self.book.num_started, control, t_start, step, early)
+            r.must_form_by = time.monotonic() + delay + slack + owner.averager_timeout
+            self.book.rounds.append(r)
             self.book.num_started += 1
         self._boundary_at_last_start = boundary
 

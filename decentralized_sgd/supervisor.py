@@ -26,6 +26,7 @@ from collections.abc import Callable
 from hivemind.utils import MPFuture
 
 from .averager import Averager
+from .hivemind_fixes import AveragerUnresponsive
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,11 @@ class AveragerSupervisor:
         self._closed = False
 
     def start(self) -> None:
-        self.averager.start_in_background(self.timeout)
+        try:
+            self.averager.start_in_background(self.timeout)
+        except AveragerUnresponsive as e:  # at construction: nothing to fall back on yet
+            raise RuntimeError(f"DecentralizedSGD: the averager {e}; is the DHT running, and the machine not "
+                               "overloaded? (averager_timeout sets this limit)") from None
         self._next_probe_at = time.monotonic() + PROBE_PERIOD_S
 
     def check(self) -> bool:
