@@ -79,12 +79,13 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     from hivemind.p2p import P2PDaemonError
 
     from decentralized_sgd import keep_dht_connected
+    from decentralized_sgd.hivemind_fixes import FixedDHT
 
     check_multiaddrs("--initial_peers", settings.initial_peers)
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
     try:
-        dht = hivemind.DHT(
+        dht = FixedDHT(  # a hivemind.DHT that survives a restarted averager
             start=True,
             initial_peers=settings.initial_peers or None,
             host_maddrs=settings.host_maddrs,

@@ -7,7 +7,9 @@ hivemind decodes every received part through a global registry keyed by the wire
 (``compression/serialization.py``), not through the averager's compression object, so no narrower scope exists.
 The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``).
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
-averager does not need it. Each work-around is tested on its own in ``tests/test_hivemind_fixes.py``.
+averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
+a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
+``tests/test_hivemind_fixes.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import contextlib
 import copy
 import logging
 import multiprocessing.sharedctypes
+import os
 import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
 
 import hivemind
@@ -108,6 +112,37 @@ async def _remove_handlers_of(p2p: P2P, names: Sequence[str], address: Multiaddr
             await control.remove_stream_handler(name)
         except Exception as e:  # already gone (a clean shutdown removes its own handlers)
             logger.debug(f"stale handler {name}: {e!r}")
+
+
+class _RequestsOfTheDead:
+    """The DHT process's end of its request pipe. A request carries MPFuture pipes, which the DHT fetches from the
+    sender's multiprocessing resource sharer while unpickling; if the sender dies meanwhile (an averager killed by
+    the OOM killer or restarted by us), that raises EOFError, which hivemind's DHT.run does not catch (it catches
+    OSError): the DHT process dies, and with it averaging for the whole peer. Raise an OSError instead: hivemind
+    logs it and drops that one request, whose sender is gone anyway."""
+
+    def __init__(self, connection: Any):
+        self._connection = connection
+
+    def recv(self) -> Any:
+        message = self._connection.recv_bytes()  # an EOFError here is the real end of the pipe
+        try:
+            return ForkingPickler.loads(message)
+        except EOFError as e:
+            raise ConnectionResetError(f"the sender of a DHT request died before it was read ({e!r})") from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
+class FixedDHT(hivemind.DHT):
+    """``hivemind.DHT`` that survives the death of a process that sent it a request (see _RequestsOfTheDead). DHT
+    owners create this instead (swarm.start_dht does); an averager restart on a plain hivemind.DHT can kill it."""
+
+    def run(self) -> None:
+        """DHT process."""
+        self._inner_pipe = _RequestsOfTheDead(self._inner_pipe)
+        super().run()
 
 
 class HivemindFixes(hivemind.DecentralizedAverager):
@@ -228,11 +263,13 @@ class HivemindFixes(hivemind.DecentralizedAverager):
             self.lock_averaged_tensors.release()
 
     def shutdown(self) -> None:
-        """Stop the averager process within about shutdown_timeout + 6 s, whatever its state. hivemind's shutdown()
+        """Stop the averager process within about shutdown_timeout + 7 s, whatever its state. hivemind's shutdown()
         ends with terminate(): a SIGSTOPped process never handles that SIGTERM, lives on, and multiprocessing joins
-        it at interpreter exit, so the program never ends; kill what is left. For a dead process, only stop our
-        state-fetching thread (hivemind's shutdown() would log an exception)."""
+        it at interpreter exit, so the program never ends. So continue a stopped process first (see _resume), and
+        kill what is left. For a dead process, only stop our state-fetching thread (hivemind's shutdown() would log
+        an exception)."""
         if self.is_alive():
+            self._resume()
             super().shutdown()
             self.join(1.0)
         else:
@@ -242,9 +279,21 @@ class HivemindFixes(hivemind.DecentralizedAverager):
             self.join(5.0)
 
     def kill_now(self) -> None:
-        """Stop a failed averager at once (it has nothing left to finish): SIGKILL, the one signal a stopped or
-        wedged process cannot miss, and stop hivemind's state-fetching thread in our process."""
+        """Stop a failed averager at once (it has nothing left to finish): continue it if stopped (see _resume),
+        then SIGKILL, the one signal a wedged process cannot miss; stop hivemind's state-fetching thread here."""
         if self.is_alive():
+            self._resume()
             self.kill()
             self.join(5.0)
         self._inner_pipe.send(("_SHUTDOWN", None))
+
+    def _resume(self, grace: float = 0.5) -> None:
+        """SIGCONT, and a moment to run. hivemind hands every MPFuture's pipe to the DHT process through
+        multiprocessing's resource sharer, a thread of the sending process: while the averager is stopped, its
+        DHT process blocks waiting for such a handle, and if the averager is killed then, the DHT process dies
+        (an EOFError that hivemind's DHT._run does not catch) and takes the peer's DHT with it."""
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        self.join(grace)

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
 AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
-SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 6.0  # see HivemindFixes.shutdown
+SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see HivemindFixes.shutdown
 COUNTERS = (
     "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
     "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
@@ -54,7 +54,7 @@ class DecentralizedSGD:
     average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
     A peer whose trainer stalls joins at most one group it does not trigger; its groupmates drop it after
     ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``).
-    ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (16 s), even if the averager process is stopped.
+    ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread

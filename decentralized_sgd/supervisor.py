@@ -101,10 +101,13 @@ class AveragerSupervisor:
         return 0.0 if self._failures_in_a_row <= 1 else min(2.0 ** (self._failures_in_a_row - 1), 60.0)
 
     def _restart(self) -> None:
+        averager = None
         try:
             averager = self.make_averager()
             averager.start_in_background(self.timeout)
         except Exception as e:
+            if averager is not None:
+                averager.kill_now()
             self._failures_in_a_row += 1
             self._restart_at = time.monotonic() + self._backoff()
             logger.error(f"DecentralizedSGD: could not restart the averager ({e!r}); next try in "

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import hivemind
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsgd_swarm import FAST, make_model  # noqa: E402
 
 from decentralized_sgd import DecentralizedSGD, keep_dht_connected  # noqa: E402
+from decentralized_sgd.hivemind_fixes import FixedDHT  # noqa: E402
 
 
 def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) -> list[str]:
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    dht = hivemind.DHT(start=True, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers)
+    dht = FixedDHT(start=True, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers)
     keep_dht_connected(dht)  # as swarm.start_dht does: the network-cut scenario needs the rejoin
     model = make_model(args.value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
