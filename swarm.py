@@ -78,8 +78,7 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     import hivemind
     from hivemind.p2p import P2PDaemonError
 
-    from decentralized_sgd import keep_dht_connected
-    from decentralized_sgd.hivemind_fixes import FixedDHT
+    from decentralized_sgd import FixedDHT, keep_dht_connected
 
     check_multiaddrs("--initial_peers", settings.initial_peers)
     check_multiaddrs("--host_maddrs", settings.host_maddrs)

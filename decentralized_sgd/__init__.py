@@ -12,13 +12,16 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
-- ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers; ``dht_rejoin``: the DHT
-  re-bootstrap after an outage (started by whoever owns the DHT); ``compression``: what goes on the wire.
+- ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
+  an averager restart); ``dht_rejoin``: the DHT re-bootstrap after an outage; both are for whoever owns the DHT
+  (``swarm.start_dht`` uses them); ``compression``: what goes on the wire.
 """
 
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import keep_dht_connected
-from .hivemind_fixes import keep_ctrl_c
+from .hivemind_fixes import FixedDHT, keep_ctrl_c
 from .optimizer import DecentralizedSGD
 
-__all__ = ["DecentralizedSGD", "keep_ctrl_c", "keep_dht_connected", "make_compression", "schema_fingerprint"]
+__all__ = [
+    "DecentralizedSGD", "FixedDHT", "keep_ctrl_c", "keep_dht_connected", "make_compression", "schema_fingerprint",
+]  # fmt: skip

@@ -5,7 +5,7 @@ held (its docstring names the thread that calls it and the other locks it holds)
 
     LOOKING ──► FORMED ──► FILLED ──► TRIGGERED ──► DONE ──► APPLIED
        │           │          │            │           └───► DISCARDED   (state reloaded meanwhile)
-       │           │          │            ├───────────────► DISCARDED   (a result or our values not finite)
+       │           │          │            ├───────────────► DISCARDED   (not finite, or state reloaded)
        └───────────┴──────────┴──► CANCELLED                 (never after TRIGGERED)
        └───────────┴──────────┴────────────┴──────► FAILED   (hivemind reported an error, or the averager died)
 
@@ -157,7 +157,8 @@ class Round:
 
     def fail(self, error: str) -> bool:
         """Any unresolved state but DONE → FAILED. Scheduler thread: hivemind ended the step with an error, or the
-        averager process died (a DONE result lives in its slot and is still applied)."""
+        averager process failed (a DONE result lives in its slot and is still applied); or the thread calling
+        shutdown, for a triggered round."""
         if not self._move({S.LOOKING, S.FORMED, S.FILLED, S.TRIGGERED}, S.FAILED):
             return False
         self.error = error
