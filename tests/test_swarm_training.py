@@ -103,29 +103,46 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
 
 @pytest.mark.timeout(600)
 def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: Path, tmp_path: Path) -> None:
-    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm and broadcasts
-    each applied round, so rank 1 holds exactly the same weights at every logged step."""
+    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm. It downloads the
+    swarm's state (momentum included) and averages momentum too: rank 1 holds exactly rank 0's parameters and
+    momentum at every step, and its buffers at every step where rank 0 applied a round (between rounds each rank's
+    BatchNorm statistics follow its own batches, as in any DDP run without SyncBatchNorm)."""
     box = LocalPeer("box", tmp_path)
     single = LocalPeer("single", tmp_path)
-    box_overrides = [*SWARM_OVERRIDES, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
-    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--load_state_timeout", "0"]
+    every_step = [o for o in SWARM_OVERRIDES if not o.startswith("config.LOG_FREQUENCY")] + ["config.LOG_FREQUENCY=1"]
+    box_overrides = [*every_step, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
+    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--average_optimizer_state"]
     try:
-        single.start(digits_dir, [], flags, SWARM_OVERRIDES)
+        single.start(digits_dir, [], [*flags, "--load_state_timeout", "0"], SWARM_OVERRIDES)
         addresses = single.join_addresses()
+        wait_until(lambda: single.progress(), 180, "the first logged step of the single peer")  # it has momentum
         box.start(digits_dir, addresses, flags, box_overrides)
-        wait_until(lambda: len(box.applied_rounds()) >= 3, 420, "three rounds on the two-process peer")
-        first_round_step = min(r["step_at_apply"] for r in box.applied_rounds())
         rank1_log = box.checkpoint_dir / "progress_rank1.jsonl"
-        wait_until(lambda: len([e for e in read_jsonl(rank1_log) if e["step"] > first_round_step]) >= 3, 300,
-                   "three logged steps of rank 1 after the first applied round")
+        wait_until(lambda: len(box.applied_rounds()) >= 3, 420, "three rounds on the two-process peer")
+        last_round_step = wait_until(lambda: round_steps(box.progress())[2:], 60, "the third round in the log")[0]
+        wait_until(lambda: any(e["step"] >= last_round_step for e in read_jsonl(rank1_log)), 60,
+                   "rank 1's log of the third round's step")
     finally:
         stop_all([box, single])
-    rank0 = {entry["step"]: entry["param_checksum"] for entry in box.progress()}
-    rank1 = {entry["step"]: entry["param_checksum"] for entry in read_jsonl(rank1_log)}
+    assert "Joined the swarm at iteration" in box.log_text()  # rank 0 downloaded the single peer's state
+    rank0 = {entry["step"]: entry for entry in box.progress()}
+    rank1 = {entry["step"]: entry for entry in read_jsonl(rank1_log)}
     common = sorted(set(rank0) & set(rank1))
-    assert len([step for step in common if step > first_round_step]) >= 2
+    assert common and common[0] == min(rank0), "rank 1 did not log the first step after the download"
     for step in common:
-        assert rank0[step] == pytest.approx(rank1[step], rel=1e-9, abs=1e-6), f"replicas differ at step {step}"
+        assert rank0[step]["optimizer_checksum"] != 0.0  # momentum exists from the first step on
+        for key in ("param_checksum", "optimizer_checksum"):
+            assert rank1[step][key] == pytest.approx(rank0[step][key], rel=1e-9, abs=1e-6), (key, step)
+    synced = [step for step in round_steps(box.progress()) if step in rank1]
+    assert len(synced) >= 3
+    for step in synced:
+        assert rank1[step]["buffer_checksum"] == pytest.approx(rank0[step]["buffer_checksum"], rel=1e-9), step
+
+
+def round_steps(progress: list[dict]) -> list[int]:
+    """Steps at which the peer applied a round (rounds_ok grew since the previous step's line)."""
+    return [entry["step"] for previous, entry in zip(progress, progress[1:], strict=False)
+            if entry["step"] == previous["step"] + 1 and entry["rounds_ok"] > previous["rounds_ok"]]
 
 
 def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
