@@ -135,3 +135,31 @@ def replica_checksums(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         "buffer_checksum": total([b for b in model.buffers() if b.is_floating_point()]),
         "optimizer_checksum": total(state),
     }
+
+
+def compare_replica_logs(rank0: list[dict], rank1: list[dict], rel: float = 1e-9) -> dict:
+    """Where the checksums that two local ranks logged (``replica_checksums``, every step) disagree.
+
+    Parameters and optimizer state must agree at every step both ranks logged. Buffers must agree at the steps
+    where rank 0 applied a round (its ``rounds_ok`` grew since the previous step) and broadcast them: between
+    rounds each rank's BatchNorm statistics follow its own batches, as in any DDP run without SyncBatchNorm.
+    """
+    by_step0, by_step1 = ({entry["step"]: entry for entry in log} for log in (rank0, rank1))
+    common = sorted(set(by_step0) & set(by_step1))
+    round_steps = [entry["step"] for previous, entry in zip(rank0, rank0[1:], strict=False)
+                   if entry["step"] == previous["step"] + 1 and entry["step"] in by_step1
+                   and entry.get("rounds_ok", 0) > previous.get("rounds_ok", 0)]
+
+    def differ(key: str, steps: list[int]) -> list[int]:
+        return [step for step in steps
+                if abs(by_step0[step][key] - by_step1[step][key]) > rel * max(abs(by_step0[step][key]), 1.0)]
+
+    return {
+        "steps_compared": len(common),
+        "first_step_compared": bool(common) and common[0] == min(by_step0),
+        "optimizer_state_present": bool(common) and all(by_step0[step]["optimizer_checksum"] != 0 for step in common),
+        "round_steps_compared": len(round_steps),
+        "param_mismatch_steps": differ("param_checksum", common),
+        "optimizer_mismatch_steps": differ("optimizer_checksum", common),
+        "buffer_mismatch_steps": differ("buffer_checksum", round_steps),
+    }

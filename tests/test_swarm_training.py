@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from local_replicas import compare_replica_logs
 from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
@@ -118,31 +119,16 @@ def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: P
         wait_until(lambda: single.progress(), 180, "the first logged step of the single peer")  # it has momentum
         box.start(digits_dir, addresses, flags, box_overrides)
         rank1_log = box.checkpoint_dir / "progress_rank1.jsonl"
-        wait_until(lambda: len(box.applied_rounds()) >= 3, 420, "three rounds on the two-process peer")
-        last_round_step = wait_until(lambda: round_steps(box.progress())[2:], 60, "the third round in the log")[0]
-        wait_until(lambda: any(e["step"] >= last_round_step for e in read_jsonl(rank1_log)), 60,
-                   "rank 1's log of the third round's step")
+        wait_until(lambda: compare_replica_logs(box.progress(), read_jsonl(rank1_log))["round_steps_compared"] >= 3,
+                   420, "three rounds on the two-process peer, in the logs of both ranks")
     finally:
         stop_all([box, single])
     assert "Joined the swarm at iteration" in box.log_text()  # rank 0 downloaded the single peer's state
-    rank0 = {entry["step"]: entry for entry in box.progress()}
-    rank1 = {entry["step"]: entry for entry in read_jsonl(rank1_log)}
-    common = sorted(set(rank0) & set(rank1))
-    assert common and common[0] == min(rank0), "rank 1 did not log the first step after the download"
-    for step in common:
-        assert rank0[step]["optimizer_checksum"] != 0.0  # momentum exists from the first step on
-        for key in ("param_checksum", "optimizer_checksum"):
-            assert rank1[step][key] == pytest.approx(rank0[step][key], rel=1e-9, abs=1e-6), (key, step)
-    synced = [step for step in round_steps(box.progress()) if step in rank1]
-    assert len(synced) >= 3
-    for step in synced:
-        assert rank1[step]["buffer_checksum"] == pytest.approx(rank0[step]["buffer_checksum"], rel=1e-9), step
-
-
-def round_steps(progress: list[dict]) -> list[int]:
-    """Steps at which the peer applied a round (rounds_ok grew since the previous step's line)."""
-    return [entry["step"] for previous, entry in zip(progress, progress[1:], strict=False)
-            if entry["step"] == previous["step"] + 1 and entry["rounds_ok"] > previous["rounds_ok"]]
+    report = compare_replica_logs(box.progress(), read_jsonl(rank1_log))
+    assert report["first_step_compared"], "rank 1 did not log the first step after the download"
+    assert report["optimizer_state_present"] and report["round_steps_compared"] >= 3, report
+    assert report["param_mismatch_steps"] == report["optimizer_mismatch_steps"] == [], report
+    assert report["buffer_mismatch_steps"] == [], report
 
 
 def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
