@@ -12,8 +12,9 @@ VISSL's synthetic images, made by the data loader workers, so no dataset is need
 
 With 2 or more GPUs it also runs a box of 2 local processes over NCCL plus the simulated peer, and checks from
 the logged checksums that both local ranks hold the same parameters, buffers and momentum after rounds.
-Without CUDA it prints one line and exits 0. Everything runs as subprocesses (the trainer is
-``run_trainer.py``'s ``main`` with one more VISSL hook, ``MeasureWindowHook``), one run after another.
+Without CUDA it prints one line and exits 0. Each run is a fresh set of processes, one run after another: the
+trainer is ``benchmarks/measured_trainer.py`` (``run_trainer.py`` with one more VISSL hook, which times a window
+of steps), the second peer ``benchmarks/simulated_peer.py``.
 
 Usage:
     python benchmarks/gpu_check.py [--out benchmarks/results] [--configs C ...] [--window_steps N]
@@ -23,10 +24,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from local_swarm import LOOPBACK, LocalPeer, read_jsonl, wait_until  # noqa: E402
+from local_swarm import LOOPBACK, LocalPeer, read_jsonl, stop_all, wait_until  # noqa: E402
 
 CONFIGS = ("swav_resnet50", "swav_vit_small")
 RUN_ID = "gpucheck"
@@ -61,42 +60,6 @@ DEFINITIONS = {
     "peak_gpu_mem_gib": "torch.cuda.max_memory_allocated() at the end of the window",
     "rounds_applied": "rounds applied inside the window",
 }
-
-
-# --- the simulated peer ------------------------------------------------------------------------------------------
-def run_simulated_peer(args: argparse.Namespace) -> int:
-    """A second peer on the CPU: holds tensors of the trainer's shapes (its own values, downloaded once) and only
-    averages, signalling a step boundary every few ms, until SIGINT/SIGTERM."""
-    import hivemind
-
-    from decentralized_sgd import DecentralizedSGD
-
-    schema = json.loads(Path(args.schema).read_text())
-    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[LOOPBACK], start=True)
-    tensors = [torch.nn.Parameter(torch.zeros(shape)) for shape in schema["shapes"]]
-    base_prefix = schema["prefix"].rsplit("_", 1)[0]
-    averaging = DecentralizedSGD(torch.optim.SGD(tensors, lr=0.0), dht, prefix=base_prefix, target_group_size=2,
-                                 min_matchmaking_time=2.0, allreduce_timeout=60.0, next_chunk_timeout=10.0,
-                                 compression="fp16")
-    assert averaging.prefix == schema["prefix"], (averaging.prefix, schema["prefix"])
-    loaded = averaging.averager.load_state_from_peers(timeout=60)
-    if loaded is not None:  # the trainer's parameters and float buffers, in the order it averages them
-        metadata, served = loaded
-        count = metadata["num_params"] + metadata["num_buffers"]
-        values = [t for i, t in enumerate(served[:count]) if i < metadata["num_params"] or t.is_floating_point()]
-        with torch.no_grad():
-            for tensor, value in zip(tensors, values, strict=False):
-                tensor.copy_(value)
-    print(f"simulated peer {dht.peer_id} ready ({'with' if loaded else 'without'} the trainer's values)", flush=True)
-    stop = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.append(True))
-    while not stop:
-        averaging.on_step_end()
-        time.sleep(0.005)
-    averaging.shutdown()
-    dht.shutdown()
-    return 0
 
 
 # --- the check: one run after another ----------------------------------------------------------------------------
@@ -120,11 +83,11 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
 
 
-def _start(peer: LocalPeer, arguments: list[str], env: dict[str, str] | None = None) -> None:
-    """Start ``python -m benchmarks.gpu_check ...`` as ``peer``'s process (LocalPeer stops it, reads its log)."""
+def _start(peer: LocalPeer, module: str, arguments: list[str], env: dict[str, str] | None = None) -> None:
+    """Start ``python -m benchmarks.<module> ...`` as ``peer``'s process (LocalPeer stops it, reads its log)."""
     peer.out_dir.mkdir(parents=True, exist_ok=True)
     with open(peer.log_path, "w") as log:
-        peer.process = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check", *arguments], cwd=REPO,
+        peer.process = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", *arguments], cwd=REPO,
                                         env=env or _env(), stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
     peer.started_at = time.time()
@@ -144,26 +107,31 @@ def measure(plan: RunPlan, work_dir: Path, timeout: float) -> dict:
         outcome["simulated_peer_log"] = str(simulated.log_path)
     deadline = time.monotonic() + timeout
     try:
-        _start(trainer, ["trainer", "--result", str(result_path), "--schema", str(schema_path), "--warmup_steps",
-                         str(plan.warmup_steps), "--window_steps", str(plan.window_steps), "--min_rounds",
-                         str(min_rounds), "--", *trainer_args])
+        _start(trainer, "measured_trainer", ["--result", str(result_path), "--schema", str(schema_path),
+                                             "--warmup_steps", str(plan.warmup_steps), "--window_steps",
+                                             str(plan.window_steps), "--min_rounds", str(min_rounds), "--",
+                                             *trainer_args])
         if plan.averaging:
             addresses = trainer.join_addresses(timeout=deadline - time.monotonic())
             wait_until(lambda: schema_path.exists() or not trainer.is_running(), deadline - time.monotonic(),
                        f"{plan.name}: the trainer's start")
             if schema_path.exists():
-                _start(simulated, ["sim_peer", "--schema", str(schema_path), "--initial_peers", *addresses],
+                _start(simulated, "simulated_peer", ["--schema", str(schema_path), "--initial_peers", *addresses],
                        env={**_env(), "CUDA_VISIBLE_DEVICES": ""})
-        wait_until(lambda: result_path.exists() or not trainer.is_running(), deadline - time.monotonic(),
-                   f"{plan.name}: the measured window")
+        def peer_died() -> bool:
+            return simulated.process is not None and not simulated.is_running()
+
+        wait_until(lambda: result_path.exists() or not trainer.is_running() or peer_died(),
+                   deadline - time.monotonic(), f"{plan.name}: the measured window")
+        if peer_died() and not result_path.exists():
+            raise RuntimeError(f"the simulated peer exited with code {simulated.process.returncode}; see its log")
         if not result_path.exists():
-            raise RuntimeError(f"the trainer exited with code {trainer.process.returncode}")
+            raise RuntimeError(f"the trainer exited with code {trainer.process.returncode}; see its log")
         outcome.update(json.loads(result_path.read_text()))
     except (TimeoutError, RuntimeError) as error:
-        outcome["error"] = f"{error}; see {trainer.log_path}"
+        outcome["error"] = str(error)
     finally:
-        for peer in (trainer, simulated):
-            peer.stop()
+        stop_all([trainer, simulated])
     if plan.box:
         from local_replicas import compare_replica_logs
 
@@ -239,7 +207,7 @@ def markdown(report: dict) -> str:
     for run in report["runs"]:
         mode = "with a second peer" if run["mode"] == "averaged" else "none"
         if "error" in run:
-            lines.append(f"| {run['config']} | {mode} | failed: {run['error']} |")
+            lines.append(f"| {run['config']} | {mode} | failed: {run['error']} ({run.get('log', '')}) |")
             continue
         lines.append(" | ".join([
             f"| {run['config']}", mode, _cell(run["step_s"]), _cell(run["samples_per_s"], 1),
@@ -256,12 +224,13 @@ def _box_line(box: dict) -> str:
     if not box["ran"]:
         return f"did not run ({box['reason']})"
     replicas = box["replicas"]
-    if "error" in box and not replicas["steps_compared"]:
-        return f"failed: {box['error']}"
     mismatches = {key: steps for key, steps in replicas.items() if key.endswith("mismatch_steps") and steps}
-    return (f"{box.get('rounds_applied', '?')} rounds applied in the window; checksums of parameters and momentum "
-            f"compared at {replicas['steps_compared']} steps, of buffers at {replicas['round_steps_compared']} "
-            f"round steps: {f'DIFFERENT {mismatches}' if mismatches else 'identical'}")
+    line = (f"checksums of parameters and momentum compared at {replicas['steps_compared']} steps, of buffers at "
+            f"{replicas['round_steps_compared']} steps with a round: "
+            f"{f'DIFFERENT {mismatches}' if mismatches else 'identical'}")
+    if "error" in box:
+        return f"failed: {box['error']} ({box['log']}); until then {line}"
+    return f"{box['rounds_applied']} rounds applied in the window; {line}"
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -300,18 +269,6 @@ def run_check(args: argparse.Namespace) -> int:
     return 0 if all("error" not in run for run in runs) else 1
 
 
-def run_measured_trainer(args: argparse.Namespace) -> int:
-    """``run_trainer.py`` with MeasureWindowHook added to the swarm's hooks (run_trainer imports them at start)."""
-    import hooks
-    import run_trainer
-    from benchmarks.measure_window_hook import WindowSettings, measured_hook_generator
-
-    settings = WindowSettings(args.result, args.schema, args.warmup_steps, args.window_steps, args.min_rounds)
-    hooks.swarm_hook_generator = functools.partial(measured_hook_generator, settings)
-    trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
-    return run_trainer.main(trainer_args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
@@ -323,27 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run_timeout_s", type=float, default=150.0, help="the most one run may take")
     parser.add_argument("--budget_s", type=float, default=420.0, help="no run starts after this; keeps it < 8 min")
     parser.add_argument("--cpu_smoke", action="store_true", help="run the check's code path on a CPU (swav_tiny)")
-    commands = parser.add_subparsers(dest="command")
-    trainer = commands.add_parser("trainer", help="internal: run_trainer.py with the measuring hook")
-    trainer.add_argument("--result", required=True)
-    trainer.add_argument("--schema", required=True)
-    trainer.add_argument("--warmup_steps", type=int, required=True)
-    trainer.add_argument("--window_steps", type=int, required=True)
-    trainer.add_argument("--min_rounds", type=int, required=True)
-    trainer.add_argument("trainer_args", nargs=argparse.REMAINDER)
-    peer = commands.add_parser("sim_peer", help="internal: the simulated second peer")
-    peer.add_argument("--schema", required=True)
-    peer.add_argument("--initial_peers", nargs="+", required=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "trainer":
-        return run_measured_trainer(args)
-    if args.command == "sim_peer":
-        return run_simulated_peer(args)
-    return run_check(args)
+    return run_check(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

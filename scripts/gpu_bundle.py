@@ -8,7 +8,7 @@ the torch stack (torch, torchvision, what only they need: the machine has them),
 packages that PyPI has as sdists only (``pip wheel --no-deps``), and adds the project's source and
 ``scripts/gpu_check.sh``. On the GPU machine: ``bash BUNDLE/gpu_check.sh BUNDLE OUT_DIR``.
 
-Usage: python scripts/gpu_bundle.py [--python-version 3.12] [--out gpu_bundle] [--max-mb 60]
+Usage: python scripts/gpu_bundle.py [--python-version 3.12] [--out gpu_bundle] [--max-mb 70]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 PLATFORM = "manylinux2014_x86_64"
-MACHINE_HAS = {"torch", "torchvision"}  # with everything only they need
+MACHINE_HAS = {"torch", "torchvision"}  # the GPU machine has them, with the packages they need
 # in requirements.txt but not imported by a training run (the check): tooling, plots, other commands' needs,
 # optional VISSL extras (VISSL imports cv2 and tensorboard only when available and asked for)
 NOT_FOR_THE_CHECK = {"pytest", "pytest-timeout", "ruff", "matplotlib", "tensorboard", "opencv-python-headless",
@@ -46,10 +46,12 @@ def pip(*args: str, quiet: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True)
 
 
-def bundle_requirements() -> list[str]:
+def split_requirements() -> tuple[list[str], list[str]]:
+    """requirements.txt as (what the check needs from us, what the machine's torch and torchvision must satisfy)."""
     lines = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
-    requirements = [line for line in lines if line]
-    return [r for r in requirements if canonicalize_name(Requirement(r).name) not in NOT_FOR_THE_CHECK]
+    names = {line: canonicalize_name(Requirement(line).name) for line in lines if line}
+    ours = [line for line, name in names.items() if name not in NOT_FOR_THE_CHECK | MACHINE_HAS]
+    return ours, [line for line, name in names.items() if name in MACHINE_HAS]
 
 
 def target_options(python_version: str) -> list[str]:
@@ -150,18 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (major.minor)")
     parser.add_argument("--out", type=Path, default=REPO / "gpu_bundle")
-    # the issue asked for 60 MB; scipy alone is 34 MB (hivemind and VISSL import it), the bundle 63 MB
-    parser.add_argument("--max-mb", type=float, default=70.0, help="fail if the folder is larger")
+    # the issue asked for 60 MB, but scipy alone is 36 MB (hivemind and VISSL import it): the bundle is 66 MB
+    parser.add_argument("--max-mb", type=float, default=70.0, help="fail if the folder is larger (1 MB = 10^6 bytes)")
     args = parser.parse_args(argv)
 
     if args.out.exists():
         shutil.rmtree(args.out)
     wheels = args.out / "wheels"
     wheels.mkdir(parents=True)
-    requirements = bundle_requirements()
-    machine_requirements = [line for line in (REPO / "requirements.txt").read_text().splitlines()
-                            if line.strip() and not line.startswith("#")
-                            and canonicalize_name(Requirement(line).name) in MACHINE_HAS]
+    requirements, machine_requirements = split_requirements()
     with tempfile.TemporaryDirectory() as work:
         installs = resolve(requirements + machine_requirements, args.python_version, wheels, Path(work))
     download(runtime_closure(installs, args.python_version), args.python_version, wheels)
@@ -169,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "python_version").write_text(args.python_version + "\n")
     shutil.copy2(REPO / "scripts" / "gpu_check.sh", args.out / "gpu_check.sh")
     write_source(args.out)
-    size_mb = sum(path.stat().st_size for path in args.out.rglob("*") if path.is_file()) / 2**20
+    size_mb = sum(path.stat().st_size for path in args.out.rglob("*") if path.is_file()) / 1e6
     largest = sorted(wheels.glob("*.whl"), key=lambda path: -path.stat().st_size)[:5]
     print(f"{args.out}: {len(list(wheels.glob('*.whl')))} wheels for Python {args.python_version}, {size_mb:.1f} MB "
-          f"(largest: {', '.join(f'{w.name} {w.stat().st_size / 2**20:.1f} MB' for w in largest)})")
+          f"(largest: {', '.join(f'{w.name} {w.stat().st_size / 1e6:.1f} MB' for w in largest)})")
     print(f"On the GPU machine: bash {args.out.name}/gpu_check.sh {args.out.name} <output folder>")
     if size_mb > args.max_mb:
         print(f"error: the bundle is {size_mb:.1f} MB, over --max-mb {args.max_mb:.0f}", file=sys.stderr)

@@ -1,13 +1,19 @@
-"""The GPU check's measurement inside the trainer: a VISSL hook that times a window of training steps.
+"""The GPU check's trainer: ``run_trainer.py`` with one more VISSL hook, which times a window of training steps.
 
-``measured_hook_generator`` is the swarm's hooks plus this one; ``benchmarks/gpu_check.py trainer`` hands it to
-``run_trainer.main`` (VISSL pickles it into each local process of a box, hence a module-level function).
+    python -m benchmarks.measured_trainer --result R --schema S --warmup_steps W --window_steps N --min_rounds K \
+        -- <run_trainer.py arguments>
+
+``measured_hook_generator`` is the swarm's hooks plus ``MeasureWindowHook``; VISSL pickles it into each local
+process of a box (spawned: they re-import this module first, hence vissl_compat at import, as in run_trainer.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,3 +160,24 @@ class MeasureWindowHook(ClassyHook):
 
 def measured_hook_generator(settings: WindowSettings, cfg) -> list[ClassyHook]:
     return [*swarm_hook_generator(cfg), MeasureWindowHook(settings)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--result", required=True, help="where the measured window goes (JSON)")
+    parser.add_argument("--schema", required=True, help="where the averager's prefix and shapes go (JSON)")
+    parser.add_argument("--warmup_steps", type=int, required=True)
+    parser.add_argument("--window_steps", type=int, required=True)
+    parser.add_argument("--min_rounds", type=int, required=True, help="rounds applied before the window starts")
+    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then run_trainer.py's arguments")
+    args = parser.parse_args(argv)
+    import hooks
+    import run_trainer
+
+    settings = WindowSettings(args.result, args.schema, args.warmup_steps, args.window_steps, args.min_rounds)
+    hooks.swarm_hook_generator = functools.partial(measured_hook_generator, settings)  # run_trainer imports it late
+    return run_trainer.main(args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
