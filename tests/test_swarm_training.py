@@ -93,6 +93,13 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
     for peer in peers:
         losses = [entry["loss"] for entry in peer.progress()]
         assert losses and all(math.isfinite(loss) for loss in losses), peer.name
+    # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
+    for peer in peers:
+        errors = [entry["prototypes_norm_error"] for entry in peer.progress()]
+        assert max(errors) < 1e-6, f"{peer.name}'s prototypes left the unit sphere: {max(errors)}"
+    logged_at_apply = [entry for peer in peers[:2] for entry in peer.progress()
+                       if entry["step"] in {r["step_at_apply"] for r in peer.applied_rounds()}]
+    assert logged_at_apply, "no logged step applied a round: the check above saw none"
     first_losses = [entry["loss"] for entry in peers[0].progress()[:3]]
     last_losses = [entry["loss"] for entry in peers[0].progress()[-3:]]
     assert sum(last_losses) < sum(first_losses), "SwAV loss of the first peer did not fall"
