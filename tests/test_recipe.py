@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 import swarm
-from config_loading import compose_config
+from config_loading import TrainerConfig, compose_config, compose_trainer_config
 from initial_model import weights_fingerprint
+from recipe import count_images
 
 
 def build_task_model(run_id: str, seed_value: int) -> torch.nn.Module:
@@ -32,3 +36,61 @@ def test_peers_of_a_run_build_the_same_initial_model_and_keep_their_own_randomne
     assert not torch.equal(after_first, after_second)  # seeds 1 and 2 still give two different peers
     torch.manual_seed(1)
     assert torch.equal(after_first, torch.rand(4)), "building the model must not consume the peer's random stream"
+
+
+def box_config(name: str, digits_dir: Path, *overrides: str) -> TrainerConfig:
+    train = digits_dir / "train"
+    return compose_trainer_config(name, [f"config.DATA.TRAIN.DATA_PATHS=[{train}]",
+                                         f"config.CHECKPOINT.DIR={digits_dir.parent / 'recipe_checkpoints'}",
+                                         *overrides], has_gpu=True)
+
+
+def test_the_resnet50_recipe_is_scaled_to_the_box_and_the_dataset(digits_dir: Path) -> None:
+    """Two GPUs of 64 images: a box batch of 128, half of SwAV's 256; an epoch is images // 128 iterations."""
+    composed = box_config("swav_resnet50", digits_dir, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2")
+    config = composed.config
+    images = count_images(digits_dir / "train")
+    epoch = images // 2 // 64
+    queue = config.LOSS.swav_loss.queue
+    assert queue.queue_length == 1920 and queue.local_queue_length == 960  # 3840 x 128/256, split over 2 GPUs
+    assert queue.start_iter == 15 * epoch
+    assert config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP == [["module.heads.0.prototypes0.weight", epoch]]
+    lr = config.OPTIMIZER.param_schedulers.lr
+    assert (lr.start_value, lr.end_value) == pytest.approx((0.3, 0.0003))
+    assert config.OPTIMIZER.param_schedulers.lr_head.start_value == pytest.approx(0.3)  # VISSL copies it
+    assert composed.recipe[0].startswith("box batch 128 ") and f"{images} training images" in composed.recipe[0]
+    assert any(line.startswith("LOSS.swav_loss.queue.queue_length=1920:") for line in composed.recipe)
+
+
+def test_user_overrides_win_over_the_recipe(digits_dir: Path) -> None:
+    composed = box_config("swav_resnet50", digits_dir, "config.LOSS.swav_loss.queue.queue_length=512",
+                          "config.OPTIMIZER.param_schedulers.lr.start_value=0.05", "config.RECIPE.queue_start_epoch=2")
+    config = composed.config
+    assert config.LOSS.swav_loss.queue.queue_length == 512
+    assert config.LOSS.swav_loss.queue.start_iter == 2 * (count_images(digits_dir / "train") // 64)
+    assert config.OPTIMIZER.param_schedulers.lr.start_value == 0.05
+    assert config.OPTIMIZER.param_schedulers.lr.end_value == 0.0006  # not scaled either: the user owns the LR
+    assert any("queue_length=512: your override" in line for line in composed.recipe)
+
+
+def test_the_vit_recipe_scales_dino_s_peak_lr_but_not_its_floor(digits_dir: Path) -> None:
+    config = box_config("swav_vit_small", digits_dir).config
+    warmup, cosine = config.OPTIMIZER.param_schedulers.lr.schedulers
+    assert (warmup["start_value"], warmup["end_value"]) == pytest.approx((0.0, 0.0005 * 64 / 256))
+    assert (cosine["start_value"], cosine["end_value"]) == pytest.approx((0.0005 * 64 / 256, 1e-6))
+    assert config.OPTIMIZER.param_schedulers.weight_decay["end_value"] == 0.4  # weight decay does not scale
+    assert config.LOSS.swav_loss.queue.queue_length == 960
+
+
+def test_prototypes_are_normalised_after_the_averaging_hook() -> None:
+    """In on_update, VISSL's normalisation would run before AverageOnUpdateHook applies a round; ours runs after."""
+    from vissl.hooks import NormalizePrototypesHook
+
+    from hooks import AverageOnUpdateHook, NormalizePrototypesOnUpdateHook, swarm_hook_generator
+
+    config, _ = compose_config("swav_tiny", [], has_gpu=False)
+    hooks = swarm_hook_generator(config)
+    normalizing = [index for index, hook in enumerate(hooks) if isinstance(hook, NormalizePrototypesHook)]
+    averaging = next(index for index, hook in enumerate(hooks) if isinstance(hook, AverageOnUpdateHook))
+    assert len(normalizing) == 1 and isinstance(hooks[normalizing[0]], NormalizePrototypesOnUpdateHook)
+    assert normalizing[0] > averaging
