@@ -41,7 +41,9 @@ def test_pkg_resources_is_available_for_vissl() -> None:
 
 @pytest.mark.parametrize("name", ["swav_resnet50", "swav_vit_small"])
 def test_adapt_config_replaces_apex_and_gpu_only_settings(name: str) -> None:
-    config, changes = compose_config(name, ["config.OPTIMIZER.name=sgd", "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
+    # VISSL's own way to ask for LARC (sgd + use_larc) needs apex; the ViT's recipe is AdamW, asked for LARC here
+    config, changes = compose_config(name, ["config.OPTIMIZER.name=sgd", "config.OPTIMIZER.use_larc=True",
+                                            "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
                                             "config.MULTI_PROCESSING_METHOD=forkserver",
                                             "config.DISTRIBUTED.RUN_ID=xxxxxxxxxxxxxxxx"], has_gpu=False)
     assert config.OPTIMIZER.name == "sgd_fsdp" and config.OPTIMIZER.use_larc
