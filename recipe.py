@@ -106,8 +106,8 @@ class _Recipe:
     def __init__(self, config: Any, overrides: list[str], images: Callable[[], int]) -> None:
         self.config, self.overrides, self.recipe = config, overrides, config.RECIPE
         self.reference = int(self.recipe.get("reference_batch", 256))
-        gpus = config.DISTRIBUTED.NUM_PROC_PER_NODE * config.DISTRIBUTED.NUM_NODES
-        self.batch = int(config.DATA.TRAIN.BATCHSIZE_PER_REPLICA) * gpus
+        self.gpus = config.DISTRIBUTED.NUM_PROC_PER_NODE * config.DISTRIBUTED.NUM_NODES
+        self.batch = int(config.DATA.TRAIN.BATCHSIZE_PER_REPLICA) * self.gpus
         self._images, self._iterations = images, None
         self.lines: list[str] = []
 
@@ -116,8 +116,7 @@ class _Recipe:
         """As VISSL's stateful sampler splits an epoch: each GPU its share of the images, in full batches."""
         if self._iterations is None:
             images = self._images()
-            gpus = self.config.DISTRIBUTED.NUM_PROC_PER_NODE * self.config.DISTRIBUTED.NUM_NODES
-            self._iterations = images // gpus // int(self.config.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
+            self._iterations = images // self.gpus // int(self.config.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
             if self._iterations < 1:
                 raise RecipeError(f"{images} training images make no full batch of {self.batch} on this box: "
                                   "use a larger dataset or a smaller BATCHSIZE_PER_REPLICA")

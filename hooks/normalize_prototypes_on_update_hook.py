@@ -30,9 +30,14 @@ class NormalizePrototypesOnUpdateHook(NormalizePrototypesHook):
 
     VISSL normalises right after the optimizer step; an averaging round applied in the same step (``w += average −
     snapshot``, an average of unit vectors) would then leave them off the unit sphere for the next forward. This
-    hook replaces VISSL's instance in the hook list and comes after the averaging hook, so the next forward, the
-    checkpoints and every later round's snapshot see unit prototypes. On a box with several GPUs every rank runs
-    it on the weights rank 0 broadcast, so the replicas stay identical.
+    hook replaces VISSL's instance in the hook list and comes after the averaging hook, so the next forward and
+    the checkpoints see unit prototypes. On a box with several GPUs every rank runs it on the weights rank 0
+    broadcast, so the replicas stay identical.
+
+    The lock is released between the apply and this normalisation (HoldParamsDuringUpdateHook lets go before
+    AverageOnUpdateHook, whose SSP wait needs the averager's thread to take the lock), so a round whose group
+    formed in this very step may copy the prototypes in that gap, off the sphere by the applied round's tiny
+    deviation; closing it would need a callback of DecentralizedSGD right after its apply.
 
     The old design (``baseline_averaging``) applies rounds from its own thread between two steps; for it the
     prototypes are normalised again in ``on_step``, after HoldParamsDuringUpdateHook has taken the lock back and
