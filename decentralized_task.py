@@ -14,12 +14,12 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from classy_vision.tasks import register_task
 from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
 from vissl.utils.misc import set_torch_seed
 
+import local_replicas
 import swarm
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 from initial_model import initial_model_seed, weights_fingerprint
@@ -72,10 +72,11 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                 timeout=timeout,
                 accept=None if resumed_at is None else lambda extra: int(extra.get("iteration", 0)) > resumed_at,
             )
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            shared = [progress]
-            dist.broadcast_object_list(shared, src=0)  # DDP's construction broadcasts rank 0's weights
-            progress = shared[0]
+        if local_replicas.is_box():
+            # VISSL builds DDP after this, which copies rank 0's parameters and buffers but not its optimizer state
+            # (the momentum rank 0 downloaded, or created to average it): the other local ranks take it here
+            progress = local_replicas.broadcast_object(progress)
+            local_replicas.broadcast_optimizer_state(self._torch_optimizer())
         if progress:
             self._continue_from(progress)
         return self

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from initial_model import weights_fingerprint
+from local_replicas import compare_replica_logs
 from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
@@ -116,29 +117,31 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
 
 @pytest.mark.timeout(600)
 def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: Path, tmp_path: Path) -> None:
-    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm and broadcasts
-    each applied round, so rank 1 holds exactly the same weights at every logged step."""
+    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm. It downloads the
+    swarm's state (momentum included) and averages momentum too: rank 1 holds exactly rank 0's parameters and
+    momentum at every step, and its buffers at every step where rank 0 applied a round (between rounds each rank's
+    BatchNorm statistics follow its own batches, as in any DDP run without SyncBatchNorm)."""
     box = LocalPeer("box", tmp_path)
     single = LocalPeer("single", tmp_path)
-    box_overrides = [*SWARM_OVERRIDES, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
-    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--load_state_timeout", "0"]
+    every_step = [o for o in SWARM_OVERRIDES if not o.startswith("config.LOG_FREQUENCY")] + ["config.LOG_FREQUENCY=1"]
+    box_overrides = [*every_step, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
+    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--average_optimizer_state"]
     try:
-        single.start(digits_dir, [], flags, SWARM_OVERRIDES)
+        single.start(digits_dir, [], [*flags, "--load_state_timeout", "0"], SWARM_OVERRIDES)
         addresses = single.join_addresses()
+        wait_until(lambda: single.progress(), 180, "the first logged step of the single peer")  # it has momentum
         box.start(digits_dir, addresses, flags, box_overrides)
-        wait_until(lambda: len(box.applied_rounds()) >= 3, 420, "three rounds on the two-process peer")
-        first_round_step = min(r["step_at_apply"] for r in box.applied_rounds())
         rank1_log = box.checkpoint_dir / "progress_rank1.jsonl"
-        wait_until(lambda: len([e for e in read_jsonl(rank1_log) if e["step"] > first_round_step]) >= 3, 300,
-                   "three logged steps of rank 1 after the first applied round")
+        wait_until(lambda: compare_replica_logs(box.progress(), read_jsonl(rank1_log))["round_steps_compared"] >= 3,
+                   420, "three rounds on the two-process peer, in the logs of both ranks")
     finally:
         stop_all([box, single])
-    rank0 = {entry["step"]: entry["param_checksum"] for entry in box.progress()}
-    rank1 = {entry["step"]: entry["param_checksum"] for entry in read_jsonl(rank1_log)}
-    common = sorted(set(rank0) & set(rank1))
-    assert len([step for step in common if step > first_round_step]) >= 2
-    for step in common:
-        assert rank0[step] == pytest.approx(rank1[step], rel=1e-9, abs=1e-6), f"replicas differ at step {step}"
+    assert "Joined the swarm at iteration" in box.log_text()  # rank 0 downloaded the single peer's state
+    report = compare_replica_logs(box.progress(), read_jsonl(rank1_log))
+    assert report["first_step_compared"], "rank 1 did not log the first step after the download"
+    assert report["optimizer_state_present"] and report["round_steps_compared"] >= 3, report
+    assert report["param_mismatch_steps"] == report["optimizer_mismatch_steps"] == [], report
+    assert report["buffer_mismatch_steps"] == [], report
 
 
 def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
