@@ -373,10 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.seeds < 1:
             raise BenchError(f"--seeds must be at least 1, got {args.seeds}")
+        args.out = fresh_out_dir(args.out)
         batch = batch_per_peer()
         schedule = plan_schedule(args.steps, count_train_images(args.data_path), batch, args.peers,
                                  args.curve_points)
-        args.out = fresh_out_dir(args.out)
     except BenchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table + "\n")
     if args.plot:
-        plot(summaries, args.plot, f"{CONFIG}, {args.peers} peers x batch {batch}, {len(seeds)} seeds (mean ± std)")
+        title = f"{CONFIG}, {args.peers} peers x batch {batch}, mean ± std over {len(seeds)} seed(s)"
+        plot(summaries, args.plot, title)
     return 0 if all("error" not in run for run in runs) else 1
 
 

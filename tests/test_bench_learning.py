@@ -1,0 +1,43 @@
+"""Smoke test for benchmarks/bench_learning.py: the untrained floor and the ddp reference (VISSL's stock task, two
+local processes over gloo) on a few steps, then a second invocation into the same folder, which must refuse.
+
+No accuracy assertions: the benchmark's numbers come from its full run. This proves the code path: the schedule
+gives ddp the planned steps per process, checkpoints along the run are evaluated, and JSON, table and plot are
+written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_learning_smoke(digits_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "learning"
+    reports = {name: tmp_path / f"learning.{name}" for name in ("json", "md", "png")}
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--data_path", str(digits_dir),
+        "--modes", "random_init", "ddp", "--seeds", "1", "--peers", "2", "--steps", "4", "--curve_points", "2",
+        "--out", str(out), "--json", str(reports["json"]), "--markdown", str(reports["md"]),
+        "--plot", str(reports["png"]),
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "expected about" in proc.stdout
+
+    result = json.loads(reports["json"].read_text())
+    settings = result["settings"]
+    assert settings["steps_per_peer"] == 4 and settings["epochs_per_mode"]["ddp"] == 2 * settings["epochs"]
+    floor, ddp = result["runs"]
+    assert floor["mode"] == "random_init" and 0.0 < floor["accuracy"] <= 1.0
+    assert ddp["mode"] == "ddp" and "error" not in ddp, ddp
+    assert ddp["steps_per_peer"] == [4]  # each process took the steps a swarm peer takes
+    assert [iteration for iteration, _ in ddp["curve"]] == [2, 4]
+    assert 0.0 < ddp["accuracy"] <= 1.0 and ddp["wall_s"] > 0
+    summary = {entry["mode"]: entry for entry in result["summary"]}
+    assert summary["ddp"]["curve"][-1][0] == 4 * settings["batch"]  # x axis: samples seen per process
+    assert "| ddp |" in reports["md"].read_text() and reports["png"].stat().st_size > 0
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "is not empty" in again.stderr, again.stderr[-2000:]
