@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from demo import markdown_table  # noqa: E402
 from local_swarm import LocalPeer, start_swarm_together, stop_all  # noqa: E402
-from run_eval import IMAGE_SUFFIXES, load_trunk_state, resolve_checkpoint  # noqa: E402
+from run_eval import IMAGE_SUFFIXES, load_trunk_state  # noqa: E402
 
 CONFIG = "swav_tiny"
 MODES = ("random_init", "isolated", "old", "improved", "ddp")
@@ -146,7 +146,7 @@ def estimated_seconds(mode: str, schedule: Schedule, curve_points: int) -> float
     if mode == "random_init":
         return EVAL_S + 5.0
     trunks = 1 if mode == "ddp" else schedule.peers
-    return STARTUP_S[mode] + schedule.steps * SECONDS_PER_STEP[mode] + trunks * (curve_points + 1) * EVAL_S
+    return STARTUP_S[mode] + schedule.steps * SECONDS_PER_STEP[mode] + trunks * curve_points * EVAL_S
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -222,10 +222,12 @@ def last_error_line(peer: LocalPeer) -> str:
 def checkpoints_by_iteration(folder: Path) -> dict[int, Path]:
     """A peer's checkpoints every CHECKPOINT_ITER_FREQUENCY steps and its final one, keyed by iteration (not those
     at epoch ends: ddp's epochs are shorter, its curve would get more points)."""
+    finals = list(folder.glob("model_final_checkpoint*.torch"))
+    if not finals:
+        raise BenchError(f"{folder} holds no final checkpoint (model_final_checkpoint_*.torch): training did not end")
     found = {}
-    for path in [*folder.glob("model_iteration*.torch"), *folder.glob("model_final_checkpoint*.torch")]:
-        iteration = int(torch.load(path, map_location="cpu", weights_only=True)["iteration"])
-        found[iteration] = path
+    for path in [*folder.glob("model_iteration*.torch"), *finals]:  # the final one last: it wins a shared key
+        found[int(torch.load(path, map_location="cpu", weights_only=True)["iteration"])] = path
     return found
 
 
@@ -241,23 +243,24 @@ def mean_pairwise_distance(checkpoints: list[Path]) -> float | None:
 
 
 def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], data_path: Path, wall_s: float) -> dict:
-    """kNN of every peer's checkpoints along the run; the final point is the run's result."""
+    """kNN of every peer's checkpoints along the run; the last one (the final checkpoint) is the run's result."""
     from run_eval import knn_accuracy
 
     per_peer = [checkpoints_by_iteration(peer.checkpoint_dir) for peer in peers]
+    accuracies = [{iteration: knn_accuracy(path, data_path, CONFIG) for iteration, path in found.items()}
+                  for found in per_peer]
     common = sorted(set.intersection(*(set(found) for found in per_peer)))
-    curve = [[iteration, mean(knn_accuracy(found[iteration], data_path, CONFIG) for found in per_peer)]
-             for iteration in common]
-    finals = [resolve_checkpoint(peer.checkpoint_dir) for peer in peers]
-    final_accuracies = [knn_accuracy(path, data_path, CONFIG) for path in finals]
+    finals = [found[max(found)] for found in per_peer]
+    final_accuracies = [by_iteration[max(by_iteration)] for by_iteration in accuracies]
     return {
         "mode": mode, "seed": seed, "wall_s": round(wall_s, 1),
         "accuracy": round(mean(final_accuracies), 4),
         "accuracy_per_peer": [round(accuracy, 4) for accuracy in final_accuracies],
         "peer_distance": _rounded(mean_pairwise_distance(finals)),
-        "steps_per_peer": [max(found, default=0) for found in per_peer],
+        "steps_per_peer": [max(found) for found in per_peer],
         "rounds_per_peer": [len(peer.applied_rounds()) for peer in peers],
-        "curve": [[iteration, round(accuracy, 4)] for iteration, accuracy in curve],
+        "curve": [[iteration, round(mean(by_iteration[iteration] for by_iteration in accuracies), 4)]
+                  for iteration in common],
     }  # fmt: skip
 
 
