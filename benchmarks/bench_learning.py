@@ -55,7 +55,7 @@ SECONDS_PER_STEP = {"isolated": 0.15, "old": 0.2, "improved": 0.17, "ddp": 0.2}
 EVAL_S = 0.7
 
 
-class BenchError(RuntimeError):
+class BenchError(Exception):
     """A run that cannot start or did not finish; the message says which and where its log is."""
 
 
@@ -194,20 +194,25 @@ def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace
             for index, peer in enumerate(peers):
                 peer.start(args.data_path, [], flags, overrides + peer_seed(seed, index))
         while any(peer.is_running() for peer in peers):
+            check_exits(mode, seed, peers)  # one crashed: stop the others rather than wait for them
             if time.monotonic() - started > deadline_s:
                 raise BenchError(f"{mode} seed {seed} did not finish within {deadline_s:.0f} s; logs: "
                                  f"{peers[0].out_dir}")
             time.sleep(1.0)
-    except RuntimeError as error:  # includes a peer that died before printing its join line
+    except (RuntimeError, TimeoutError) as error:  # a peer that died or hung before its join line
         raise BenchError(str(error)) from error
     finally:
         stop_all(peers)
-    wall_s = time.monotonic() - started
+    check_exits(mode, seed, peers)
+    return time.monotonic() - started
+
+
+def check_exits(mode: str, seed: int, peers: list[LocalPeer]) -> None:
     for peer in peers:
-        if peer.process.returncode != 0:
-            raise BenchError(f"{mode} seed {seed}: {peer.name} exited with code {peer.process.returncode}; "
-                             f"see {peer.log_path}\n  {last_error_line(peer)}")
-    return wall_s
+        code = peer.process.poll()
+        if code not in (None, 0):
+            raise BenchError(f"{mode} seed {seed}: {peer.name} exited with code {code}; see {peer.log_path}\n"
+                             f"  {last_error_line(peer)}")
 
 
 def last_error_line(peer: LocalPeer) -> str:
