@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    # one thread for the kNN evaluations: with two, a busy machine makes each 10x slower (OpenMP threads spinning)
+    torch.set_num_threads(1)
     seeds = list(range(args.seeds))
     settings = {"config": CONFIG, "peers": args.peers, "seeds": seeds, "steps_requested": args.steps,
                 **asdict(schedule), "steps_per_peer": schedule.steps,
