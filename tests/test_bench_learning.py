@@ -10,18 +10,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_learning  # noqa: E402
 
 
-def test_bench_learning_smoke(digits_dir: Path, tmp_path: Path) -> None:
+def test_bench_learning_smoke(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "learning"
     reports = {name: tmp_path / f"learning.{name}" for name in ("json", "md", "png")}
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--data_path", str(digits_dir),
-        "--modes", "random_init", "ddp", "--seeds", "1", "--peers", "2", "--steps", "4", "--curve_points", "2",
-        "--out", str(out), "--json", str(reports["json"]), "--markdown", str(reports["md"]),
-        "--plot", str(reports["png"]),
+    arguments = [
+        "--data_path", str(digits_dir), "--modes", "random_init", "ddp", "--seeds", "1", "--peers", "2",
+        "--steps", "4", "--curve_points", "2", "--out", str(out), "--json", str(reports["json"]),
+        "--markdown", str(reports["md"]), "--plot", str(reports["png"]),
     ]  # fmt: skip
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "expected about" in proc.stdout
@@ -39,5 +44,6 @@ def test_bench_learning_smoke(digits_dir: Path, tmp_path: Path) -> None:
     assert summary["ddp"]["curve"][-1][0] == 4 * settings["batch"]  # x axis: samples seen per process
     assert "| ddp |" in reports["md"].read_text() and reports["png"].stat().st_size > 0
 
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "is not empty" in again.stderr, again.stderr[-2000:]
+    capsys.readouterr()
+    assert bench_learning.main(arguments) == 2  # a second invocation into the same folder: refused before training
+    assert "is not empty: its checkpoints would be resumed" in capsys.readouterr().err
