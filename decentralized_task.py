@@ -18,9 +18,11 @@ import torch.distributed as dist
 from classy_vision.tasks import register_task
 from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
+from vissl.utils.misc import set_torch_seed
 
 import swarm
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
+from initial_model import initial_model_seed, weights_fingerprint
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
@@ -43,6 +45,18 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         """Only local rank 0 of a box talks to the swarm; its other GPUs follow through VISSL's DDP."""
         local_rank, _ = get_machine_local_and_dist_rank()
         return local_rank == 0
+
+    def _build_model(self):
+        """VISSL's model, initialised from the run's seed (initial_model.py): every peer of the run starts from
+        the same weights; the peer's own seed still drives data order and augmentations."""
+        settings = self.swarm_settings
+        seed = initial_model_seed(settings.run_id, settings.config_name)
+        self.config["MODEL"]["_MODEL_INIT_SEED"] = seed  # VISSL seeds each head with it (else with SEED_VALUE)
+        with set_torch_seed(seed):  # the trunk draws from torch's generator; the peer's state is restored after
+            model = super()._build_model()
+        logging.info(f"Initial model of run {settings.run_id!r} ({settings.config_name}): seed {seed}, "
+                     f"trunk fingerprint {weights_fingerprint(model.trunk)}")
+        return model
 
     def prepare(self, pin_memory: bool = False) -> SelfSupervisionTask:
         super().prepare(pin_memory=pin_memory)

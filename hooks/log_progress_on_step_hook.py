@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
+from hooks.normalize_prototypes_on_update_hook import prototypes_norm_error
 from hooks.samples_per_second import SamplesPerSecond
 
 PROGRESS_FILE = "progress.jsonl"
@@ -69,6 +70,9 @@ class LogProgressOnStepHook(ClassyHook):
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
         fields = {"loss": float(task.last_batch.loss.item()), "samples_per_s": round(samples_per_s, 2),
                   "lr": float(task.optimizer.options_view.lr)}
+        norm_error = prototypes_norm_error(task)
+        if norm_error is not None:  # SwAV: how far the prototypes are from the unit sphere the loss assumes
+            fields["prototypes_norm_error"] = norm_error
         optimizer = getattr(task, "decentralized_sgd", None)
         if optimizer is not None:
             last = optimizer.last_applied_record() or {}

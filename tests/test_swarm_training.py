@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from initial_model import weights_fingerprint
 from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
+from tests.test_recipe import build_task_model
 
 # 10 batches of 16 real images per epoch, plenty of epochs: the test decides when peers stop
 SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
@@ -35,23 +38,22 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a))
 
 
-def initial_weights(seed: int) -> dict[str, torch.Tensor]:
-    from vissl.models import build_model
-
-    from config_loading import compose_config
-
-    config, _ = compose_config("swav_tiny", [], has_gpu=False)
-    torch.manual_seed(seed)
-    return float_tensors(build_model(config.MODEL, config.OPTIMIZER).get_classy_state()["model"])
+def logged_fingerprint(peer: LocalPeer) -> str:
+    """The trunk fingerprint of the initial model the peer built (decentralized_task.py logs it)."""
+    match = re.search(r"trunk fingerprint (\w+)", peer.log_text())
+    return match.group(1) if match else ""
 
 
 @pytest.mark.timeout(900)
 def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
     try:
-        # each peer starts from its own random init (seed) instead of downloading the first peer's weights
+        # each peer its own seed (data order) and no download of the first peer's weights: the run's initial model
         addresses = start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
                                 per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+        fingerprints = [wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
+                        for peer in peers]
+        assert len(set(fingerprints)) == 1, f"the peers of one run built different initial models: {fingerprints}"
 
         # 1. every peer applies rounds in groups of at least 2
         for peer in peers:
@@ -91,14 +93,25 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
     for peer in peers:
         losses = [entry["loss"] for entry in peer.progress()]
         assert losses and all(math.isfinite(loss) for loss in losses), peer.name
+    # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
+    for peer in peers:
+        errors = [entry["prototypes_norm_error"] for entry in peer.progress()]
+        assert max(errors) < 1e-6, f"{peer.name}'s prototypes left the unit sphere: {max(errors)}"
+    logged_at_apply = [entry for peer in peers[:2] for entry in peer.progress()
+                       if entry["step"] in {r["step_at_apply"] for r in peer.applied_rounds()}]
+    assert logged_at_apply, "no logged step applied a round: the check above saw none"
     first_losses = [entry["loss"] for entry in peers[0].progress()[:3]]
     last_losses = [entry["loss"] for entry in peers[0].progress()[-3:]]
     assert sum(last_losses) < sum(first_losses), "SwAV loss of the first peer did not fall"
 
-    # averaging pulled the peers together: much closer than two random inits, which is where they started
-    start_distance = distance(initial_weights(0), initial_weights(1))
+    # averaging kept the peers together: they ended much closer to each other than to the initial model they
+    # started from (the run's, rebuilt here exactly as the peers built it)
+    initial = build_task_model("swarmtest", seed_value=0)
+    assert logged_fingerprint(peers[0]) == weights_fingerprint(initial.trunk)
+    initial_weights = float_tensors(initial.get_classy_state()["model"])
+    moved = distance(latest_weights(peers[0]), initial_weights)
     final_distance = distance(latest_weights(peers[0]), latest_weights(peers[1]))
-    assert final_distance < 0.5 * start_distance, (final_distance, start_distance)
+    assert final_distance < 0.5 * moved, (final_distance, moved)
 
 
 @pytest.mark.timeout(600)
