@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -150,6 +151,56 @@ def estimated_seconds(mode: str, schedule: Schedule, curve_points: int) -> float
     return STARTUP_S[mode] + schedule.steps * SECONDS_PER_STEP[mode] + trunks * curve_points * EVAL_S
 
 
+# ---------------------------------------------------------------------------------------------- initial model
+
+
+@dataclass(frozen=True)
+class InitialModel:
+    """What every process of one seed's runs starts from, in every mode, and its kNN accuracy (the floor)."""
+
+    path: Path
+    trunk_fingerprint: str
+    accuracy: float
+
+
+def run_id(seed: int) -> str:
+    return f"learn{seed}"
+
+
+def write_initial_model(seed: int, folder: Path, data_path: Path) -> InitialModel:
+    """The model the swarm peers of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id),
+    saved as VISSL weights. The stock-task modes (isolated, ddp) load it with MODEL.WEIGHTS_INIT, VISSL's own
+    start-from-weights option: VISSL would otherwise initialise each of their processes from its SEED_VALUE."""
+    import vissl_compat
+
+    vissl_compat.apply()  # before VISSL is imported
+    from vissl.models import build_model
+    from vissl.utils.misc import set_torch_seed
+
+    from config_loading import compose_config
+    from initial_model import initial_model_seed, weights_fingerprint
+    from run_eval import knn_accuracy
+
+    config, _ = compose_config(CONFIG, [], has_gpu=False)
+    init_seed = initial_model_seed(run_id(seed), CONFIG)
+    config.MODEL._MODEL_INIT_SEED = init_seed  # as the task does: VISSL seeds the heads with it
+    with set_torch_seed(init_seed):
+        model = build_model(config.MODEL, config.OPTIMIZER)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{run_id(seed)}.torch"
+    torch.save({"classy_state_dict": {"base_model": model.get_classy_state()}}, path)
+    return InitialModel(path, weights_fingerprint(model.trunk), knn_accuracy(path, data_path, CONFIG))
+
+
+def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bool:
+    """Whether every process of the run logged that it started from the seed's initial model: a swarm peer logs
+    its trunk's fingerprint, VISSL logs loading the weights file."""
+    if mode in SWARM_MODES:
+        return all(re.findall(r"trunk fingerprint (\w+)", peer.log_text()) == [initial.trunk_fingerprint]
+                   for peer in peers)
+    return all(f"Initializing model from: {initial.path}" in peer.log_text() for peer in peers)
+
+
 # ---------------------------------------------------------------------------------------------------- training
 
 
@@ -160,19 +211,20 @@ def make_peers(mode: str, seed: int, out: Path, schedule: Schedule) -> list[Loca
     return [LocalPeer(f"peer{index}", run_dir, config=CONFIG) for index in range(schedule.peers)]
 
 
-def trainer_arguments(mode: str, seed: int, schedule: Schedule) -> tuple[list[str], list[str]]:
+def trainer_arguments(mode: str, seed: int, schedule: Schedule, initial: InitialModel) -> tuple[list[str], list[str]]:
     """(flags, overrides) of every process of a run; the peer's own SEED_VALUE is added per peer."""
-    flags = ["--run_id", f"learn{seed}"]
-    if mode in SWARM_MODES:
-        flags += ["--target_group_size", str(schedule.peers), "--min_matchmaking_time", "3",
-                  "--averaging_timeout", "30", "--next_chunk_timeout", "5", "--load_state_timeout", "0",
-                  *SWARM_MODES[mode]]
-    else:
-        flags.append("--isolated")  # VISSL's stock self_supervision_task
+    flags = ["--run_id", run_id(seed)]
     overrides = [f"config.OPTIMIZER.num_epochs={schedule.epochs_of(mode)}",
                  f"config.DATA.TRAIN.DATA_LIMIT={schedule.data_limit}",
                  f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={schedule.checkpoint_every}",
                  "config.CHECKPOINT.CHECKPOINT_FREQUENCY=1000000", "config.LOG_FREQUENCY=20"]
+    if mode in SWARM_MODES:
+        flags += ["--target_group_size", str(schedule.peers), "--min_matchmaking_time", "3",
+                  "--averaging_timeout", "30", "--next_chunk_timeout", "5", "--load_state_timeout", "0",
+                  *SWARM_MODES[mode]]
+    else:  # VISSL's stock self_supervision_task, from the run's initial model
+        flags.append("--isolated")
+        overrides.append(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={initial.path}")
     if mode == "ddp":
         overrides.append(f"config.DISTRIBUTED.NUM_PROC_PER_NODE={schedule.peers}")
     return flags, overrides
@@ -182,9 +234,10 @@ def peer_seed(seed: int, index: int) -> list[str]:
     return [f"config.SEED_VALUE={1000 * seed + index}"]
 
 
-def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace, schedule: Schedule) -> float:
+def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace, schedule: Schedule,
+          initial: InitialModel) -> float:
     """Start the run's processes, wait until all exited, return the wall-clock seconds; BenchError if one failed."""
-    flags, overrides = trainer_arguments(mode, seed, schedule)
+    flags, overrides = trainer_arguments(mode, seed, schedule, initial)
     deadline_s = 4 * estimated_seconds(mode, schedule, args.curve_points) + 600
     started = time.monotonic()
     try:
@@ -248,8 +301,10 @@ def mean_pairwise_distance(checkpoints: list[Path]) -> float | None:
     return mean(distances) if distances else None
 
 
-def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], data_path: Path, wall_s: float) -> dict:
-    """kNN of every peer's checkpoints along the run; the last one (the final checkpoint) is the run's result."""
+def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], data_path: Path, wall_s: float,
+                 initial: InitialModel) -> dict:
+    """kNN of every peer's checkpoints along the run (from the initial model's, at step 0); the last one (the final
+    checkpoint) is the run's result."""
     from run_eval import knn_accuracy
 
     per_peer = [checkpoints_by_iteration(peer.checkpoint_dir) for peer in peers]
@@ -260,13 +315,15 @@ def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], data_path: Path, 
     final_accuracies = [by_iteration[max(by_iteration)] for by_iteration in accuracies]
     return {
         "mode": mode, "seed": seed, "wall_s": round(wall_s, 1),
+        "same_initial_model": started_from(mode, peers, initial),
         "accuracy": round(mean(final_accuracies), 4),
         "accuracy_per_peer": [round(accuracy, 4) for accuracy in final_accuracies],
         "peer_distance": _rounded(mean_pairwise_distance(finals)),
         "steps_per_peer": [max(found) for found in per_peer],
         "rounds_per_peer": [len(peer.applied_rounds()) for peer in peers],
-        "curve": [[iteration, round(mean(by_iteration[iteration] for by_iteration in accuracies), 4)]
-                  for iteration in common],
+        "curve": [[0, round(initial.accuracy, 4)]] + [
+            [iteration, round(mean(by_iteration[iteration] for by_iteration in accuracies), 4)] for iteration in common
+        ],
     }  # fmt: skip
 
 
@@ -274,15 +331,18 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def run_one(mode: str, seed: int, args: argparse.Namespace, schedule: Schedule) -> dict:
-    from run_eval import knn_accuracy
-
-    if mode == "random_init":  # the config's seeded initialisation, evaluated untrained
-        return {"mode": mode, "seed": seed, "wall_s": 0.0, "accuracy": round(knn_accuracy(None, args.data_path), 4),
+def run_one(mode: str, seed: int, args: argparse.Namespace, schedule: Schedule, initial: InitialModel) -> dict:
+    if mode == "random_init":  # the run's initial model, untrained
+        return {"mode": mode, "seed": seed, "wall_s": 0.0, "accuracy": round(initial.accuracy, 4),
                 "peer_distance": None, "steps_per_peer": [0], "rounds_per_peer": [0], "curve": []}
     peers = make_peers(mode, seed, args.out, schedule)
-    wall_s = train(mode, seed, peers, args, schedule)
-    return evaluate_run(mode, seed, peers, args.data_path, wall_s)
+    wall_s = train(mode, seed, peers, args, schedule, initial)
+    result = evaluate_run(mode, seed, peers, args.data_path, wall_s, initial)
+    if not result["same_initial_model"]:
+        print(f"warning: {mode} seed {seed}: not every process logged starting from {initial.path} (trunk "
+              f"{initial.trunk_fingerprint}); the modes of this seed may not share their start. Logs: "
+              f"{peers[0].out_dir}", file=sys.stderr, flush=True)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------- reports
@@ -400,10 +460,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({schedule.epochs} epochs of {schedule.steps_per_epoch} steps; ddp {schedule.epochs_of('ddp')} of "
           f"{schedule.steps_per_epoch // args.peers}), into {args.out}; expected about {expected / 60:.0f} min "
           "on a quiet 2-core machine", flush=True)
+    initials = {seed: write_initial_model(seed, args.out / "initial", args.data_path) for seed in seeds}
     runs: list[dict] = []
     for mode, seed in itertools.product(args.modes, seeds):
         try:
-            runs.append(run_one(mode, seed, args, schedule))
+            runs.append(run_one(mode, seed, args, schedule, initials[seed]))
         except BenchError as error:  # e.g. one mode crashing: report it, keep measuring the others
             print(f"error: {error}", file=sys.stderr, flush=True)
             runs.append({"mode": mode, "seed": seed, "error": str(error)})

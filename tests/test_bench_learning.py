@@ -2,8 +2,8 @@
 local processes over gloo) on a few steps, then a second invocation into the same folder, which must refuse.
 
 No accuracy assertions: the benchmark's numbers come from its full run. This proves the code path: the schedule
-gives ddp the planned steps per process, checkpoints along the run are evaluated, and JSON, table and plot are
-written."""
+gives ddp the planned steps per process, ddp starts from the seed's initial model, checkpoints along the run are
+evaluated, and JSON, table and plot are written."""
 
 import json
 import subprocess
@@ -38,7 +38,8 @@ def test_bench_learning_smoke(digits_dir: Path, tmp_path: Path, capsys: pytest.C
     assert floor["mode"] == "random_init" and 0.0 < floor["accuracy"] <= 1.0
     assert ddp["mode"] == "ddp" and "error" not in ddp, ddp
     assert ddp["steps_per_peer"] == [4]  # each process took the steps a swarm peer takes
-    assert [iteration for iteration, _ in ddp["curve"]] == [2, 4]
+    assert ddp["same_initial_model"]  # VISSL loaded the weights the swarm peers of this seed build
+    assert ddp["curve"][0] == [0, floor["accuracy"]] and [iteration for iteration, _ in ddp["curve"]] == [0, 2, 4]
     assert 0.0 < ddp["accuracy"] <= 1.0 and ddp["wall_s"] > 0
     summary = {entry["mode"]: entry for entry in result["summary"]}
     assert summary["ddp"]["curve"][-1][0] == 4 * settings["batch"]  # x axis: samples seen per process
