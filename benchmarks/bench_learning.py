@@ -5,22 +5,23 @@
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
 
 Modes (``swav_tiny`` on the exported digits, 3 peers at batch 16 each):
-  random_init  the untrained trunk: the floor
+  random_init  the run's initial model, untrained: the floor
   isolated     3 peers, each training alone with VISSL's stock task (no averaging)
   old          3 peers averaging with hivemind's TrainingAverager driven one round at a time (``--averager old``)
   improved     3 peers averaging with this example's DecentralizedSGD
   ddp          VISSL's stock task with 3 local processes over gloo (batch 16 each): the synchronous reference at
                the same total batch
 
-A seed is a run: its peers share the run id ``learn<seed>`` in every mode (the model's initialisation follows the
-run, the data order the peer: peer i of seed s has SEED_VALUE 1000·s + i). Every mode trains the same number of
-steps per peer (ddp: per process) with the same LR schedule; the step count is rounded up to whole epochs and
-the steps actually taken are reported. Checkpoints along the run (CHECKPOINT_ITER_FREQUENCY) are evaluated with
-run_eval.py's kNN top-1 on the held-out split, for the curve against samples seen. Reported per mode: kNN top-1
-of the final trunks (mean over a run's peers; mean ± std over seeds), the mean pairwise L2 distance between a
-run's final trunks, steps and applied averaging rounds per peer, and the wall-clock of a run (start to last exit).
-Each invocation trains in a fresh folder (an existing non-empty ``--out`` is refused), so no peer resumes
-checkpoints of an earlier run.
+A seed is a run: its peers share the run id ``learn<seed>`` in every mode, and so the initial model (the swarm
+peers build it from the run id; isolated and ddp load the same weights, see write_initial_model), while the data
+order is the peer's: peer i of seed s has SEED_VALUE 1000·s + i. Every mode trains the same number of steps per
+peer (ddp: per process) with the same LR schedule; the step count is rounded up to whole epochs and the steps
+actually taken are reported. The initial model and checkpoints along the run (CHECKPOINT_ITER_FREQUENCY) are
+evaluated with run_eval.py's kNN top-1 on the held-out split, for the curve against samples seen. Reported per
+mode: kNN top-1 of the final trunks (mean over a run's peers; mean ± std over seeds), the mean pairwise L2
+distance between a run's final trunks, steps and applied averaging rounds per peer, and the wall-clock of a run
+(start to last exit). Each invocation trains in a fresh folder (an existing non-empty ``--out`` is refused), so no
+peer resumes checkpoints of an earlier run.
 """
 
 from __future__ import annotations
