@@ -255,19 +255,23 @@ def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace
                                  f"{peers[0].out_dir}")
             time.sleep(1.0)
     except (RuntimeError, TimeoutError) as error:  # a peer that died or hung before its join line
-        raise BenchError(str(error)) from error
+        raise BenchError(f"{mode} seed {seed}: {error}{crash_report(peers)}") from error
     finally:
         stop_all(peers)
     check_exits(mode, seed, peers)
     return time.monotonic() - started
 
 
+def crash_report(peers: list[LocalPeer]) -> str:
+    """Every process that exited with an error, with the last error line of its log (the first to crash may not
+    be the one that was waited for: a joiner fails when the first peer died)."""
+    return "".join(f"\n  {peer.name} exited with code {peer.process.poll()} ({peer.log_path}): {last_error_line(peer)}"
+                   for peer in peers if peer.process is not None and peer.process.poll() not in (None, 0))
+
+
 def check_exits(mode: str, seed: int, peers: list[LocalPeer]) -> None:
-    for peer in peers:
-        code = peer.process.poll()
-        if code not in (None, 0):
-            raise BenchError(f"{mode} seed {seed}: {peer.name} exited with code {code}; see {peer.log_path}\n"
-                             f"  {last_error_line(peer)}")
+    if report := crash_report(peers):
+        raise BenchError(f"{mode} seed {seed}: a process failed{report}")
 
 
 def last_error_line(peer: LocalPeer) -> str:
