@@ -157,6 +157,7 @@ class RunConfig:
     setup_timeout: float = 90.0
     shutdown_grace: float = 5.0
     verbose: bool = False
+    trace_dir: str | None = None  # time hivemind's matchmaking / DHT / AllReduce calls (benchmarks/hivemind_trace.py)
 
     @property
     def spec(self) -> Regime:
@@ -554,9 +555,12 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
             "batch_size": trainer.batch_size, "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
 
 
+def _suffix(cfg: RunConfig) -> str:
+    return "" if cfg.compression == "none" else f"_{cfg.compression}"
+
+
 def log_path(cfg: RunConfig, rank: int) -> Path:
-    compression = "" if cfg.compression == "none" else f"_{cfg.compression}"
-    return LOG_DIR / f"{cfg.regime}_{cfg.mode}{compression}_peer{rank}.log"
+    return LOG_DIR / f"{cfg.regime}_{cfg.mode}{_suffix(cfg)}_peer{rank}.log"
 
 
 def _all_finite(model: nn.Module) -> bool:
@@ -590,6 +594,10 @@ def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None
         phases["trainer"] = time.time()
         if cfg.spec.link_mbit and not channels.net_ready.wait(cfg.setup_timeout):
             raise TimeoutError("the orchestrator never plugged in our network link")
+        if cfg.trace_dir:  # before the DHT and the averager fork: they inherit the timers
+            import hivemind_trace
+
+            hivemind_trace.install(Path(cfg.trace_dir) / f"{cfg.mode}{_suffix(cfg)}" / f"peer{rank}")
         dht = None if cfg.mode == "none" else _start_dht(rank, cfg, channels)
         phases["dht"] = time.time()
         driver = make_driver(cfg, trainer, dht)
@@ -1227,6 +1235,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json-peers", action="store_true", help="also store per-peer step times and records")
     parser.add_argument("--verbose", action="store_true", help="keep hivemind / DecentralizedSGD logs")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="time every hivemind matchmaking / DHT / AllReduce call into this folder "
+                             "(summary: benchmarks/hivemind_trace.py)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -1234,7 +1245,8 @@ def _regime_config(args: argparse.Namespace, name: str) -> RunConfig:
     """Defaults, then --quick's, then the regime's own settings (and their --quick variant), then the command line.
     Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
     regime = REGIMES[name]
-    base = RunConfig(regime=name, mode="none", peers=args.peers or regime.peers or 3, verbose=args.verbose)
+    base = RunConfig(regime=name, mode="none", peers=args.peers or regime.peers or 3, verbose=args.verbose,
+                     trace_dir=None if args.trace is None else str(args.trace.resolve() / name))  # fmt: skip
     if args.quick:
         base = replace(base, seconds=6.0, warmup_s=3.0, sim_params=5_000_000, min_matchmaking_time=2.0,
                        request_timeout=1.0, allreduce_timeout=20.0, setup_timeout=40.0, shutdown_grace=0.5)  # fmt: skip
