@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import sys
 import time
@@ -93,7 +94,7 @@ def allreduce(
     averagers = [
         hivemind.DecentralizedAverager(
             [t.clone() for t in peer_tensors], dht, prefix=prefix, target_group_size=len(dhts),
-            min_group_size=len(dhts), min_matchmaking_time=2.0, request_timeout=5.0, allreduce_timeout=300.0,
+            min_group_size=len(dhts), min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=300.0,
             next_chunk_timeout=120.0, compression=compression_for(scheme), start=True,
         )
         for peer_tensors, dht in zip(tensors, dhts, strict=True)
@@ -179,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
     import hivemind
+
+    logging.getLogger("hivemind").setLevel(logging.ERROR)  # "target_group_size should be a power of 2" etc.
 
     base = model_tensors(args.checkpoint)
     print(f"[compression] {sum(t.numel() for t in base) / 1e6:.1f}M values in {len(base)} tensors", file=sys.stderr)
