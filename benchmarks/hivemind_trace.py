@@ -16,9 +16,9 @@ averager, if they start later), these coroutines; each call appends one JSON lin
     get_averagers  GroupKeyManager.get_averagers: {s, found}
     allreduce      DecentralizedAverager._aggregate_with_group: {s, ok, group}
 
-`python benchmarks/hivemind_trace.py TRACE_DIR BENCH_JSON` summarizes a perturbed run of bench_averaging.py (run with
---trace TRACE_DIR --json BENCH_JSON --json-peers): per window (reference / perturbed), the healthy peers' seconds per
-minute in each kind of call, split by whether the remote side was the perturbed peer.
+`python benchmarks/hivemind_trace.py TRACE_DIR BENCH_JSON [SUMMARY_JSON]` summarizes a perturbed run of
+bench_averaging.py (run with --trace TRACE_DIR --json BENCH_JSON --json-peers): per window (reference / perturbed),
+the healthy peers' calls of each kind, by whom they waited for (the perturbed peer or a healthy one).
 """
 
 from __future__ import annotations
@@ -120,49 +120,75 @@ def _events(folder: Path) -> list[dict]:
     return events
 
 
-def _involves(event: dict, slow: str) -> bool:
-    return slow in (event.get("peer"), event.get("leader")) or slow in (event.get("group") or ())
+def _target(event: dict, slow: str) -> str:
+    """Whom a call waited for: the slow peer, a healthy one, or (DHT operations, matchmaking) the swarm."""
+    remote = event.get("peer") or event.get("leader")
+    if remote is not None:
+        return "slow" if remote == slow else "healthy"
+    if event["kind"] == "allreduce":
+        return "with slow" if slow in (event.get("group") or ()) else "healthy only"
+    return ""
+
+
+def _name(event: dict, slow: str) -> str:
+    kind = event["kind"]
+    if kind == "dht_rpc":
+        kind = event["rpc"]
+    elif kind == "declare":
+        kind += "+" if event.get("active") else "-"
+    elif kind == "join":
+        kind += f" ({event.get('outcome')})"
+    target = _target(event, slow)
+    return f"{kind} -> {target}" if target else kind
+
+
+def _stats(values: list[float], minutes: float) -> dict:
+    ordered = sorted(values)
+    return {"per_min": len(values) / minutes, "mean_s": sum(values) / len(values),
+            "p90_s": ordered[int(0.9 * (len(ordered) - 1))]}  # fmt: skip
 
 
 def summarize(trace_dir: Path, run: dict) -> dict:
-    """Per window and per kind of call, the healthy peers' seconds per peer-minute, with / without the slow peer."""
+    """Per window: each kind of call of the healthy peers (calls per peer-minute, mean and p90 seconds) by whom it
+    waited for, and look_for_group split at the moment its group was assembled (before: finding the group; after:
+    hivemind's clean-up before it returns the group)."""
     peers = run["peers"]
     slow_rank = max(p["rank"] for p in peers)
     slow = next(p["peer_id"] for p in peers if p["rank"] == slow_rank)
     first = peers[0]
     windows = {"reference": (first["t0"], first["t1"]), "perturbed": (first["t2"], first["t3"])}
+    healthy_events = [_events(trace_dir / f"peer{p['rank']}") for p in peers if p["rank"] != slow_rank]
     out: dict[str, Any] = {"slow_peer": slow, "windows": {}}
     for name, (lo, hi) in windows.items():
-        minutes = (hi - lo) / 60 * (len(peers) - 1)
-        table: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        for rank_dir in sorted(trace_dir.glob("peer*")):
-            if rank_dir.name == f"peer{slow_rank}":
-                continue
-            for event in _events(rank_dir):
-                if not lo <= event["t"] < hi:
+        minutes = (hi - lo) / 60 * len(healthy_events)
+        durations: dict[str, list[float]] = defaultdict(list)
+        for events in healthy_events:
+            assembled = sorted(e["t"] for e in events if e["kind"] == "assembled")
+            for event in events:
+                if not lo <= event["t"] < hi or event["kind"] == "assembled":
                     continue
-                key = event["kind"] + (f".{event['rpc']}" if event["kind"] == "dht_rpc" else "")
-                side = "with_slow" if _involves(event, slow) else "without_slow"
-                row = table[key]
-                row[f"{side}_calls_per_min"] += 1 / minutes
-                row[f"{side}_s_per_min"] += event["s"] / minutes
-                row[f"{side}_failed_per_min"] += (not event.get("ok", True) or event.get("outcome") == "none"
-                                                  or event.get("answered") is False) / minutes  # fmt: skip
-        out["windows"][name] = {key: dict(row) for key, row in sorted(table.items())}
+                durations[_name(event, slow)].append(event["s"])
+                if event["kind"] == "look_for_group":
+                    end = event["t"] + event["s"]
+                    at = next((t for t in assembled if event["t"] <= t <= end), None)
+                    if at is not None:
+                        durations["look_for_group: until assembled"].append(at - event["t"])
+                        durations["look_for_group: assembled until returned"].append(end - at)
+        out["windows"][name] = {call: _stats(values, minutes) for call, values in sorted(durations.items())}
     return out
 
 
 def markdown(summary: dict) -> str:
-    lines = [f"slow peer: {summary['slow_peer']}", "",
-             "| window | call | with slow peer: calls/min, s/min, failed/min | without: calls/min, s/min, failed/min |",
-             "|---|---|---|---|"]  # fmt: skip
-    for window, table in summary["windows"].items():
-        for call, row in table.items():
-            cells = []
-            for side in ("with_slow", "without_slow"):
-                values = [row.get(f"{side}_{m}", 0.0) for m in ("calls_per_min", "s_per_min", "failed_per_min")]
-                cells.append(" / ".join(f"{v:.1f}" for v in values))
-            lines.append(f"| {window} | {call} | {cells[0]} | {cells[1]} |")
+    calls = sorted({call for table in summary["windows"].values() for call in table})
+    windows = list(summary["windows"])
+    lines = [f"slow peer: {summary['slow_peer']}; per healthy peer: calls per minute, mean / p90 seconds", "",
+             "| call | " + " | ".join(windows) + " |", "|---|" + "---|" * len(windows)]  # fmt: skip
+    for call in calls:
+        cells = []
+        for table in summary["windows"].values():
+            row = table.get(call)
+            cells.append("" if row is None else f"{row['per_min']:.0f}/min, {row['mean_s']:.3f} / {row['p90_s']:.3f}")
+        lines.append(f"| {call} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
