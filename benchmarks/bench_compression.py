@@ -12,8 +12,9 @@ real AllReduce (hivemind.DecentralizedAverager on 127.0.0.1, our make_compressio
 deserialized as a receiving peer does), and each peer's result is compared with the exact float64 mean.
 
 Schemes: none, fp16, uint8 (what `--compression` offers), quantile8 (hivemind's Quantile8BitQuantization, same
-size rule), and uint8_delta_ideal: uint8 applied to `w - w_ref` with a reference every peer shares exactly (here the
-common weights before perturbation): the best that quantizing a delta could do.
+size rule), uint8_delta_ideal: uint8 applied to `w - w_ref` with a reference every peer shares exactly (here the
+common weights before perturbation): the best that quantizing a delta could do; uint8_all: 8 bits for every tensor of
+at least 1024 values (`uint8` sends tensors under 65536 values as fp16: all of swav_tiny's).
 
 Metrics (relative to the norm of the exact mean, all tensors together):
     error: ||result_i - mean|| (mean over peers, and max);
@@ -46,15 +47,23 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from decentralized_sgd import make_compression  # noqa: E402  (also patches hivemind's 8-bit decoding)
 
-SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal")
+SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all")
 
 
 def compression_for(scheme: str):
-    """hivemind compression of a scheme; quantile8 uses the same size rule as make_compression('uint8')."""
-    from hivemind.compression import Float16Compression, Quantile8BitQuantization, SizeAdaptiveCompression
+    """hivemind compression of a scheme; quantile8 uses the same size rule as make_compression('uint8'), uint8_all
+    quantizes every tensor of at least 1024 values (make_compression('uint8') sends tensors under 2**16 as fp16)."""
+    from hivemind.compression import (
+        Float16Compression,
+        Quantile8BitQuantization,
+        SizeAdaptiveCompression,
+        Uniform8BitQuantization,
+    )
 
     if scheme == "quantile8":
         return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Quantile8BitQuantization())
+    if scheme == "uint8_all":
+        return SizeAdaptiveCompression(2**10, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
     return make_compression("uint8" if scheme == "uint8_delta_ideal" else scheme)
 
 
@@ -84,13 +93,27 @@ def perturbed_copies(base: Sequence[torch.Tensor], peers: int, level: float) -> 
     return copies
 
 
-def allreduce(
-    tensors: list[list[torch.Tensor]], scheme: str, dhts: Sequence, round_index: int
-) -> list[list[torch.Tensor]]:
-    """One real hivemind AllReduce of every peer's tensors (all peers in one group); each peer's result."""
+def allreduce(tensors: list[list[torch.Tensor]], scheme: str, round_index: int) -> list[list[torch.Tensor]]:
+    """One real hivemind AllReduce of every peer's tensors (all peers in one group); each peer's result. Fresh DHTs
+    for every round: a DHT that outlives an averager keeps failing to read what the averager's process left in its
+    pipe ("No such file or directory" from multiprocessing's resource sharer), and the next round may hang."""
     import hivemind
 
-    prefix = f"compression_{scheme}_{round_index}"
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(len(tensors) - 1)]  # fmt: skip
+    try:
+        return _allreduce_once(tensors, scheme, dhts, f"compression_{scheme}_{round_index}")
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _allreduce_once(
+    tensors: list[list[torch.Tensor]], scheme: str, dhts: Sequence, prefix: str
+) -> list[list[torch.Tensor]]:
+    import hivemind
+
     averagers = [
         hivemind.DecentralizedAverager(
             [t.clone() for t in peer_tensors], dht, prefix=prefix, target_group_size=len(dhts),
@@ -122,15 +145,15 @@ def _distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True)))
 
 
-def measure(base: list[torch.Tensor], peers: int, level: float, scheme: str, dhts: Sequence, index: int) -> dict:
+def measure(base: list[torch.Tensor], peers: int, level: float, scheme: str, index: int) -> dict:
     local = perturbed_copies(base, peers, level)
     exact = [torch.stack([peer[i].double() for peer in local]).mean(0) for i in range(len(base))]
     started = time.time()
     if scheme == "uint8_delta_ideal":  # quantize w - w_ref with w_ref shared exactly, then add it back
-        deltas = allreduce([[w - r for w, r in zip(peer, base, strict=True)] for peer in local], scheme, dhts, index)
+        deltas = allreduce([[w - r for w, r in zip(peer, base, strict=True)] for peer in local], scheme, index)
         results = [[d + r for d, r in zip(peer, base, strict=True)] for peer in deltas]
     else:
-        results = allreduce(local, scheme, dhts, index)
+        results = allreduce(local, scheme, index)
     seconds = time.time() - started
     scale = _norm(exact)
     errors = [_distance(result, exact) / scale for result in results]
@@ -143,7 +166,7 @@ def measure(base: list[torch.Tensor], peers: int, level: float, scheme: str, dht
         "correction_mean": sum(corrections) / len(corrections),
         "error_vs_correction": mean / (sum(corrections) / len(corrections)),
         "spread_before": sum(spread_before) / len(spread_before), "spread_after": sum(spread_after) / len(spread_after),
-        "spread_after_vs_before": sum(spread_after) / sum(spread_before), "allreduce_s": seconds,
+        "spread_after_vs_before": sum(spread_after) / sum(spread_before), "round_s": seconds,
         "all_finite": all(bool(torch.isfinite(t).all()) for result in results for t in result),
     }  # fmt: skip
 
@@ -179,25 +202,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
-    import hivemind
+    import hivemind  # noqa: F401  (sets up its loggers, quieted here)
 
     logging.getLogger("hivemind").setLevel(logging.ERROR)  # "target_group_size should be a power of 2" etc.
 
     base = model_tensors(args.checkpoint)
     print(f"[compression] {sum(t.numel() for t in base) / 1e6:.1f}M values in {len(base)} tensors", file=sys.stderr)
-    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
-             for _ in range(args.peers - 1)]  # fmt: skip
     rows = []
-    try:
-        for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
-            rows.append(measure(base, args.peers, level, scheme, dhts, index))
-            row = rows[-1]
-            print(f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
-                  f"{row['correction_mean']:.2e}, {row['allreduce_s']:.1f}s", file=sys.stderr)  # fmt: skip
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
+        rows.append(measure(base, args.peers, level, scheme, index))
+        row = rows[-1]
+        print(f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
+              f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s", file=sys.stderr)  # fmt: skip
     table = markdown(rows)
     print(table)
     if args.markdown:
