@@ -1,7 +1,7 @@
 """Smoke test for benchmarks/bench_averaging.py: the whole multi-process code path on a tiny setting.
 
 No timing assertions: this only proves the benchmark runs, cleans up, writes the documented JSON shape, and that
-DecentralizedSGD actually completed averaging rounds, in a plain regime and in one with a perturbed peer.
+DecentralizedSGD actually completed averaging rounds.
 """
 
 import json
@@ -20,25 +20,19 @@ def test_bench_averaging_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_averaging.py"), "--quick", "--regimes", "sim_full",
-        "slow_step", "--modes", "none", "improved", "--peers", "2", "--seconds", "3", "--warmup", "1",
-        "--sim-params", "100000", "--min-matchmaking-time", "1", "--json", str(out),
+        "--modes", "none", "improved", "--peers", "2", "--seconds", "3", "--sim-params", "100000",
+        "--min-matchmaking-time", "1", "--json", str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["regime"], r["mode"]) for r in runs] == [
-        ("sim_full", "none"), ("sim_full", "improved"), ("slow_step", "improved")
-    ]  # fmt: skip
+    assert [(r["regime"], r["mode"]) for r in runs] == [("sim_full", "none"), ("sim_full", "improved")]
     for run in runs:
         assert run["error"] is None and run["skipped"] is None, run["error"]
         assert all(field in run for field in FIELDS), sorted(run)
         assert run["samples_per_s_per_peer"] > 0
-    none, improved, slow_step = runs
+    none, improved = runs
     assert none["throughput_ratio"] == 1.0
     assert improved["rounds_applied"] > 0 and improved["rounds_per_min"] > 0
     assert improved["group_size_mean"] == 2.0
     assert "| sim_full | improved |" in proc.stdout
-    # the fast peer's numbers in the perturbed window, beside its reference window and the slowed-down peer's
-    assert slow_step["reference"]["rounds_applied"] > 0 and slow_step["perturbed_peer"]["rounds_applied"] >= 0
-    assert slow_step["samples_per_s_per_peer"] > 2 * slow_step["perturbed_peer"]["samples_per_s_per_peer"]
-    assert slow_step["all_finite"] and "| slow_step | improved |" in proc.stdout
