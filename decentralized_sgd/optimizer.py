@@ -191,14 +191,15 @@ class DecentralizedSGD:
         self._scheduler.wake()
         self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
 
-    def _apply_finished_rounds(self) -> None:
+    def _apply_finished_rounds(self) -> int:
         """Trainer thread, holding self.lock, at a step boundary: add the updates of DONE rounds, oldest first
-        (they wait in result slots, which only this thread reads once DONE; see tensors.ResultSlots)."""
+        (they wait in result slots, which only this thread reads once DONE; see tensors.ResultSlots). Returns how
+        many it applied."""
         book = self.round_book
         with book.lock:
             finished = [r for r in book.rounds if r.state is S.DONE]
         if not finished or self._closed:
-            return
+            return 0
         local = self.averaged_tensors.local()
         with torch.no_grad():
             for r in finished:
@@ -210,6 +211,7 @@ class DecentralizedSGD:
         self._last_sync_step = self.local_step
         if not self.averager.client_mode:  # let late joiners prefer the most trained peer
             self.averager.state_sharing_priority = float(self.local_step)
+        return len(finished)
 
     def take_samples_since_fill(self) -> int:
         """Scheduler thread, holding self.lock: the samples seen since the previous fill (weight_by_samples)."""

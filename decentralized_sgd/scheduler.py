@@ -177,12 +177,13 @@ class RoundScheduler(threading.Thread):
             return not older and self.owner.boundaries > r.boundary_at_formed
         return self.book.slots.free() > 0
 
-    def _fill_and_trigger(self, r: Round) -> None:
-        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers (held first: see the lock order)."""
+    def _fill_and_trigger(self, r: Round) -> bool:
+        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers (held first: see the lock order).
+        False if the round could not be filled now (the trainer holds its lock: the next tick tries again)."""
         owner = self.owner
         with self.supervisor.averager.buffers(owner.averager_timeout) as buffers:
             if not owner.lock.acquire(timeout=LOCK_POLL_S):
-                return
+                return False
             try:
                 if owner.before_allreduce is not None:
                     owner.before_allreduce()
@@ -194,10 +195,11 @@ class RoundScheduler(threading.Thread):
                     slot = self.book.slots.take()
                     if not r.fill(step, samples, slot, included):
                         self.book.slots.give_back(slot)
-                        return
+                        return False
             finally:
                 owner.lock.release()
             self._trigger(r, buffers)
+        return True
 
     def _fill_buffers(self, buffers: list[torch.Tensor], r: Round, pending: list[Round]) -> int:
         """The values this round averages: the params as they will be once `pending` updates are applied.
