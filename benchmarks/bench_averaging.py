@@ -291,7 +291,7 @@ class NoAveraging:
 
 
 def _compression(name: str) -> Any:
-    """The same hivemind compression DecentralizedSGD uses for `name` (and its 8-bit decoding fix) for every mode."""
+    """The same hivemind compression DecentralizedSGD uses for `name`, for every mode."""
     sys.path.insert(0, str(REPO_ROOT))
     from decentralized_sgd import make_compression
 
@@ -363,14 +363,17 @@ class OldDesign:
         self._records: list[dict] = []
         self._current: dict | None = None
         buffers = [buf for buf in trainer.model.buffers() if buf.is_floating_point()]
-        self.averager = _old_averager_class()(
-            trainer.opt, average_parameters=True, average_gradients=False, extra_tensors=buffers,
-            initialize_optimizer=False, dht=dht, prefix=prefix, start=True,
-            target_group_size=cfg.target_group_size, min_group_size=2,
-            min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
-            compression=_compression(cfg.compression),
-        )  # fmt: skip
+        from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+
+        with fixed_8bit_decoding():  # its averager process forks here and keeps hivemind's 8-bit decoding fixed
+            self.averager = _old_averager_class()(
+                trainer.opt, average_parameters=True, average_gradients=False, extra_tensors=buffers,
+                initialize_optimizer=False, dht=dht, prefix=prefix, start=True,
+                target_group_size=cfg.target_group_size, min_group_size=2,
+                min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
+                allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+                compression=_compression(cfg.compression),
+            )  # fmt: skip
         self.thread = threading.Thread(target=self._loop, name="old-averaging", daemon=True)
 
     def begin(self) -> None:
@@ -483,15 +486,8 @@ class ImprovedDesign:
         return [dict(record) for record in list(self.opt.records)]
 
     def in_flight(self) -> list[dict]:
-        """Rounds not resolved yet. DecentralizedSGD has no public API for them, so read its round queue if present;
-        without it, duty cycle only misses the tail of the window."""
-        fields = ("index", "t_start", "t_group_formed", "t_triggered", "t_allreduce_start")
-        found = []
-        for r in list(getattr(self.opt, "_rounds", ()) or ()):
-            record = {f: getattr(r, f, None) for f in fields}
-            record["round"], record["in_flight"] = record.pop("index"), True
-            found.append(record)
-        return found
+        """Rounds not resolved yet (their spans count towards the duty cycle up to the end of the window)."""
+        return [dict(record, in_flight=True) for record in self.opt.in_flight_rounds()]
 
     def counters(self) -> dict:
         return dict(getattr(self.opt, "counters", {}) or {})

@@ -45,7 +45,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from decentralized_sgd import make_compression  # noqa: E402  (also patches hivemind's 8-bit decoding)
+from decentralized_sgd import make_compression  # noqa: E402
+from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding  # noqa: E402
 
 SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all")
 
@@ -209,11 +210,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     base = model_tensors(args.checkpoint)
     print(f"[compression] {sum(t.numel() for t in base) / 1e6:.1f}M values in {len(base)} tensors", file=sys.stderr)
     rows = []
-    for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
-        rows.append(measure(base, args.peers, level, scheme, index))
-        row = rows[-1]
-        print(f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
-              f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s", file=sys.stderr)  # fmt: skip
+    with fixed_8bit_decoding():  # the averagers fork from here and decode 8-bit parts: with the NumPy 2 fix
+        for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
+            rows.append(measure(base, args.peers, level, scheme, index))
+            row = rows[-1]
+            print(f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
+                  f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s", file=sys.stderr)  # fmt: skip
     table = markdown(rows)
     print(table)
     if args.markdown:

@@ -53,9 +53,11 @@ DEFINITIONS = {
     "cost_vs_none": "step_s with averaging / step_s without - 1",
     "trainer_ms_per_step": "DecentralizedSGD counters['trainer_s'] over the window / steps: averaging work on the "
                            "training thread (apply included)",
-    "fill_ms": "mean wall time of DecentralizedSGD._fill per filled round in the window (background thread, under "
-               "the trainer lock: copies the parameters and buffers into the averager)",
-    "apply_ms": "mean wall time of DecentralizedSGD._apply per applied round in the window (training thread)",
+    "fill_ms": "mean wall time of RoundScheduler._fill_and_trigger per filled round in the window (background "
+               "thread: copies the parameters and buffers into the averager under the trainer lock, then checks "
+               "and keeps the snapshot)",
+    "apply_ms": "mean wall time of DecentralizedSGD._apply_finished_rounds per step that applied a round (training "
+                "thread)",
     "data_wait_ms_per_step": "VISSL's read_sample timer per step: time the trainer waited for the data loader",
     "peak_gpu_mem_gib": "torch.cuda.max_memory_allocated() at the end of the window",
     "rounds_applied": "rounds applied inside the window",

@@ -103,7 +103,9 @@ class MeasureWindowHook(ClassyHook):
                 shapes = [list(t.shape) for t in tensors]
             schema = {"prefix": self.averaging.prefix, "shapes": shapes}
             Path(self.settings.schema_path).write_text(json.dumps(schema))
-            self.timers = {name: CallTimer(self.averaging, name) for name in ("_fill", "_apply")}
+            scheduler = getattr(self.averaging, "_scheduler", None)  # the fill runs in the scheduler thread
+            self.timers = {"_fill": CallTimer(scheduler, "_fill_and_trigger"),
+                           "_apply": CallTimer(self.averaging, "_apply_finished_rounds")}  # fmt: skip
 
     def on_update(self, task) -> None:
         if self.done:
