@@ -20,6 +20,7 @@ from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
 
 import swarm
+from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 
 TASK_NAME = "decentralized_self_supervision_task"
@@ -35,7 +36,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         super().__init__(config)
         self.swarm_settings = swarm.SwarmSettings.from_config(config.get("SWARM", {}))
         self.dht = None
-        self.decentralized_sgd: DecentralizedSGD | None = None
+        self.decentralized_sgd: Averaging | None = None  # DecentralizedSGD, or the old design (--averager old)
         self.joined_from_swarm = False
 
     @property
@@ -64,6 +65,9 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             progress = shared[0]
         if progress:
             self._continue_from(progress)
+        elif self.swarm_settings.averager == "old" and self.decentralized_sgd is not None and timeout > 0:
+            start = "from its checkpoint" if self.checkpoint is not None else "from iteration 0"
+            logging.info(f"--averager old shares no training progress: this peer runs its own LR schedule {start}")
         return self
 
     def _start_averaging(self) -> None:
@@ -75,7 +79,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
 
-    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> DecentralizedSGD:
+    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         wrapper = DecentralizedSGD
         if settings.averager == "old":
             from baseline_averaging import OldDesignAverager as wrapper
