@@ -21,6 +21,8 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
+ADDED_LATER = ("averager_failures",)  # PeerMetrics fields that records of older peers lack
+
 
 class PeerMetrics(pydantic.BaseModel):
     """One peer's latest progress. Strict types: hivemind rejects any record that pydantic would have to convert."""
@@ -34,13 +36,15 @@ class PeerMetrics(pydantic.BaseModel):
     rounds_failed: pydantic.conint(ge=0, strict=True)
     time: pydantic.StrictFloat  # the publisher's wall clock (time.time()) when it made the record
     peer_id: pydantic.constr(strict=True, max_length=128)
-    # fields added later have a default: records of peers that run an older version stay valid
+    # added later, with a default (see ADDED_LATER): records of peers that run an older version stay valid
     averager_failures: pydantic.conint(ge=0, strict=True) = 0  # times the averager was found dead or unresponsive
 
     def dict(self, **kwargs: Any) -> dict[str, Any]:
-        """Only the fields the record holds: hivemind's SchemaValidator rejects a record that differs from its
-        parsed form, so a default filled in here would make every record of an older peer invalid."""
-        return super().dict(**{**kwargs, "exclude_unset": True})
+        """Leaves out a field of ADDED_LATER that the record does not hold: hivemind's SchemaValidator rejects a
+        record that differs from its parsed form, so the default filled in would make older peers' records invalid.
+        Every other field stays in (a record without ``loss`` still fails: parsed, it has ``loss: None``)."""
+        missing = {name for name in ADDED_LATER if name not in self.__fields_set__}
+        return super().dict(**{**kwargs, "exclude": (kwargs.get("exclude") or set()) | missing})
 
     @classmethod
     def complete(cls, value: Any) -> dict[str, Any]:
