@@ -2,7 +2,8 @@
 
 Both run inside the averager's process, from its ``_shutdown`` (``hivemind/averaging/averager.py``), which is
 the last thing that process does: a subclass of ``DecentralizedAverager`` (or ``TrainingAverager``) overrides
-``_shutdown`` with ``await shut_down_averager(self, timeout)``.
+``_shutdown`` with ``await shut_down_averager(self, timeout)``. Patched in nowhere else: only the averagers of
+this example use it, through their subclass.
 
 1. **The last "no longer looking for a group" request reaches the DHT after its sender died.** A round still
    looking for a group at shutdown is destroyed when the process exits; the ``finally`` of
@@ -24,11 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import Any
 
+from hivemind.averaging.control import StepControl
 from hivemind.utils.mpfuture import MPFuture
 
 LEAVE_POLL_S = 0.01
+
+
+def cancel_step(control: StepControl) -> None:
+    """Cancel a step from inside the averager's process.
+
+    Not ``StepControl.cancel()``: called outside the process that made the step, it sets the step's cancel future
+    here and then again in that process, which fails there (InvalidStateError, with a traceback). MPFuture.cancel
+    asks that process to cancel the step, as a trainer's own ``cancel()`` would."""
+    if not control.done():
+        MPFuture.cancel(control)
 
 
 async def leave_matchmaking(averager: Any, timeout: float) -> bool:
@@ -41,22 +54,30 @@ async def leave_matchmaking(averager: Any, timeout: float) -> bool:
     while matchmaking.is_looking_for_group:
         if time.monotonic() >= deadline:
             return False
-        control = matchmaking.step_control
-        if control is not None and not control.done():
-            # not StepControl.cancel(): called outside the process that made the step, it sets the step's cancel
-            # future here and then again in that process, which fails there (InvalidStateError, with a
-            # traceback). MPFuture.cancel asks that process to cancel the step, as a trainer's cancel() would.
-            MPFuture.cancel(control)
+        if matchmaking.step_control is not None:
+            cancel_step(matchmaking.step_control)
         await asyncio.sleep(LEAVE_POLL_S)
     return True
 
 
-async def shut_down_averager(averager: Any, timeout: float | None) -> None:
+async def shut_down_averager(averager: Any, timeout: float | None, steps: Collection[StepControl] = ()) -> None:
     """The body of ``DecentralizedAverager._shutdown``, without the two problems above. ``timeout`` is the
-    averager's ``shutdown_timeout``, after which its owner terminates the process: leaving takes at most half."""
-    await leave_matchmaking(averager, 0.5 * (timeout if timeout is not None else averager.shutdown_timeout))
+    averager's ``shutdown_timeout``, after which its owner terminates the process: this takes at most half.
+
+    ``steps``: the live set of steps in flight (the averager's ``_step`` adds and discards them), for an owner that
+    cannot cancel its steps itself. Cancelled here until none is left: a step whose AllReduce failed retries, and
+    one the owner started just before it shut the averager down arrives late; both would look for a group again
+    after we left matchmaking."""
+    deadline = time.monotonic() + 0.5 * (timeout if timeout is not None else averager.shutdown_timeout)
     if not averager.client_mode:
         await averager.remove_p2p_handlers(averager._p2p, namespace=averager.prefix)
-    for future in averager._running_groups.values():
-        if future.done() and not future.cancelled():
-            future.result().finalize(cancel=True)
+    while True:
+        for control in list(steps):
+            cancel_step(control)
+        idle = await leave_matchmaking(averager, max(0.0, deadline - time.monotonic()))
+        for future in averager._running_groups.values():
+            if future.done() and not future.cancelled():
+                future.result().finalize(cancel=True)
+        if (idle and not steps) or time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(LEAVE_POLL_S)

@@ -22,6 +22,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
 from hivemind.p2p import PeerID
 
@@ -52,8 +53,20 @@ class _TrainingAverager(TrainingAverager):
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._steps: set[StepControl] = set()  # steps in flight, seen from the averager's process
+        super().__init__(*args, **kwargs)
+
+    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
+        self._steps.add(step)
+        try:
+            await super()._step(step=step, **kwargs)
+        finally:
+            self._steps.discard(step)
+
     async def _shutdown(self, timeout: float | None) -> None:
-        await shut_down_averager(self, timeout)
+        # the trainer has no handle on TrainingAverager.step's StepControl: cancel the steps from here
+        await shut_down_averager(self, timeout, steps=self._steps)
 
 
 class OldDesignAverager:

@@ -26,6 +26,15 @@ from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
 
+_averaging_tasks: list[DecentralizedSelfSupervisionTask] = []  # tasks of this process that are in the swarm
+
+
+def leave_swarm() -> None:
+    """Shut down every averager of this process. run_trainer.py calls it before it shuts its DHT down: VISSL runs
+    no hook on Ctrl-C (its trainer catches only Exception), and an averager must stop before the DHT it talks to."""
+    for task in list(_averaging_tasks):
+        task.shutdown_averaging()
+
 
 
 @register_task(TASK_NAME)
@@ -76,6 +85,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         records_path = Path(self.checkpoint_folder or ".") / ROUNDS_FILE
         with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
             self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
+        _averaging_tasks.append(self)
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
 
@@ -134,9 +144,12 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         logging.info(f"Joined the swarm at iteration {self.iteration} (phase {self.phase_idx + 1})")
 
     def shutdown_averaging(self) -> None:
-        """Stop averaging and leave the swarm; idempotent (called on end, on exception and at exit)."""
+        """Stop averaging, then our own DHT (the averager talks to it until it is down); idempotent (called on end,
+        on exception, and by :func:`leave_swarm`)."""
         if self.decentralized_sgd is not None:
             self.decentralized_sgd.shutdown()
         if self.dht is not None and self.dht is not swarm.take_shared_dht():
             self.dht.shutdown()
         self.decentralized_sgd = None
+        if self in _averaging_tasks:
+            _averaging_tasks.remove(self)
