@@ -148,9 +148,10 @@ class OldDesignAverager:
                     file.write(json.dumps(record) + "\n")
 
     def shutdown(self) -> None:
-        """Stop the averager process; the averaging thread is not joined: it may be blocked in hivemind's
-        ``step()``, which waits for the (now stopped) averager process with no timeout. It is a daemon holding no
-        lock there, so it neither keeps the process alive nor blocks the trainer."""
+        """Stop the averager process, which first cancels its steps in flight (see _TrainingAverager): the
+        averaging thread's ``step()`` then fails and the thread ends on its own. It is not joined (it may wait for
+        ``lock``, which a trainer interrupted by Ctrl-C can still hold); a daemon, it never keeps the process
+        alive."""
         self._stop.set()
         if self.averager.is_alive():
             self.averager.shutdown()
