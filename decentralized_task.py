@@ -14,14 +14,16 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from classy_vision.tasks import register_task
 from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
+from vissl.utils.misc import set_torch_seed
 
+import local_replicas
 import swarm
 from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
+from initial_model import initial_model_seed, weights_fingerprint
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
@@ -54,6 +56,18 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         local_rank, _ = get_machine_local_and_dist_rank()
         return local_rank == 0
 
+    def _build_model(self):
+        """VISSL's model, initialised from the run's seed (initial_model.py): every peer of the run starts from
+        the same weights; the peer's own seed still drives data order and augmentations."""
+        settings = self.swarm_settings
+        seed = initial_model_seed(settings.run_id, settings.config_name)
+        self.config["MODEL"]["_MODEL_INIT_SEED"] = seed  # VISSL seeds each head with it (else with SEED_VALUE)
+        with set_torch_seed(seed):  # the trunk draws from torch's generator; the peer's state is restored after
+            model = super()._build_model()
+        logging.info(f"Initial model of run {settings.run_id!r} ({settings.config_name}): seed {seed}, "
+                     f"trunk fingerprint {weights_fingerprint(model.trunk)}")
+        return model
+
     def prepare(self, pin_memory: bool = False) -> SelfSupervisionTask:
         super().prepare(pin_memory=pin_memory)
         if self.joins_swarm:
@@ -68,10 +82,11 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                 timeout=timeout,
                 accept=None if resumed_at is None else lambda extra: int(extra.get("iteration", 0)) > resumed_at,
             )
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            shared = [progress]
-            dist.broadcast_object_list(shared, src=0)  # DDP's construction broadcasts rank 0's weights
-            progress = shared[0]
+        if local_replicas.is_box():
+            # VISSL builds DDP after this, which copies rank 0's parameters and buffers but not its optimizer state
+            # (the momentum rank 0 downloaded, or created to average it): the other local ranks take it here
+            progress = local_replicas.broadcast_object(progress)
+            local_replicas.broadcast_optimizer_state(self._torch_optimizer())
         if progress:
             self._continue_from(progress)
         elif self.swarm_settings.averager == "old" and self.decentralized_sgd is not None and timeout > 0:
