@@ -67,13 +67,14 @@ async def leave_matchmaking(averager: Any, timeout: float) -> bool:
 
 async def shut_down_averager(averager: Any, timeout: float | None, steps: Collection[StepControl] = ()) -> None:
     """The body of ``DecentralizedAverager._shutdown``, without the two problems above. ``timeout`` is the
-    averager's ``shutdown_timeout``, after which its owner terminates the process: this takes at most half.
+    averager's ``shutdown_timeout``, after which its owner terminates the process: this takes at most 80% of it
+    (leaving matchmaking waits for one DHT request, which can take seconds on a busy machine).
 
     ``steps``: the live set of steps in flight (the averager's ``_step`` adds and discards them), for an owner that
     cannot cancel its steps itself. Cancelled here until none is left: a step whose AllReduce failed retries, and
     one the owner started just before it shut the averager down arrives late; both would look for a group again
     after we left matchmaking."""
-    deadline = time.monotonic() + 0.5 * (timeout if timeout is not None else averager.shutdown_timeout)
+    deadline = time.monotonic() + 0.8 * (timeout if timeout is not None else averager.shutdown_timeout)
     if not averager.client_mode:
         await averager.remove_p2p_handlers(averager._p2p, namespace=averager.prefix)
     while True:
