@@ -31,8 +31,6 @@ from decentralized_sgd import make_compression, schema_fingerprint
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0  # hivemind's 5 s default leaves little to leave matchmaking on a busy machine
-
 
 class _StampedLock:
     """The data lock handed to TrainingAverager; remembers the local step at each acquisition (snapshot, apply)."""
@@ -93,7 +91,7 @@ class OldDesignAverager:
             start=True, target_group_size=target_group_size, min_group_size=2,
             min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
-            compression=make_compression(compression), shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            compression=make_compression(compression),
         )  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._average_forever, name="old-design-averaging", daemon=True)
