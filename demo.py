@@ -35,7 +35,8 @@ class DemoError(RuntimeError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (train/ val/)")
-    parser.add_argument("--minutes", type=float, default=3.0, help="how long the swarm trains")
+    parser.add_argument("--minutes", type=float, default=3.0,
+                        help="how long the swarm trains, from the moment every peer has logged its first step")
     parser.add_argument("--peers", type=int, default=3, help="number of peers on this machine")
     parser.add_argument("--out", type=Path, default=REPO / "demo_out",
                         help="checkpoints, logs, table and plot; emptied at start (only if a demo made it, or empty)")
@@ -179,12 +180,10 @@ def main() -> int:
     finally:
         stop_all(peers)
     rows = report(peers, args.out)
-    idle = [row["peer"] for row in rows if row["steps"] == 0]
-    if idle:
-        failure = f"{', '.join(idle)} did not train; see {', '.join(str(args.out / f'{n}.log') for n in idle)}" + (
-            f" ({failure})" if failure else "")
-    if failure:
-        print(f"\nerror: the demo failed: {failure}", file=sys.stderr)
+    problems = [f"{peer.name} did not train (see {peer.log_path})" for peer, row in zip(peers, rows, strict=True)
+                if row["steps"] == 0] + ([failure] if failure else [])
+    if problems:
+        print(f"\nerror: the demo failed: {'; '.join(problems)}", file=sys.stderr)
         return 1
     return 0
 

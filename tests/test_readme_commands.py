@@ -82,3 +82,15 @@ def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
                             env=trainer_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "is not empty and no demo made it" in result.stderr, result.stderr
     assert (tmp_path / "thesis.tex").read_text() == "not a demo's"
+
+
+def test_demo_whose_peers_do_not_train_says_so(tmp_path: Path) -> None:
+    """A demo whose first peer cannot start (no images at --data_path): the table shows it, the demo says why and
+    exits non-zero."""
+    result = subprocess.run([sys.executable, str(REPO / "demo.py"), "--data_path", str(tmp_path / "nothing"),
+                             "--peers", "2", "--out", str(tmp_path / "out")], cwd=REPO, env=trainer_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "| peer0 | 0 |" in result.stdout and "| peer1 | 0 |" in result.stdout
+    assert "error: the demo failed: peer0 did not train" in result.stderr
+    assert "peer0 exited with code 2" in result.stderr and "Traceback" not in result.stdout + result.stderr
