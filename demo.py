@@ -123,8 +123,7 @@ def check_running(peers: list[LocalPeer]) -> None:
     """DemoError naming the first peer that exited: during the demo every peer runs until it is stopped."""
     for peer in peers:
         if not peer.is_running():
-            raise DemoError(f"{peer.name} exited with code {peer.process.returncode} before the end of the demo; "
-                            f"see {peer.log_path}")
+            raise DemoError(f"{peer.exit_message()} before the end of the demo")
 
 
 def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
@@ -180,8 +179,8 @@ def main() -> int:
     finally:
         stop_all(peers)
     rows = report(peers, args.out)
-    problems = [f"{peer.name} did not train (see {peer.log_path})" for peer, row in zip(peers, rows, strict=True)
-                if row["steps"] == 0] + ([failure] if failure else [])
+    problems = [f"{peer.name} did not train" + (f" (see {peer.log_path})" if peer.process else " (not started)")
+                for peer, row in zip(peers, rows, strict=True) if row["steps"] == 0] + ([failure] if failure else [])
     if problems:
         print(f"\nerror: the demo failed: {'; '.join(problems)}", file=sys.stderr)
         return 1

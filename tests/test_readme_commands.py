@@ -93,4 +93,5 @@ def test_demo_whose_peers_do_not_train_says_so(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "| peer0 | 0 |" in result.stdout and "| peer1 | 0 |" in result.stdout
     assert "error: the demo failed: peer0 did not train" in result.stderr
-    assert "peer0 exited with code 2" in result.stderr and "Traceback" not in result.stdout + result.stderr
+    assert "peer0 exited with code 2 ('error: --data_path" in result.stderr  # with the peer's own error
+    assert "Traceback" not in result.stdout + result.stderr
