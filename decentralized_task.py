@@ -21,11 +21,21 @@ from vissl.utils.misc import set_torch_seed
 
 import local_replicas
 import swarm
+from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 from initial_model import initial_model_seed, weights_fingerprint
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
+
+_averaging_tasks: list[DecentralizedSelfSupervisionTask] = []  # tasks of this process that are in the swarm
+
+
+def leave_swarm() -> None:
+    """Shut down every averager of this process. run_trainer.py calls it before it shuts its DHT down: VISSL runs
+    no hook on Ctrl-C (its trainer catches only Exception), and an averager must stop before the DHT it talks to."""
+    for task in list(_averaging_tasks):
+        task.shutdown_averaging()
 
 
 
@@ -37,7 +47,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         super().__init__(config)
         self.swarm_settings = swarm.SwarmSettings.from_config(config.get("SWARM", {}))
         self.dht = None
-        self.decentralized_sgd: DecentralizedSGD | None = None
+        self.decentralized_sgd: Averaging | None = None  # DecentralizedSGD, or the old design (--averager old)
         self.joined_from_swarm = False
 
     @property
@@ -79,6 +89,9 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             local_replicas.broadcast_optimizer_state(self._torch_optimizer())
         if progress:
             self._continue_from(progress)
+        elif self.swarm_settings.averager == "old" and self.decentralized_sgd is not None and timeout > 0:
+            start = "from its checkpoint" if self.checkpoint is not None else "from iteration 0"
+            logging.info(f"--averager old shares no training progress: this peer runs its own LR schedule {start}")
         return self
 
     def _start_averaging(self) -> None:
@@ -87,10 +100,11 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         records_path = Path(self.checkpoint_folder or ".") / ROUNDS_FILE
         with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
             self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
+        _averaging_tasks.append(self)
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
 
-    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> DecentralizedSGD:
+    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         wrapper = DecentralizedSGD
         if settings.averager == "old":
             from baseline_averaging import OldDesignAverager as wrapper
@@ -145,9 +159,12 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         logging.info(f"Joined the swarm at iteration {self.iteration} (phase {self.phase_idx + 1})")
 
     def shutdown_averaging(self) -> None:
-        """Stop averaging and leave the swarm; idempotent (called on end, on exception and at exit)."""
+        """Stop averaging, then our own DHT (the averager talks to it until it is down); idempotent (called on end,
+        on exception, and by :func:`leave_swarm`)."""
         if self.decentralized_sgd is not None:
             self.decentralized_sgd.shutdown()
         if self.dht is not None and self.dht is not swarm.take_shared_dht():
             self.dht.shutdown()
         self.decentralized_sgd = None
+        if self in _averaging_tasks:
+            _averaging_tasks.remove(self)

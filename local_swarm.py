@@ -87,12 +87,20 @@ class LocalPeer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def exit_message(self) -> str:
+        """Why the process ended, for an error message: its exit code and the last error line of its log (VISSL
+        logs more after an error), else its last line."""
+        lines = [line.strip() for line in self.log_text().splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        last = (errors or lines or ["(empty log)"])[-1][:300]
+        return f"{self.name} exited with code {self.process.returncode} ({last!r}; see {self.log_path})"
+
     def join_addresses(self, timeout: float = 240.0) -> list[str]:
         """The multiaddrs of the join line this peer printed."""
 
         def addresses() -> list[str] | None:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.process.returncode}; see {self.log_path}")
+                raise RuntimeError(self.exit_message())
             for line in self.log_text().splitlines():
                 if "run_trainer.py" in line and "--initial_peers" in line:
                     return line.split("--initial_peers", 1)[1].split()

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     from vissl.utils.distributed_launcher import launch_distributed
 
     from config_loading import compose_trainer_config
-    from decentralized_task import TASK_NAME
+    from decentralized_task import TASK_NAME, leave_swarm
     from hooks import swarm_hook_generator
     from swarm_metrics import metrics_validators
 
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
     finally:
+        leave_swarm()  # the averager first (it still talks to the DHT while it stops), then the DHT and its p2pd
         if dht is not None:
             dht.shutdown()
     return 0

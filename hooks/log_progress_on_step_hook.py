@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
+from averaging_protocol import Averaging
 from hooks.normalize_prototypes_on_update_hook import prototypes_norm_error
 from hooks.samples_per_second import SamplesPerSecond
 from local_replicas import replica_checksums
@@ -24,8 +25,9 @@ def world_rank_and_size() -> tuple[int, int]:
 
 
 class LogProgressOnStepHook(ClassyHook):
-    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds) and rounds ok/failed,
-    and appends the same as a JSON line to CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it live).
+    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds), rounds ok/failed and how
+    often the averager was found dead or unresponsive, and appends the same as a JSON line to
+    CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it live).
 
     On a box with several GPUs, every local rank also records checksums of its parameters, buffers and optimizer
     state (``progress_rank<r>.jsonl`` for ranks > 0), which show that the replicas stay identical.
@@ -72,13 +74,14 @@ class LogProgressOnStepHook(ClassyHook):
         norm_error = prototypes_norm_error(task)
         if norm_error is not None:  # SwAV: how far the prototypes are from the unit sphere the loss assumes
             fields["prototypes_norm_error"] = norm_error
-        optimizer = getattr(task, "decentralized_sgd", None)
+        optimizer: Averaging | None = getattr(task, "decentralized_sgd", None)  # None: not averaging
         if optimizer is not None:
             last = optimizer.last_applied_record() or {}
             fields.update({
                 "peer_id": str(optimizer.peer_id),
                 "rounds_ok": int(optimizer.counters["rounds_applied"]),
                 "rounds_failed": int(optimizer.counters["rounds_failed"]),
+                "averager_failures": int(optimizer.counters.get("averager_failures", 0)),
                 "group_size": last.get("group_size"),
                 "staleness_steps": last.get("staleness_steps"),
                 "round_s": round(last["t_end"] - last["t_start"], 2) if last else None,
@@ -91,7 +94,8 @@ class LogProgressOnStepHook(ClassyHook):
                 f"lr {entry['lr']:.5f}")
         if "rounds_ok" in entry:
             line += (f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
-                     f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']}")
+                     f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} | "
+                     f"averager failures {entry['averager_failures']}")
         return line
 
     def on_end(self, task) -> None:
