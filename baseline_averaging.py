@@ -26,8 +26,9 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
 from hivemind.p2p import PeerID
 
-from averager_shutdown import shut_down_averager
 from decentralized_sgd import make_compression, schema_fingerprint
+from decentralized_sgd.averager_shutdown import shut_down_averager
+from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class _TrainingAverager(TrainingAverager):
             await super()._step(step=step, **kwargs)
         finally:
             self._steps.discard(step)
+
+    def run(self) -> None:
+        """Averager process: decode 8-bit parts with hivemind's NumPy 2 bug fixed (see hivemind_fixes)."""
+        with fixed_8bit_decoding():
+            super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:
         # the trainer has no handle on TrainingAverager.step's StepControl: cancel the steps from here

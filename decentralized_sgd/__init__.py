@@ -13,7 +13,8 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
-  an averager restart); ``dht_rejoin``: the DHT re-bootstrap after an outage; both are for whoever owns the DHT
+  an averager restart); ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's);
+  ``dht_rejoin``: the DHT re-bootstrap after an outage; both are for whoever owns the DHT
   (``swarm.start_dht`` uses them); ``compression``: what goes on the wire.
 """
 

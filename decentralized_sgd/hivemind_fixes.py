@@ -39,6 +39,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.multiaddr import Multiaddr
 
+from decentralized_sgd.averager_shutdown import shut_down_averager
+
 logger = logging.getLogger(__name__)
 
 
@@ -208,13 +210,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
             yield message
 
     async def _shutdown(self, timeout: float | None) -> None:
-        """Averager process. hivemind 1.1.12 calls .finalize() on the Futures of running groups and crashes;
-        finalize their runners instead."""
-        if not self.client_mode:
-            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
-        for future in self._running_groups.values():
-            if future.done() and not future.cancelled():
-                future.result().finalize(cancel=True)
+        """Averager process. hivemind's own ``_shutdown`` crashes on running groups and leaves a last DHT request
+        behind: see ``averager_shutdown``."""
+        await shut_down_averager(self, timeout)
 
     # --- in the trainer's process ---
     def start_in_background(self, timeout: float) -> None:
