@@ -102,6 +102,9 @@ class DecentralizedSGD:
         self.before_allreduce = before_allreduce  # hivemind has no such hook: run right before the buffers are filled
 
         self.lock = threading.RLock()  # guards local params/optimizer: trainer step vs. filling vs. serving state
+        # SSP waits on it: Condition.wait releases self.lock entirely, also the holds of a caller that calls
+        # on_step_end inside ``with dsgd.lock:`` (the README's contract), so the scheduler can fill meanwhile
+        self._round_applied = threading.Condition(self.lock)
         self.local_step = self.samples = 0
         self.boundaries = 0  # step boundaries passed: one per step, and one per poll while waiting for SSP
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
@@ -223,23 +226,24 @@ class DecentralizedSGD:
             self._wait_for_round()
 
     def _wait_for_round(self) -> None:
-        """SSP: block until a round is applied, at most staleness_timeout seconds."""
+        """SSP: block until a round is applied, at most staleness_timeout seconds. Waiting is a step boundary: rounds
+        may start and fill, results are applied. ``dsgd.lock`` is released while asleep, even if the caller holds it."""
         t0 = time.monotonic()
         self.counters["ssp_waits"] += 1
-        while self.local_step - self._last_sync_step > self.max_staleness and not self._closed:
-            if time.monotonic() - t0 > self.staleness_timeout:
-                logger.warning(
-                    f"SSP: no round applied for {self.local_step - self._last_sync_step} steps and "
-                    f"{self.staleness_timeout}s, continuing without averaging"
-                )
-                self.counters["ssp_timeouts"] += 1
-                self._last_sync_step = self.local_step
-                break
-            time.sleep(0.01)
-            with self.lock:  # waiting here is a step boundary: rounds may start and fill, results are applied
+        with self._round_applied:
+            while self.local_step - self._last_sync_step > self.max_staleness and not self._closed:
+                if time.monotonic() - t0 > self.staleness_timeout:
+                    logger.warning(
+                        f"SSP: no round applied for {self.local_step - self._last_sync_step} steps and "
+                        f"{self.staleness_timeout}s, continuing without averaging"
+                    )
+                    self.counters["ssp_timeouts"] += 1
+                    self._last_sync_step = self.local_step
+                    break
+                self._round_applied.wait(0.01)
                 self.boundaries += 1
                 self._apply_finished_rounds()
-            self._scheduler.wake()
+                self._scheduler.wake()
         self.counters["ssp_wait_s"] += time.monotonic() - t0
 
     # --- records ---

@@ -28,19 +28,20 @@ __all__ = ["AverageOnUpdateHook", "HoldParamsDuringUpdateHook", "LeaveSwarmOnEnd
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
     """VISSL's default hooks plus ours; the swarm hooks do nothing for a task that does not average.
 
-    Hooks run in list order at each event. In ``on_update``: HoldParamsDuringUpdateHook releases the lock it took
-    after backward (the optimizer step is done), AverageOnUpdateHook applies a finished round, then the
-    prototypes are normalised (VISSL's hook, which would run before the averaging, is replaced by ours after it).
-    The progress hooks come last so that they log the step's final weights.
+    Hooks run in list order at each event. In ``on_update`` (the optimizer step is done, and the averager's lock
+    is still held since backward): AverageOnUpdateHook applies a finished round, the prototypes are normalised
+    (VISSL's hook, which would run before the averaging, is replaced by ours after it), and only then does
+    HoldParamsDuringUpdateHook release the lock: averaging never copies prototypes off the unit sphere. The
+    progress hooks come last so that they log the step's final weights.
     """
     log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
     vissl_hooks = default_hook_generator(cfg)
     normalizes = any(isinstance(hook, NormalizePrototypesHook) for hook in vissl_hooks)
     return [
         *[hook for hook in vissl_hooks if not isinstance(hook, NormalizePrototypesHook)],
-        HoldParamsDuringUpdateHook(),
         AverageOnUpdateHook(),
         *([NormalizePrototypesOnUpdateHook()] if normalizes else []),
+        HoldParamsDuringUpdateHook(),
         LogProgressOnStepHook(log_every=log_every),
         PublishProgressOnStepHook(publish_every=log_every),
         LeaveSwarmOnEndHook(),

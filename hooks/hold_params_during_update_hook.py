@@ -11,8 +11,10 @@ from averaging_protocol import Averaging
 
 
 class HoldParamsDuringUpdateHook(ClassyHook):
-    """Holds ``task.decentralized_sgd.lock`` from the end of backward until the optimizer step is done: a late
-    joiner downloads our parameters from hivemind's thread while we train, and must never get half an update.
+    """Holds ``task.decentralized_sgd.lock`` from the end of backward until the optimizer step, the apply of
+    finished rounds and the prototypes' normalisation are done (it comes after those hooks): averaging copies
+    the parameters and late joiners download them from other threads, and must never get half an update. An SSP
+    wait inside the apply releases the lock while it sleeps (DecentralizedSGD waits on a Condition of it).
 
     The old design (``baseline_averaging``) applies rounds from its own thread at any time, so there the lock is
     held from the end of one step through the next forward, backward and update (an in-place apply between

@@ -34,14 +34,11 @@ class NormalizePrototypesOnUpdateHook(NormalizePrototypesHook):
     the checkpoints see unit prototypes. On a box with several GPUs every rank runs it on the weights rank 0
     broadcast, so the replicas stay identical.
 
-    The lock is released between the apply and this normalisation (HoldParamsDuringUpdateHook lets go before
-    AverageOnUpdateHook, whose SSP wait needs the averager's thread to take the lock), so a round whose group
-    formed in this very step may copy the prototypes in that gap, off the sphere by the applied round's tiny
-    deviation; closing it would need a callback of DecentralizedSGD right after its apply.
+    It runs inside the hold of HoldParamsDuringUpdateHook (which comes after it and releases the lock only then),
+    so no round copies the prototypes between the apply and the normalisation.
 
     The old design (``baseline_averaging``) applies rounds from its own thread between two steps; for it the
-    prototypes are normalised again in ``on_step``, after HoldParamsDuringUpdateHook has taken the lock back and
-    before the next forward.
+    prototypes are normalised again in ``on_step``, under the lock, before the next forward.
     """
 
     def on_update(self, task) -> None:

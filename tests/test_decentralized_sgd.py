@@ -6,6 +6,7 @@ Rounds are made fast with min_matchmaking_time=1s; every wait polls with a deadl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -273,7 +274,8 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
 
 
 @pytest.mark.timeout(120)
-def test_ssp_bound_holds(swarm):
+@pytest.mark.parametrize("caller_holds_lock", [False, True])  # True: the README's plain-PyTorch contract
+def test_ssp_bound_holds(swarm, caller_holds_lock):
     staleness = 3
     a = swarm.peer(make_model(0.0), max_staleness=staleness, staleness_timeout=60.0)
     b = swarm.peer(make_model(2.0))
@@ -282,7 +284,8 @@ def test_ssp_bound_holds(swarm):
     deadline = time.monotonic() + 90
     while a.counters["rounds_applied"] < 3:
         assert time.monotonic() < deadline, a.counters
-        a.on_step_end()
+        with a.lock if caller_holds_lock else contextlib.nullcontext():
+            a.on_step_end()
         last_sync = max((r["step_at_apply"] for r in a.records if r["applied"]), default=0)
         steps_since_sync.append(a.local_step - last_sync)
         time.sleep(0.005)

@@ -87,17 +87,24 @@ def test_the_vit_recipe_scales_dino_s_peak_lr_but_not_its_floor(digits_dir: Path
 
 
 def test_prototypes_are_normalised_after_the_averaging_hook() -> None:
-    """In on_update, VISSL's normalisation would run before AverageOnUpdateHook applies a round; ours runs after."""
+    """In on_update, VISSL's normalisation would run before AverageOnUpdateHook applies a round; ours runs after,
+    and the averager's lock is released only after both (no round copies unnormalised prototypes)."""
     from vissl.hooks import NormalizePrototypesHook
 
-    from hooks import AverageOnUpdateHook, NormalizePrototypesOnUpdateHook, swarm_hook_generator
+    from hooks import (
+        AverageOnUpdateHook,
+        HoldParamsDuringUpdateHook,
+        NormalizePrototypesOnUpdateHook,
+        swarm_hook_generator,
+    )
 
     config, _ = compose_config("swav_tiny", [], has_gpu=False)
     hooks = swarm_hook_generator(config)
     normalizing = [index for index, hook in enumerate(hooks) if isinstance(hook, NormalizePrototypesHook)]
     averaging = next(index for index, hook in enumerate(hooks) if isinstance(hook, AverageOnUpdateHook))
     assert len(normalizing) == 1 and isinstance(hooks[normalizing[0]], NormalizePrototypesOnUpdateHook)
-    assert normalizing[0] > averaging
+    releasing = next(index for index, hook in enumerate(hooks) if isinstance(hook, HoldParamsDuringUpdateHook))
+    assert releasing > normalizing[0] > averaging
 
 
 # swav_vit_small's recipe on a ViT small enough for the CPU (2 layers, 64 wide, 8px patches of 32px crops) and on
