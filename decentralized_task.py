@@ -39,6 +39,13 @@ def leave_swarm() -> None:
 
 
 
+def torch_optimizer(task: SelfSupervisionTask) -> torch.optim.Optimizer:
+    """The torch optimizer inside any VISSL task's ClassyOptimizer (possibly inside LARC): what is averaged, and
+    what the local ranks of a box keep identical. Works for VISSL's stock task too (the hooks serve both)."""
+    optimizer = task.optimizer.optimizer
+    return getattr(optimizer, "optim", optimizer)
+
+
 @register_task(TASK_NAME)
 class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
     """SelfSupervisionTask + DecentralizedSGD on local rank 0 (the box's one peer in the swarm)."""
@@ -86,7 +93,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             # VISSL builds DDP after this, which copies rank 0's parameters and buffers but not its optimizer state
             # (the momentum rank 0 downloaded, or created to average it): the other local ranks take it here
             progress = local_replicas.broadcast_object(progress)
-            local_replicas.broadcast_optimizer_state(self._torch_optimizer())
+            local_replicas.broadcast_optimizer_state(torch_optimizer(self))
         if progress:
             self._continue_from(progress)
         elif self.swarm_settings.averager == "old" and self.decentralized_sgd is not None and timeout > 0:
@@ -109,7 +116,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         if settings.averager == "old":
             from baseline_averaging import OldDesignAverager as wrapper
         return wrapper(
-            self._torch_optimizer(),
+            torch_optimizer(self),
             self.dht,
             prefix=f"{settings.run_id}_{settings.config_name or 'swav'}".replace(".", "_"),
             model=self.base_model,
@@ -125,11 +132,6 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             client_mode=settings.client_mode,
             get_extra_state=self.training_progress,
         )
-
-    def _torch_optimizer(self) -> torch.optim.Optimizer:
-        """VISSL's ClassyOptimizer holds a torch optimizer, possibly inside LARC: average what it updates."""
-        optimizer = self.optimizer.optimizer
-        return getattr(optimizer, "optim", optimizer)
 
     def training_progress(self) -> dict:
         """Where this peer is, in the shape of a VISSL mid-phase checkpoint (served to late joiners)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from classy_vision.hooks import ClassyHook
 
 import local_replicas
+from decentralized_task import torch_optimizer
 
 
 class AverageOnUpdateHook(ClassyHook):
@@ -35,4 +36,4 @@ class AverageOnUpdateHook(ClassyHook):
             applied = optimizer.counters["rounds_applied"] > before
         if local_replicas.is_box() and local_replicas.broadcast_flag(applied):
             averaged_optimizer = task.swarm_settings.average_optimizer_state
-            local_replicas.sync_replicas(task.base_model, task._torch_optimizer() if averaged_optimizer else None)
+            local_replicas.sync_replicas(task.base_model, torch_optimizer(task) if averaged_optimizer else None)

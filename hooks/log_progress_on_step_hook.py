@@ -11,6 +11,7 @@ import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
 from averaging_protocol import Averaging
+from decentralized_task import torch_optimizer
 from hooks.normalize_prototypes_on_update_hook import prototypes_norm_error
 from hooks.samples_per_second import SamplesPerSecond
 from local_replicas import replica_checksums
@@ -59,7 +60,7 @@ class LogProgressOnStepHook(ClassyHook):
         rank, world_size = world_rank_and_size()
         entry = {"time": time.time(), "step": task.iteration}
         if world_size > 1:
-            entry.update(replica_checksums(task.base_model, task._torch_optimizer()))
+            entry.update(replica_checksums(task.base_model, torch_optimizer(task)))
         if rank == 0:
             entry.update(self._progress_fields(task))
             logging.info(self._line(entry))
