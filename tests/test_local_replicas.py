@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,19 @@ def _worker(rank: int, init_file: str, results: Path) -> None:
 
 
 def test_two_gloo_processes_take_rank0s_parameters_buffers_and_momentum(tmp_path: Path) -> None:
+    """Spawned, not forked: a fork of the pytest process copies the threads of earlier tests' hivemind peers (their
+    locks too), and a child can hang on one of them before it reaches init_process_group."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(str(tmp_path / "init"), tmp_path), nprocs=2, start_method="fork")
+    context = mp.start_processes(_worker, args=(str(tmp_path / "init"), tmp_path), nprocs=2, start_method="spawn",
+                                 join=False)
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the two gloo processes did not finish within 120 s"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
     rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
     for moment in ("after_download", "after_round"):
         assert rank0[moment]["optimizer_checksum"] != 0.0, moment  # there is momentum to compare
