@@ -10,7 +10,10 @@ averager during training.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +30,7 @@ from initial_model import initial_model_seed, weights_fingerprint
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
+DATA_WORKER_NICENESS = 10  # added to the data-loader workers' niceness: they yield the CPU to averager and p2pd
 
 _averaging_tasks: list[DecentralizedSelfSupervisionTask] = []  # tasks of this process that are in the swarm
 
@@ -37,6 +41,14 @@ def leave_swarm() -> None:
     for task in list(_averaging_tasks):
         task.shutdown_averaging()
 
+
+def nice_worker_init(vissl_init: Callable[[int], None] | None, worker_id: int) -> None:
+    """A data-loader worker's start: VISSL's own (its seeding), then a lower CPU priority. SwAV's multi-crop workers
+    can keep every core busy; the averager and p2pd, at normal priority, then still run when they need to, and a
+    slow box slows its groupmates less (issue 11)."""
+    if vissl_init is not None:
+        vissl_init(worker_id)
+    os.nice(DATA_WORKER_NICENESS)
 
 
 def torch_optimizer(task: SelfSupervisionTask) -> torch.optim.Optimizer:
@@ -74,6 +86,13 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         logging.info(f"Initial model of run {settings.run_id!r} ({settings.config_name}): seed {seed}, "
                      f"trunk fingerprint {weights_fingerprint(model.trunk)}")
         return model
+
+    def build_dataloaders(self, pin_memory: bool, current_train_phase_idx: int = 0) -> dict:
+        """VISSL's data loaders, with workers at a lower CPU priority (nice_worker_init)."""
+        loaders = super().build_dataloaders(pin_memory=pin_memory, current_train_phase_idx=current_train_phase_idx)
+        for loader in loaders.values():  # VISSL's GPU-copy wrappers pass the attribute on to the DataLoader
+            loader.worker_init_fn = functools.partial(nice_worker_init, loader.worker_init_fn)
+        return loaders
 
     def prepare(self, pin_memory: bool = False) -> SelfSupervisionTask:
         super().prepare(pin_memory=pin_memory)

@@ -80,8 +80,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
                        help="drop a groupmate that sends nothing for this many seconds")
     group.add_argument("--max_staleness", type=int, default=defaults.max_staleness,
                        help="-1: never wait for averaging (ASP); s: wait when s steps passed without a round (SSP)")
-    group.add_argument("--compression", choices=["none", "fp16", "uint8"], default=defaults.compression,
-                       help="compression of the averaged tensors on the wire")
+    group.add_argument("--compression", choices=["none", "fp16"], default=defaults.compression,
+                       help="compression of the averaged tensors on the wire (no 8-bit: see the README)")
     group.add_argument("--average_optimizer_state", action="store_true",
                        help="average momentum buffers too (more traffic)")
     group.add_argument("--load_state_timeout", type=float, default=defaults.load_state_timeout,

@@ -30,8 +30,9 @@ Regimes (default: the first four):
         the script re-executes itself inside `unshare -rn`); compression fp16 and uint8. Reported against the cap
         min(60 / min_matchmaking_time, 60 / AllReduce s) rounds/min and staleness against AllReduce steps + 1.
 Modes:   none, old, improved, no_delta, no_refresh, no_pipeline, fill_at_boundary (improved, but a round is filled
-         at the first trainer step boundary after its group formed: the behaviour before issue 11). Each regime runs
-         the modes that make sense for it (REGIMES[...].modes); --modes picks among them.
+         at the first trainer step boundary after its group formed: the behaviour before issue 11),
+         no_slow_peer_fixes (improved without the fixes for an overloaded groupmate, also of issue 11). Each regime
+         runs the modes that make sense for it (REGIMES[...].modes); --modes picks among them.
 Each run trains for a warm-up (10 s; --quick 3 s; 1 s for `none`) in which averaging already runs, then measures a
 window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up. Regimes with a perturbation measure a second
 window of the same length after a settling pause, with the last peer perturbed.
@@ -80,13 +81,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline", "fill_at_boundary")
+MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline", "fill_at_boundary",
+                          "no_slow_peer_fixes")  # fmt: skip
 IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs that define each mode
     "improved": {},
     "no_delta": {"delta_rule": False},
     "no_refresh": {"refresh_before_allreduce": False},
     "no_pipeline": {"pipeline": False},
     "fill_at_boundary": {"fill_when_formed": False},
+    "no_slow_peer_fixes": {"slow_peer_fixes": False},
 }
 # the test suite's FAST settings (tests/dsgd_swarm.py) with a tiny model and quick steps: many rounds per minute, so
 # that what one uneven peer costs the others shows in a short window
@@ -111,16 +114,15 @@ class Regime:
     quick: dict[str, Any] = field(default_factory=dict)  # and in --quick (applied over `nominal`)
 
 
-UNEVEN_MODES = ("old", "improved", "fill_at_boundary")
 REGIMES: dict[str, Regime] = {
     "sim_full": Regime("sim", 3),
     "sim_not_full": Regime("sim", 4),
     "cpu_full": Regime("cpu", 3),
     "cpu_not_full": Regime("cpu", 4),
-    "straggler": Regime("sim", 4, peers=5, modes=UNEVEN_MODES, perturbation="straggler", nominal=FAST_SWARM,
-                        quick=dict(seconds=15.0, settle_s=3.0)),
-    "slow_step": Regime("sim", 3, peers=3, modes=UNEVEN_MODES, perturbation="slow_step", nominal=FAST_SWARM,
-                        quick=dict(seconds=10.0, settle_s=2.0)),
+    "straggler": Regime("sim", 4, peers=5, modes=("old", "improved", "no_slow_peer_fixes"), perturbation="straggler",
+                        nominal=FAST_SWARM, quick=dict(seconds=15.0, settle_s=3.0)),
+    "slow_step": Regime("sim", 3, peers=3, modes=("old", "improved", "fill_at_boundary"), perturbation="slow_step",
+                        nominal=FAST_SWARM, quick=dict(seconds=10.0, settle_s=2.0)),
     "wan_100mbit": Regime("sim", 4, peers=3, modes=("old", "improved"), link_mbit=100.0,
                           compressions=("fp16", "uint8"), nominal=dict(WAN, warmup_s=20.0),
                           quick=dict(seconds=20.0, warmup_s=10.0)),
@@ -943,7 +945,8 @@ def summarize_peers(
 
 COMPACT_KEYS = ("samples_per_s_per_peer", "rounds_per_min", "rounds_per_min_steady", "staleness_steps_mean",
                 "group_size_mean", "rounds_applied", "rounds_failed", "formed_to_end_s_mean", "allreduce_s_mean",
-                "matchmaking_s_mean", "awaiting_s_mean", "with_perturbed_peer_share", "all_finite")  # fmt: skip
+                "matchmaking_s_mean", "awaiting_s_mean", "with_perturbed_peer_share", "all_finite",
+                "counters")  # fmt: skip
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -1101,7 +1104,9 @@ UNEVEN_COLUMNS = [  # perturbed regimes: the healthy peers, reference window vs 
     ("formed->end s perturbed", "formed_to_end_s_mean", "{:.3f}"),
     ("MM s", "matchmaking_s_mean", "{:.2f}"), ("group", "group_size_mean", "{:.2f}"),
     ("with slow peer", "with_perturbed_peer_share", "{:.2f}"), ("failed", "rounds_failed", "{}"),
-    ("slow peer r/min", "perturbed_peer.rounds_per_min", "{:.1f}"), ("finite", "all_finite", "{}"),
+    ("slow peer r/min", "perturbed_peer.rounds_per_min", "{:.1f}"),
+    ("slow peer starved s", "perturbed_peer.counters.starved_s", "{:.0f}"),
+    ("slow DHT node bans", "counters.slow_dht_node_bans", "{:.0f}"), ("finite", "all_finite", "{}"),
     ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
 ]  # fmt: skip
 LINK_COLUMNS = [  # bandwidth-limited links

@@ -12,10 +12,12 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
+- ``starvation``: a peer that its own box starves of CPU leaves averaging until it recovers;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
-  an averager restart); ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's);
-  ``dht_rejoin``: the DHT re-bootstrap after an outage; both are for whoever owns the DHT
-  (``swarm.start_dht`` uses them); ``compression``: what goes on the wire.
+  an averager restart); ``hivemind_slow_peer_fixes``: those that keep a slow groupmate from slowing the others;
+  ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's); ``dht_rejoin``: the DHT
+  re-bootstrap after an outage; both are for whoever owns the DHT (``swarm.start_dht`` uses them); ``compression``:
+  what goes on the wire.
 """
 
 from .compression import make_compression, schema_fingerprint

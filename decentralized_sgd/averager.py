@@ -1,4 +1,5 @@
-"""The averager process: a ``hivemind.DecentralizedAverager`` with the fixes of ``hivemind_fixes`` and one feature.
+"""The averager process: a ``hivemind.DecentralizedAverager`` with the fixes of ``hivemind_fixes`` and
+``hivemind_slow_peer_fixes``, and one feature.
 
 It serves the trainer's *live* state to late joiners (``get_current_state`` asks the optimizer, which copies under
 its lock) instead of hivemind's default, the averager's buffers, which hold whatever the last round left there.
@@ -20,6 +21,7 @@ import multiprocessing.sharedctypes
 from collections.abc import Callable
 
 from .hivemind_fixes import HivemindFixes
+from .hivemind_slow_peer_fixes import SlowPeerFixes
 
 
 def handler_address_slot() -> multiprocessing.sharedctypes.SynchronizedArray:
@@ -28,7 +30,7 @@ def handler_address_slot() -> multiprocessing.sharedctypes.SynchronizedArray:
     return mp.Array(ctypes.c_char, 1024)
 
 
-class Averager(HivemindFixes):
+class Averager(SlowPeerFixes, HivemindFixes):
     """Our averager: hivemind's, fixed, serving ``state_fn()`` (``(metadata, tensors, infos)``) to joiners."""
 
     _rpc_handlers = None  # part of the wire protocol: handler names are "<prefix>::Averager.rpc_..."

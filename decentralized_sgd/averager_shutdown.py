@@ -65,7 +65,8 @@ async def leave_matchmaking(averager: Any, timeout: float) -> bool:
     return True
 
 
-async def shut_down_averager(averager: Any, timeout: float | None, steps: Collection[StepControl] = ()) -> None:
+async def shut_down_averager(averager: Any, timeout: float | None, steps: Collection[StepControl] = (),
+                             dht_requests: Collection[asyncio.Task] = ()) -> None:
     """The body of ``DecentralizedAverager._shutdown``, without the two problems above. ``timeout`` is the
     averager's ``shutdown_timeout``, after which its owner terminates the process: this takes at most 80% of it
     (leaving matchmaking waits for one DHT request, which can take seconds on a busy machine).
@@ -73,7 +74,11 @@ async def shut_down_averager(averager: Any, timeout: float | None, steps: Collec
     ``steps``: the live set of steps in flight (the averager's ``_step`` adds and discards them), for an owner that
     cannot cancel its steps itself. Cancelled here until none is left: a step whose AllReduce failed retries, and
     one the owner started just before it shut the averager down arrives late; both would look for a group again
-    after we left matchmaking."""
+    after we left matchmaking.
+
+    ``dht_requests``: the live set of DHT requests the averager sent without waiting for them (its matchmaking
+    declarations, see ``hivemind_slow_peer_fixes``); waited for after leaving matchmaking, whose last withdrawal is
+    one of them, for the same reason as 1: each must reach the DHT while this process lives."""
     deadline = time.monotonic() + 0.8 * (timeout if timeout is not None else averager.shutdown_timeout)
     if not averager.client_mode:
         await averager.remove_p2p_handlers(averager._p2p, namespace=averager.prefix)
@@ -85,5 +90,7 @@ async def shut_down_averager(averager: Any, timeout: float | None, steps: Collec
             if future.done() and not future.cancelled():
                 future.result().finalize(cancel=True)
         if (idle and not steps) or time.monotonic() >= deadline:
-            return
+            break
         await asyncio.sleep(LEAVE_POLL_S)
+    if dht_requests:
+        await asyncio.wait(list(dht_requests), timeout=max(0.0, deadline - time.monotonic()))

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
 
@@ -153,6 +153,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
 
     _rpc_handlers = None  # the base class caches handlers per class: collect ours, or stubs may use another name
     _stub_type = None
+    background_dht_requests: Collection[asyncio.Task] = ()  # sent without waiting (a mixin's): shutdown waits
 
     def __init__(self, *args, trigger_grace: float, handler_address: multiprocessing.sharedctypes.SynchronizedArray,
                  **kwargs):  # fmt: skip
@@ -212,7 +213,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     async def _shutdown(self, timeout: float | None) -> None:
         """Averager process. hivemind's own ``_shutdown`` crashes on running groups and leaves a last DHT request
         behind: see ``averager_shutdown``."""
-        await shut_down_averager(self, timeout)
+        await shut_down_averager(self, timeout, dht_requests=self.background_dht_requests)
 
     # --- in the trainer's process ---
     def start_in_background(self, timeout: float) -> None:

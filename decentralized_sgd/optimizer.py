@@ -27,9 +27,11 @@ from hivemind.p2p import PeerID
 from . import state_transfer
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
+from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .rounds import RoundBook
 from .rounds import RoundState as S
 from .scheduler import RoundScheduler
+from .starvation import STARVATION_COUNTS, StarvationMonitor
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors, ResultSlots, add_, copy_
 
@@ -41,7 +43,7 @@ SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see Hivemi
 COUNTERS = (
     "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
     "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
-    "dht_rejoins", "averager_failures", "averager_restarts",
+    "dht_rejoins", "averager_failures", "averager_restarts", *STARVATION_COUNTS, *SLOW_PEER_COUNTS,
 )  # fmt: skip
 
 
@@ -53,7 +55,9 @@ class DecentralizedSGD:
     Non-finite values: a peer whose own values are not finite contributes zeros with weight 0 (its groupmates
     average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
     A peer whose trainer stalls joins at most one group it does not trigger; its groupmates drop it after
-    ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``).
+    ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``). A slow or
+    overloaded groupmate costs the others little, and a peer starved of CPU leaves averaging until it recovers
+    (``slow_peer_fixes``; see ``hivemind_slow_peer_fixes`` and ``starvation``).
     ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
     """
 
@@ -82,6 +86,7 @@ class DecentralizedSGD:
         refresh_before_allreduce: bool = True,
         pipeline: bool = True,
         fill_when_formed: bool = True,
+        slow_peer_fixes: bool = True,
         averager_timeout: float = 30.0,
         records_path: str | None = None,
         client_mode: bool | None = None,
@@ -98,6 +103,9 @@ class DecentralizedSGD:
         self.weight_by_samples, self.delta_rule = weight_by_samples, delta_rule
         self.refresh_before_allreduce, self.pipeline = refresh_before_allreduce, pipeline
         self.fill_when_formed = fill_when_formed  # False: the ablation of issue 11, see scheduler
+        self.slow_peer_fixes = slow_peer_fixes  # False: hivemind's behaviour with a slow groupmate (an ablation)
+        self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
+        self.starvation: StarvationMonitor | None = None  # started with the averager (if slow_peer_fixes)
         self.get_extra_state = get_extra_state
         self.before_allreduce = before_allreduce  # hivemind has no such hook: run right before the buffers are filled
 
@@ -123,7 +131,8 @@ class DecentralizedSGD:
             allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression), client_mode=client_mode, state_fn=self._serve_state,
             trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
-            shutdown_timeout=AVERAGER_SHUTDOWN_S,
+            shutdown_timeout=AVERAGER_SHUTDOWN_S, slow_peer_fixes=slow_peer_fixes,
+            slow_peer_counts=self.slow_peer_counts,
         )  # fmt: skip
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
@@ -166,8 +175,16 @@ class DecentralizedSGD:
 
     def start(self) -> None:
         """Start the averager process and the scheduler (only needed if created with start=False)."""
+        self._start_slow_peer_fixes()
         self._supervisor.start()
         self._scheduler.start()
+
+    def _start_slow_peer_fixes(self) -> None:
+        """The parts of the slow-peer fixes outside the averager process: the slow-reply blacklist in our DHT (once
+        per DHT), and the starvation monitor that the scheduler asks before it starts a round."""
+        if self.slow_peer_fixes:
+            install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.averager_timeout)
+            self.starvation = StarvationMonitor()
 
     # --- the trainer's side ---
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
@@ -293,6 +310,8 @@ class DecentralizedSGD:
                     r.cancel("shut down")
             self.round_book.rounds.clear()
         self._supervisor.shutdown()
+        if self.starvation is not None:
+            self.starvation.stop()
 
     def __enter__(self) -> DecentralizedSGD:
         return self

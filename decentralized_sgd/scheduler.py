@@ -20,6 +20,9 @@ Every tick (20 ms, or at once when a round ends or the trainer steps) it:
    inside its optimizer step joins at most one group it does not trigger (that round is cancelled after
    ``next_chunk_timeout``, when its groupmates have dropped it anyway). A trainer stalled elsewhere keeps
    averaging its last step (its rounds are filled without it) for at most the rounds already started.
+   A peer starved of CPU (``starvation``) starts no round and cancels the one still looking for a group: it would
+   lead or join groups that then wait for it. Groups it has formed already go on (leaving them would cost its
+   groupmates ``next_chunk_timeout``).
 
 Lock order: the averager's buffer lock, then ``dsgd.lock``, then ``RoundBook.lock``. Every wait has a deadline:
 ``dsgd.lock`` is tried for ``LOCK_POLL_S`` (then the next tick tries again), hivemind calls time out after
@@ -106,6 +109,7 @@ class RoundScheduler(threading.Thread):
     def _tick(self) -> None:
         owner = self.owner
         owner.counters["dht_rejoins"] = rejoin_count(owner.dht)
+        self._count_slow_peer_fixes()
         usable = self.supervisor.check()
         if self.supervisor.failures != self._failures_seen:  # rounds of a failed averager never end by themselves
             self._failures_seen = self.supervisor.failures
@@ -259,8 +263,26 @@ class RoundScheduler(threading.Thread):
             new, ema = r.ended_at - r.allreduce_started_at, self._allreduce_ema
             self._allreduce_ema = new if ema is None else 0.7 * ema + 0.3 * new
 
+    def _count_slow_peer_fixes(self) -> None:
+        """What the slow-peer fixes did (see hivemind_slow_peer_fixes, starvation), into ``counters``."""
+        self.owner.counters.update(self.owner.slow_peer_counts.as_dict())
+        if self.owner.starvation is not None:
+            self.owner.counters.update(self.owner.starvation.counts())
+
+    def _starved(self) -> bool:
+        """Starved of CPU (see starvation): True, after cancelling the rounds still looking for a group."""
+        if self.owner.starvation is None or not self.owner.starvation.starved:
+            return False
+        with self.book.lock:
+            for r in self.book.rounds:
+                if r.state is S.LOOKING:
+                    r.cancel("starved of CPU")
+        return True
+
     def _maybe_start_round(self) -> None:
         owner = self.owner
+        if self._starved():
+            return
         with self.book.lock:
             rounds = list(self.book.rounds)
         if len(rounds) >= ResultSlots.count:  # one AllReduce and one result waiting for the trainer at most

@@ -14,13 +14,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import fault_peer
 import pytest
 import torch
-from dsgd_swarm import REPO, Swarm, averaged_tensors, make_model, wait_until
+from dsgd_swarm import FAST, REPO, Swarm, averaged_tensors, make_model, wait_until
 
 from decentralized_sgd import DecentralizedSGD
 
@@ -128,6 +129,52 @@ def test_a_slow_peer_does_not_slow_the_others(swarm):
     # asynchronous: the fast peers never waited for the slow one, they only averaged with it
     assert all(p.counters["ssp_waits"] == 0 for p in fast)
     assert min(p.local_step for p in fast) >= 5 * slow.local_step
+
+
+class ProcessGroupThrottle:
+    """Stops a process group 80% of the time (SIGSTOP 0.4 s / SIGCONT 0.1 s), as a box whose CPUs other work
+    saturates (the benchmark's straggler regime), until closed."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.stopping = pgid, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            os.killpg(self.pgid, signal.SIGSTOP)
+            self.stopping.wait(0.4)
+            os.killpg(self.pgid, signal.SIGCONT)
+            self.stopping.wait(0.1)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        os.killpg(self.pgid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_starved_of_cpu_leaves_averaging_and_the_others_go_on(swarm, tmp_path, fault_peers):
+    """Its own starvation monitor takes it out of every group (it starts no round while starved), so the others
+    average in pairs instead of waiting for it; without the monitor it would still join some of their groups."""
+    survivors = [swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))]
+    bootstrap = [str(addr) for addr in swarm.dhts[0].get_visible_maddrs()]
+    starved = FaultPeer(tmp_path / "starved", bootstrap, "applied", "--value", "4")
+    fault_peers.append(starved)
+    for peer in survivors:
+        train_with_local_steps(swarm, peer)
+    starved.wait_for_marker(180)  # it averaged with the others
+    throttle = ProcessGroupThrottle(starved.process.pid)
+    try:
+        wait_until(lambda: "starved of CPU" in starved.log_text(), 60, starved.log_text)
+        # a group it had formed before may still end; then it must be in none of theirs
+        out_of_groups_at = time.time() + FAST["next_chunk_timeout"] + FAST["min_matchmaking_time"] + 2.0
+        wait_for_rounds_among(survivors, since=out_of_groups_at)
+        later = [r for p in survivors for r in applied_since(p, out_of_groups_at)]
+        assert all(starved.peer_id not in r["group"] for r in later), later
+    finally:
+        throttle.close()
+    assert_survivors_healthy(swarm, survivors)
 
 
 @pytest.mark.timeout(180)

@@ -1,6 +1,7 @@
 """The pieces of issue 11's straggler fix, each on its own: coalesced state declarations, leader avoidance, the
-slow-reply DHT blacklist (real DHT nodes on 127.0.0.1, one of them stopped 80% of the time) and the starvation
-monitor (a real process stopped 80% of the time). No timing assertions: only what each piece decided."""
+slow-reply DHT blacklist (real DHT nodes on 127.0.0.1, one of them stopped 80% of the time), the starvation
+monitor (a real process stopped 80% of the time) and the data-loader workers' lower CPU priority (a real VISSL task's
+loader). No timing assertions: only what each piece decided."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from functools import partial
 from pathlib import Path
 
 import hivemind
+import numpy as np
+import torch
 from hivemind.p2p import PeerID
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from decentralized_sgd_slow_peers import CoalescedEvent, LeaderAvoidance, SlowReplyBlacklist  # noqa: E402
-from decentralized_sgd_starvation import StarvationMonitor  # noqa: E402
+from decentralized_sgd.hivemind_slow_peer_fixes import CoalescedEvent, LeaderAvoidance, SlowReplyBlacklist  # noqa: E402
+from decentralized_sgd.starvation import StarvationMonitor  # noqa: E402
 
 
 def test_coalesced_event_wakes_once_per_period_and_never_loses_a_set() -> None:
@@ -66,6 +69,8 @@ def test_leader_avoidance_skips_a_leader_that_timed_out_and_forgives_on_success(
     assert asyncio.run(avoidance.wrap(request_join_group)(leader)) is None and not calls  # skipped, not asked
     avoidance.record(leader, got_group=True, seconds=0.1)
     assert not avoidance.avoided(leader) and asyncio.run(avoidance.wrap(request_join_group)(leader)) == "group"
+    assert avoidance.counts.as_dict() == {"slow_leader_timeouts": 1, "slow_leader_requests_skipped": 1,
+                                          "slow_dht_node_bans": 0}  # fmt: skip
 
 
 async def _bans(_dht: hivemind.DHT, node, peer_id: PeerID) -> int:
@@ -115,7 +120,7 @@ def test_slow_reply_blacklist_bans_a_dht_node_that_answers_late() -> None:
 MONITOR_SCRIPT = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from decentralized_sgd_starvation import StarvationMonitor
+from decentralized_sgd.starvation import StarvationMonitor
 monitor = StarvationMonitor(period=0.05, window_s=1.0, recover_s=1.0)
 last = None
 while True:
@@ -165,3 +170,34 @@ def test_starvation_monitor_needs_a_full_window_and_hysteresis() -> None:
             recovered_at = half_seconds / 2
     # the last lossy sample (t=111) leaves the 5 s window at 116.5; then 5 s of calm
     assert recovered_at == 121.5 and monitor.starved_s > 0 and monitor.episodes == 1
+
+
+class WorkerFacts(torch.utils.data.Dataset):
+    """What a data-loader worker sees: its niceness, and one draw from its NumPy generator."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        return os.nice(0), int(np.random.randint(2**31))
+
+
+def test_vissl_data_loader_workers_run_at_lower_priority_and_keep_vissl_seeding(digits_dir: Path) -> None:
+    import swarm
+    from config_loading import compose_config
+    from decentralized_task import DATA_WORKER_NICENESS, DecentralizedSelfSupervisionTask
+
+    train = str(digits_dir / "train")
+    config, _ = compose_config("swav_tiny", [f"config.DATA.TRAIN.DATA_PATHS=[{train}]",
+                                             f"config.DATA.TRAIN.LABEL_PATHS=[{train}]",
+                                             "config.DATA.NUM_DATALOADER_WORKERS=2"], has_gpu=False)  # fmt: skip
+    config.SWARM = swarm.SwarmSettings(run_id="nice", config_name="swav_tiny").to_config()
+    task = DecentralizedSelfSupervisionTask(config)
+    task.datasets, _ = task.build_datasets()
+    worker_init = task.build_dataloaders(pin_memory=False)["train"].worker_init_fn  # what VISSL's workers run
+
+    facts = list(torch.utils.data.DataLoader(WorkerFacts(), batch_size=None, num_workers=2, worker_init_fn=worker_init,
+                                             multiprocessing_context="fork"))  # fmt: skip
+    assert [nice for nice, _ in facts] == [min(os.nice(0) + DATA_WORKER_NICENESS, 19)] * 2  # 19: the lowest
+    # VISSL's set_dataloader_seeds still runs: forked workers would otherwise share the parent's NumPy state
+    assert facts[0][1] != facts[1][1], facts

@@ -1,15 +1,18 @@
 """A peer notices that its own box starves it of CPU, and stays out of groups until it recovers (issue 11, item 3).
 
-Why: a peer whose processes get the CPU only now and then (SwAV's multi-crop data loaders saturating the cores,
-another job, a stopped process group) still looks for groups: it leads groups that then wait for it, or joins
-groups whose AllReduce waits for its parts. It cannot tell that from its own step times (a slow GPU step is fine),
-but it can see that its threads wake up late: a thread that sleeps `period` seconds and measures how much later
-than that it woke up (time in which nothing of this process ran) is a direct measure of starvation.
+Why: a peer whose processes get the CPU only now and then (another job saturating the cores, a stopped process
+group, a box swapping) still looks for groups: it leads groups that then wait for it, or joins groups whose
+AllReduce waits for its parts. It cannot tell that from its own step times (a slow GPU step is fine), but it can see
+that its threads wake up late: a thread that sleeps `period` seconds and measures how much later than that it woke
+up (time in which nothing of this process ran) is a direct measure of starvation. (It does not see cores that are
+merely busy: the kernel wakes a thread that slept promptly even then. That kind of overload is met at its source:
+``run_trainer.py``'s data-loader workers run at a lower CPU priority, see ``decentralized_task``.)
 
 ``StarvationMonitor`` runs that thread; ``starved`` turns True when, over the last `window_s`, more than
 `enter_share` of the time was lost to late wake-ups, and False again only after `recover_s` seconds in a row with
-less than `exit_share` lost (hysteresis: no flapping in and out of the swarm). DecentralizedSGD starts no round
-while ``starved`` (hook point: its round scheduling asks ``monitor.starved``); it keeps training locally.
+less than `exit_share` lost (hysteresis: no flapping in and out of the swarm). DecentralizedSGD's scheduler asks
+``starved`` before it starts a round: a starved peer leaves the groups it is still looking for, starts no round
+(it neither leads nor joins) and keeps training locally; ``starvation_episodes`` and ``starved_s`` count it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import time
 from collections import deque
 
 logger = logging.getLogger(__name__)
+
+STARVATION_COUNTS = ("starvation_episodes", "starved_s")  # times this peer left averaging starved; seconds starved
 
 
 class StarvationMonitor:
@@ -86,6 +91,10 @@ class StarvationMonitor:
         with self._lock:
             live = time.monotonic() - self._starved_at if self.starved and self._starved_at is not None else 0.0
             return self.starved_s + live
+
+    def counts(self) -> dict[str, float]:
+        """For DecentralizedSGD.counters: how often this peer was starved, and for how long in all."""
+        return dict(zip(STARVATION_COUNTS, (self.episodes, self.starved_seconds()), strict=True))
 
     def stop(self) -> None:
         self._stop.set()
