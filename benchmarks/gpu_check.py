@@ -53,11 +53,14 @@ DEFINITIONS = {
     "cost_vs_none": "step_s with averaging / step_s without - 1",
     "trainer_ms_per_step": "DecentralizedSGD counters['trainer_s'] over the window / steps: averaging work on the "
                            "training thread (apply included)",
-    "fill_ms": "mean wall time of RoundScheduler._fill_and_trigger per filled round in the window (background "
-               "thread: copies the parameters and buffers into the averager under the trainer lock, then checks "
-               "and keeps the snapshot)",
-    "apply_ms": "mean wall time of DecentralizedSGD._apply_finished_rounds per step that applied a round (training "
-                "thread)",
+    "fill_ms": "DecentralizedSGD counters fill_s / fills over the window: the fill and trigger of a round in the "
+               "scheduler thread (copy the parameters, buffers and averaged optimizer state into the round's "
+               "staging, from a GPU non-blocking on a side stream with one wait; finite check; into the averager)",
+    "fill_locked_ms": "counters fill_locked_s / fills: how long a fill held the trainer's lock (a trainer can wait "
+                      "for this at its optimizer step, not for the rest of the fill)",
+    "apply_ms": "counters apply_s / applies over the window: the training thread's time to apply a finished round "
+                "(on a GPU: queueing one host-to-device copy and one _foreach_add_, not waiting for them)",
+    "fill_ms_max, apply_ms_max": "largest fill_ms / apply_ms in the records of the rounds resolved in the window",
     "data_wait_ms_per_step": "VISSL's read_sample timer per step: time the trainer waited for the data loader",
     "peak_gpu_mem_gib": "torch.cuda.max_memory_allocated() at the end of the window",
     "rounds_applied": "rounds applied inside the window",
@@ -200,12 +203,18 @@ def _cell(value: Any, digits: int = 3, percent: bool = False) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _fill_cell(run: dict) -> str:
+    fill, locked = run.get("fill_ms"), run.get("fill_locked_ms")
+    return _cell(fill, 1) if fill is None or locked is None else f"{fill:.1f} ({locked:.1f})"
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"GPU check on {m['gpu']} ({m['gpus']} GPU(s)), torch {m['torch']}, CUDA {m['cuda']}, {m['cpus']} CPUs"
              + (" (--cpu_smoke: a CPU run of the check's code path, not a measurement)" if report["cpu_smoke"] else ""),
-             "", "| config | averaging | step s | samples/s | cost vs none | trainer ms/step | rounds | fill ms | "
-             "apply ms | data wait ms/step | peak GPU mem GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| config | averaging | step s | samples/s | cost vs none | trainer ms/step | rounds | "
+             "fill ms (lock held) | apply ms | data wait ms/step | peak GPU mem GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         mode = "with a second peer" if run["mode"] == "averaged" else "none"
         if "error" in run:
@@ -214,7 +223,7 @@ def markdown(report: dict) -> str:
         lines.append(" | ".join([
             f"| {run['config']}", mode, _cell(run["step_s"]), _cell(run["samples_per_s"], 1),
             _cell(run.get("cost_vs_none"), percent=True), _cell(run.get("trainer_ms_per_step"), 2),
-            _cell(run.get("rounds_applied")), _cell(run.get("fill_ms"), 1), _cell(run.get("apply_ms"), 1),
+            _cell(run.get("rounds_applied")), _fill_cell(run), _cell(run.get("apply_ms"), 1),
             _cell(run["data_wait_ms_per_step"], 1), _cell(run["peak_gpu_mem_gib"], 2)]) + " |")  # fmt: skip
     lines += ["", *(f"- {name}: {_cell(met)}" for name, met in report["targets"].items()), ""]
     backend = "gloo (--cpu_smoke)" if report["cpu_smoke"] else "NCCL"

@@ -39,28 +39,9 @@ class WindowSettings:
     min_rounds: int  # the window starts once this many rounds were applied (0: no averaging)
 
 
-class CallTimer:
-    """Wall time of each call of ``obj.name`` that returned True (a fill that filled, an apply that applied).
-
-    DecentralizedSGD does not time its fill and apply itself, so the check wraps the two methods of the instance;
-    a method that is not there (another version of DecentralizedSGD) is reported as not measured.
-    """
-
-    def __init__(self, obj: Any, name: str) -> None:
-        self.durations: list[float] = []
-        original = getattr(obj, name, None)
-        self.available = callable(original)
-        if not self.available:
-            return
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            result = original(*args, **kwargs)
-            if result:
-                self.durations.append(time.perf_counter() - started)
-            return result
-
-        setattr(obj, name, timed)
+# DecentralizedSGD's own counts of its data path (see its counters): (count, seconds) per reported mean
+TIMED = {"fill": ("fills", "fill_s"), "fill_locked": ("fills", "fill_locked_s"), "apply": ("applies", "apply_s")}
+COUNTED = ("rounds_applied", "trainer_s", *{key for pair in TIMED.values() for key in pair})
 
 
 def _synchronize() -> None:
@@ -91,7 +72,6 @@ class MeasureWindowHook(ClassyHook):
         super().__init__()
         self.settings = settings
         self.steps, self.start, self.done, self.averaging = 0, None, False, None
-        self.timers: dict[str, CallTimer] = {}
 
     def on_start(self, task) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -103,9 +83,6 @@ class MeasureWindowHook(ClassyHook):
                 shapes = [list(t.shape) for t in tensors]
             schema = {"prefix": self.averaging.prefix, "shapes": shapes}
             Path(self.settings.schema_path).write_text(json.dumps(schema))
-            scheduler = getattr(self.averaging, "_scheduler", None)  # the fill runs in the scheduler thread
-            self.timers = {"_fill": CallTimer(scheduler, "_fill_and_trigger"),
-                           "_apply": CallTimer(self.averaging, "_apply_finished_rounds")}  # fmt: skip
 
     def on_update(self, task) -> None:
         if self.done:
@@ -128,10 +105,9 @@ class MeasureWindowHook(ClassyHook):
     def _snapshot(self, task) -> dict:
         counters = self.averaging.counters if self.averaging is not None else {}
         return {
-            "time": time.perf_counter(), "rounds": self._rounds(), "trainer_s": counters.get("trainer_s", 0.0),
+            "time": time.perf_counter(), "counters": {key: counters.get(key, 0.0) for key in COUNTED},
             "read_sample": _host_timer_total(task, "read_sample"),
             "records": len(self.averaging.records) if self.averaging is not None else 0,
-            "calls": {name: len(timer.durations) for name, timer in self.timers.items()},
         }  # fmt: skip
 
     def _result(self, task, end: dict) -> dict:
@@ -147,16 +123,17 @@ class MeasureWindowHook(ClassyHook):
             return result
         records = self.averaging.records[start["records"] : end["records"]]
         allreduce = [r["allreduce_s"] for r in records if r["applied"] and r["allreduce_s"] is not None]
+        delta = {key: end["counters"][key] - start["counters"][key] for key in COUNTED}
         result.update(
-            rounds_applied=end["rounds"] - start["rounds"],
-            trainer_ms_per_step=1000 * (end["trainer_s"] - start["trainer_s"]) / steps,
+            rounds_applied=int(delta["rounds_applied"]),
+            trainer_ms_per_step=1000 * delta["trainer_s"] / steps,
             allreduce_s=statistics.fmean(allreduce) if allreduce else None,
         )
-        for name, timer in self.timers.items():
-            durations = timer.durations[start["calls"][name] : end["calls"][name]]
-            key = name.strip("_")
-            result[f"{key}_ms"] = 1000 * statistics.fmean(durations) if durations else None
-            result[f"{key}_ms_max"] = 1000 * max(durations) if durations else None
+        for name, (count, seconds) in TIMED.items():
+            result[f"{name}_ms"] = 1000 * delta[seconds] / delta[count] if delta[count] else None
+        for name in ("fill", "apply"):  # per round, from the records of the rounds resolved in the window
+            values = [r[f"{name}_ms"] for r in records if r.get(f"{name}_ms") is not None]
+            result[f"{name}_ms_max"] = max(values) if values else None
         return result
 
 

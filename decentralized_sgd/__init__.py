@@ -10,6 +10,8 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``rounds``: one round's states and transitions (which thread, which lock), and the book of rounds and records;
 - ``scheduler``: the background thread that moves rounds through their states, fills when the group forms;
 - ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
+- ``staging``: the host copies that fills, applies and state transfer go through (flat; on a GPU pinned, copied on
+  a side stream without stalling the trainer), and what "a step boundary's values" means for BatchNorm;
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
 - ``starvation``: a peer that its own box starves of CPU leaves averaging until it recovers;

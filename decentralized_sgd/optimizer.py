@@ -28,12 +28,13 @@ from . import state_transfer
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
-from .rounds import RoundBook
+from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .scheduler import RoundScheduler
+from .staging import FlatStaging, StagingCache, StepBoundaryMarks
 from .starvation import STARVATION_COUNTS, StarvationMonitor
 from .supervisor import AveragerSupervisor
-from .tensors import AveragedTensors, ResultSlots, add_, copy_
+from .tensors import AveragedTensors, ResultSlots
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ COUNTERS = (
     "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
     "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
     "dht_rejoins", "averager_failures", "averager_restarts", *STARVATION_COUNTS, *SLOW_PEER_COUNTS,
+    "fills", "fill_s", "fill_locked_s", "applies", "apply_s",  # the data path's cost: see _count_apply, scheduler
 )  # fmt: skip
 
 
@@ -123,7 +125,11 @@ class DecentralizedSGD:
         self.averaged_tensors = AveragedTensors(optimizer, model, average_buffers=average_buffers,
                                                 average_optimizer_state=average_optimizer_state)  # fmt: skip
         self.prefix = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
-        self.round_book = RoundBook(self.counters, ResultSlots(self.averaged_tensors), records_path, verbose)
+        # host copies of the tensors, one flat buffer per device (pinned for a GPU): see staging
+        self.boundary_marks = StepBoundaryMarks([*self.averaged_tensors.local(), *(model.buffers() if model else ())])
+        self.state_staging = StagingCache(self.boundary_marks)  # serving our state, and downloading a donor's
+        slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
+        self.round_book = RoundBook(self.counters, slots, records_path, verbose)
         self.records: list[dict] = self.round_book.records
         averager_kwargs = dict(
             prefix=self.prefix, target_group_size=target_group_size, min_group_size=min_group_size,
@@ -208,6 +214,7 @@ class DecentralizedSGD:
         self._samples_since_fill += batch_size or 1
         self.boundaries += 1
         self._apply_finished_rounds()
+        self.boundary_marks.record()  # a fill copies this boundary's values (see staging)
         self._scheduler.wake()
         self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
 
@@ -220,10 +227,12 @@ class DecentralizedSGD:
             finished = [r for r in book.rounds if r.state is S.DONE]
         if not finished or self._closed:
             return 0
-        local = self.averaged_tensors.local()
+        started, local = time.perf_counter(), self.averaged_tensors.local()
         with torch.no_grad():
-            for r in finished:
-                (add_ if self.delta_rule else copy_)(local, r.slot)
+            for r in finished:  # host → device without waiting on a GPU (see staging)
+                staging = book.slots.staging(r.slot)
+                (staging.add_to_ if self.delta_rule else staging.copy_to_)(local)
+        self._count_apply(finished, time.perf_counter() - started)
         with book.lock:
             for r in finished:
                 r.apply()
@@ -232,6 +241,14 @@ class DecentralizedSGD:
         if not self.averager.client_mode:  # let late joiners prefer the most trained peer
             self.averager.state_sharing_priority = float(self.local_step)
         return len(finished)
+
+    def _count_apply(self, finished: list[Round], seconds: float) -> None:
+        """Trainer thread: what the apply cost this thread (on a GPU: queueing the copies and adds, not waiting for
+        them); ``apply_ms`` in each applied round's record."""
+        self.counters["applies"] += 1
+        self.counters["apply_s"] += seconds
+        for r in finished:
+            r.extra["apply_ms"] = 1000 * seconds
 
     def take_samples_since_fill(self) -> int:
         """Scheduler thread, holding self.lock: the samples seen since the previous fill (weight_by_samples)."""
@@ -260,6 +277,7 @@ class DecentralizedSGD:
                 self._round_applied.wait(0.01)
                 self.boundaries += 1
                 self._apply_finished_rounds()
+                self.boundary_marks.record()
                 self._scheduler.wake()
         self.counters["ssp_wait_s"] += time.monotonic() - t0
 

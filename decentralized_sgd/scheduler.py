@@ -7,12 +7,11 @@ Every tick (20 ms, or at once when a round ends or the trainer steps) it:
    (``fill_when_formed=False`` restores the old behaviour: fill at the first step boundary after the group formed,
    and only once every older round was applied). If an older round's update still waits for the trainer, the
    fill puts in ``w + update`` (the params as they will be once it is applied): the delta rule stays exact and the
-   round need not wait for the trainer. ``step_at_snapshot`` is the step count at the fill.
-   "The values at a step boundary" are exact for parameters and optimizer state (changed only under the lock). BN
-   running statistics change during forward, outside the lock, so the fill may copy them mid-forward; element by
-   element the delta rule still keeps every local update (``b ← b + avg − copy``), they are just not all from the
-   same boundary as the parameters;
-3. triggers a filled round (finite check, snapshot kept in the round's slot, ``allow_allreduce``);
+   round need not wait for the trainer. ``step_at_snapshot`` is the step count at the fill. The values go into the
+   round's slot (its snapshot; from a GPU: one non-blocking copy after the boundary, one wait in this thread), which
+   ``staging`` describes, with what "a step boundary's values" means for BatchNorm statistics;
+3. triggers a filled round (finite check of the snapshot, which then goes into the averager's buffers,
+   ``allow_allreduce``);
 4. turns a finished AllReduce into the update ``averaged − snapshot`` in the slot (the trainer adds it at its next
    step boundary: an in-place change between forward and backward would break autograd);
 5. starts the next matchmaking, only once the newest round is triggered, and only if the trainer passed a step
@@ -188,46 +187,64 @@ class RoundScheduler(threading.Thread):
         with self.supervisor.averager.buffers(owner.averager_timeout) as buffers:
             if not owner.lock.acquire(timeout=LOCK_POLL_S):
                 return False
+            started, filled = time.perf_counter(), False
             try:
                 if owner.before_allreduce is not None:
                     owner.before_allreduce()
                 with self.book.lock:
                     pending = [o for o in self.book.rounds if o.state is S.DONE]
-                included = self._fill_buffers(buffers, r, pending)
-                step, samples = owner.local_step, owner.take_samples_since_fill()
-                with self.book.lock:
                     slot = self.book.slots.take()
-                    if not r.fill(step, samples, slot, included):
-                        self.book.slots.give_back(slot)
-                        return False
+                try:
+                    included = self._fill_slot(slot, r, pending)
+                    step, samples = owner.local_step, owner.take_samples_since_fill()
+                    with self.book.lock:
+                        filled = r.fill(step, samples, slot, included)
+                finally:
+                    if not filled:
+                        with self.book.lock:
+                            self.book.slots.give_back(slot)
             finally:
                 owner.lock.release()
+            if not filled:
+                return False
+            locked = time.perf_counter() - started
             self._trigger(r, buffers)
+        self._count_fill(r, locked, time.perf_counter() - started)
         return True
 
-    def _fill_buffers(self, buffers: list[torch.Tensor], r: Round, pending: list[Round]) -> int:
-        """The values this round averages: the params as they will be once `pending` updates are applied.
-        Returns how many pending updates went in."""
+    def _fill_slot(self, slot: list[torch.Tensor], r: Round, pending: list[Round]) -> int:
+        """Holding dsgd.lock: the values this round averages, into its slot (the snapshot): the params as they will
+        be once `pending` updates are applied. Returns how many pending updates went in."""
+        staging = self.book.slots.staging(slot)
         if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
-            copy_(buffers, r.early_snapshot)
+            staging.write_(r.early_snapshot)
             return 0
         if pending and not self.owner.delta_rule:  # overwriting: the params will be the newest pending average
-            copy_(buffers, pending[-1].slot)
+            staging.write_(pending[-1].slot)
             return len(pending)
-        copy_(buffers, self.owner.averaged_tensors.local())
+        staging.download_(self.owner.averaged_tensors.local())  # from a GPU: one wait, in this thread (staging)
         for o in pending:
-            add_(buffers, o.slot)
+            add_(slot, o.slot)
         return len(pending)
+
+    def _count_fill(self, r: Round, locked_s: float, seconds: float) -> None:
+        """What the fill cost: ``fill_locked_s`` is how long it held dsgd.lock (all a trainer can wait for),
+        ``fill_s`` the whole fill and trigger; ``fill_ms`` in the round's record."""
+        counters = self.owner.counters
+        counters["fills"] += 1
+        counters["fill_s"] += seconds
+        counters["fill_locked_s"] += locked_s
+        r.extra["fill_ms"] = 1000 * seconds
 
     def _trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
         if r.control.done():  # the group broke up meanwhile
             self._fail(r)
             return
-        finite = self.owner.averaged_tensors.all_finite(buffers)  # checked on the CPU copies: no GPU syncs
+        finite = self.owner.averaged_tensors.all_finite(r.slot)  # checked on the host copies: no GPU syncs
         if not finite:  # contribute zeros with weight 0 rather than poison the group
             logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
-            torch._foreach_zero_(buffers)
-        copy_(r.slot, buffers)  # the snapshot: exactly what goes into the AllReduce
+            torch._foreach_zero_(r.slot)
+        copy_(buffers, r.slot)  # the snapshot is exactly what goes into the AllReduce
         weight = float(max(r.samples, 1) if self.owner.weight_by_samples else 1) if finite else 0.0
         with self.book.lock:
             r.trigger(weight, local_nonfinite=not finite)

@@ -1,24 +1,28 @@
 """State transfer: serve our live training state to peers that join late, and take over a donor's.
 
-Served: the parameters, all of the model's buffers, the optimizer's state and hyperparameters (hivemind's
-``dump_optimizer_state``), ``local_step``, ``samples`` and the caller's progress (``get_extra_state``, e.g. VISSL's
-iteration), copied under ``dsgd.lock`` so that a joiner never gets half an update. hivemind asks for it from its
-state-fetching thread in our process; that thread waits for the lock at most ``SERVE_LOCK_TIMEOUT_S`` (then the
-joiner's download from us fails and hivemind tries the next donor).
+Served: the parameters, all of the model's buffers, the optimizer's state and hyperparameters (in the format of
+hivemind's ``dump_optimizer_state``), ``local_step``, ``samples`` and the caller's progress (``get_extra_state``,
+e.g. VISSL's iteration), copied under ``dsgd.lock`` so that a joiner never gets half an update. hivemind asks for it
+from its state-fetching thread in our process; that thread waits for the lock at most ``SERVE_LOCK_TIMEOUT_S``
+(then the joiner's download from us fails and hivemind tries the next donor). The copy goes through the served
+state's staging (``staging``: from a GPU, one non-blocking copy after the step boundary and one wait in this
+thread); the copies hivemind sends are made from it after the lock is released.
 
 Loaded (``load_state_from_peers``): only if the donor's model matches ours and ``accept(extra_state)`` agrees;
 under ``dsgd.lock``, with every round whose values went in before marked stale (its update is against the old
-parameters: it is discarded when it ends).
+parameters: it is discarded when it ends). Parameters and buffers go to the device through the same staging;
+optimizer state through ``optimizer.load_state_dict`` (which gives each tensor its own place on the device).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
+from hivemind.optim.state_averager import load_optimizer_state
 from hivemind.utils import nested_flatten
 
 from .rounds import RoundState as S
@@ -35,19 +39,42 @@ def current_state(owner: DecentralizedSGD) -> tuple[dict, list[torch.Tensor], No
     """hivemind's state-fetching thread: our state as (metadata, tensors, compression infos)."""
     if not owner.lock.acquire(timeout=SERVE_LOCK_TIMEOUT_S):
         raise TimeoutError(f"the trainer held its lock for over {SERVE_LOCK_TIMEOUT_S}s; not serving our state now")
-    try:
-        with torch.no_grad():
-            params = [p.detach().to("cpu", copy=True) for p in owner.averaged_tensors.params]
-            buffers = [b.detach().to("cpu", copy=True) for b in (owner.model.buffers() if owner.model else ())]
-            opt_metadata, opt_tensors = dump_optimizer_state(owner.optimizer)
-            opt_tensors = [t.clone() for t in opt_tensors]
-        metadata = dict(
-            local_step=owner.local_step, samples=owner.samples, num_params=len(params), num_buffers=len(buffers),
-            optimizer=opt_metadata, extra_state=owner.get_extra_state() if owner.get_extra_state else {},
-        )  # fmt: skip
-    finally:
-        owner.lock.release()
-    return metadata, params + buffers + opt_tensors, None
+    with contextlib.ExitStack() as staging_held:  # dsgd.lock first, then the staging's, released last
+        try:
+            opt_metadata, opt_tensors = optimizer_state(owner.optimizer)
+            params, buffers = owner.averaged_tensors.params, model_buffers(owner)
+            served = [*params, *buffers, *opt_tensors]
+            staging_held.enter_context(owner.state_staging.lock)
+            staging = owner.state_staging.for_layout(served)
+            with torch.no_grad():
+                staging.download_(served)
+            metadata = dict(
+                local_step=owner.local_step, samples=owner.samples, num_params=len(params),
+                num_buffers=len(buffers), optimizer=opt_metadata,
+                extra_state=owner.get_extra_state() if owner.get_extra_state else {},
+            )  # fmt: skip
+        finally:
+            owner.lock.release()
+        # hivemind sends what we return (moving it to shared memory): copies, made while the trainer goes on
+        tensors = [torch.empty_like(t, device="cpu").copy_(view) for t, view in zip(served, staging.views, strict=True)]
+    return metadata, tensors, None
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[torch.Tensor]]:
+    """The optimizer's state in the format of hivemind's ``dump_optimizer_state`` (``load_optimizer_state`` reads
+    it), with the live tensors: hivemind's copies each one to the CPU, a blocking copy per tensor on a GPU."""
+    metadata, tensors = [], []
+    for value in nested_flatten(optimizer.state_dict()):
+        if isinstance(value, torch.Tensor):
+            metadata.append(dict(type="tensor", index=len(tensors)))
+            tensors.append(value)
+        else:
+            metadata.append(dict(type="value", value=value))
+    return metadata, tensors
+
+
+def model_buffers(owner: DecentralizedSGD) -> list[torch.Tensor]:
+    return list(owner.model.buffers()) if owner.model is not None else []
 
 
 def load_state_from_peers(owner: DecentralizedSGD, timeout: float, accept: Callable[[dict], bool] | None
@@ -62,8 +89,7 @@ def load_state_from_peers(owner: DecentralizedSGD, timeout: float, accept: Calla
         return None
     metadata, tensors = loaded
     num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]
-    own_params = owner.averaged_tensors.params
-    own_buffers = list(owner.model.buffers()) if owner.model is not None else []
+    own_params, own_buffers = owner.averaged_tensors.params, model_buffers(owner)
     params, buffers = tensors[:num_params], tensors[num_params : num_params + num_buffers]
     if [p.shape for p in params] != [p.shape for p in own_params] or (
         [b.shape for b in buffers] != [b.shape for b in own_buffers]
@@ -82,11 +108,20 @@ def load_state_from_peers(owner: DecentralizedSGD, timeout: float, accept: Calla
             load_optimizer_state(owner.optimizer, opt_metadata, opt_tensors)
         else:
             logger.warning("load_state_from_peers: optimizer state layout differs, keeping local optimizer state")
-        for local, loaded_tensor in zip(own_params + own_buffers, params + buffers, strict=True):
-            local.copy_(loaded_tensor)
+        _take_over_model_tensors(owner, [*own_params, *own_buffers], [*params, *buffers])
         owner.took_over_state(int(metadata["local_step"]), int(metadata["samples"]))
         _mark_rounds_stale(owner)
     return extra_state
+
+
+def _take_over_model_tensors(owner: DecentralizedSGD, targets: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
+    """Trainer thread, holding dsgd.lock: ``targets ← loaded`` through the served state's staging (to a GPU: one
+    non-blocking copy per device, which the trainer's stream waits for), then a new step-boundary mark."""
+    with owner.state_staging.lock:
+        staging = owner.state_staging.for_layout([*targets, *optimizer_state(owner.optimizer)[1]])
+        staging.write_(loaded)
+        staging.copy_to_(targets)
+    owner.boundary_marks.record()
 
 
 def _mark_rounds_stale(owner: DecentralizedSGD) -> None:

@@ -6,17 +6,22 @@ by name: BatchNorm statistics), and param-shaped optimizer state (looked up by p
 
 Results wait in ``ResultSlots``, outside the averager's buffers: a finished round's update (``averaged −
 snapshot``) must wait for the trainer's next step boundary, while the next round reuses the buffers at once. A slot
-holds a round's snapshot from its trigger, then its update, until the trainer applied it; two slots suffice because
+holds a round's snapshot from its fill, then its update, until the trainer applied it; two slots suffice because
 at most one round runs an AllReduce while at most one older result waits (the scheduler starts no round that would
-need a third).
+need a third). A slot is the ``views`` of a ``staging.FlatStaging`` (fp32, one flat buffer per device, pinned for a
+GPU): the fill copies the trainer's tensors into it, the apply adds it back (see ``staging``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.optim.state_averager import initialize_optimizer_state_
+
+if TYPE_CHECKING:
+    from .staging import FlatStaging
 
 
 class AveragedTensors:
@@ -47,7 +52,7 @@ class AveragedTensors:
         )
 
     def zeros(self) -> list[torch.Tensor]:
-        """fp32 CPU tensors shaped like local(): the averager's buffers, or a slot."""
+        """fp32 CPU tensors shaped like local(): the averager's buffers."""
         return [torch.zeros(t.shape, dtype=torch.float32) for t in self.local()]
 
     def init_optimizer_state(self) -> None:
@@ -69,22 +74,27 @@ class AveragedTensors:
 
 
 class ResultSlots:
-    """Two preallocated sets of fp32 CPU tensors; a round takes one at its fill and gives it back when retired."""
+    """Two preallocated sets of fp32 host tensors (``make()``: a staging for the averaged tensors); a round takes
+    one at its fill and gives it back when retired."""
 
     count = 2
 
-    def __init__(self, tensors: AveragedTensors):
-        self._slots = [tensors.zeros() for _ in range(self.count)]
+    def __init__(self, make: Callable[[], FlatStaging]):
+        self._stagings = [make() for _ in range(self.count)]
         self._free = list(range(self.count))
 
     def free(self) -> int:
         return len(self._free)
 
     def take(self) -> list[torch.Tensor]:
-        return self._slots[self._free.pop()]
+        return self._stagings[self._free.pop()].views
 
     def give_back(self, slot: list[torch.Tensor]) -> None:
-        self._free.append(next(i for i, s in enumerate(self._slots) if s is slot))
+        self._free.append(next(i for i, s in enumerate(self._stagings) if s.views is slot))
+
+    def staging(self, slot: list[torch.Tensor]) -> FlatStaging:
+        """The staging whose views ``slot`` is: it copies them to and from the trainer's devices."""
+        return next(s for s in self._stagings if s.views is slot)
 
 
 def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

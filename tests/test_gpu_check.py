@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.gpu_bundle import runtime_closure
+from scripts.gpu_bundle import runtime_closure, set_aside_if_missing
 from tests.conftest import REPO, trainer_env
 
 
@@ -59,3 +59,31 @@ def test_bundle_leaves_out_the_torch_stack_and_build_only_dependencies() -> None
     ]  # fmt: skip
     # numpy: compiled and torchvision needs it (the machine has it); typing-extensions: pure Python, kept
     assert sorted(runtime_closure(installs, "3.12")) == ["hivemind", "pydantic", "scipy", "typing-extensions"]
+
+
+def test_bundle_sets_scipy_aside_with_what_our_packages_ask_of_it(tmp_path: Path) -> None:
+    compiled = "cp312-cp312-manylinux2014_x86_64"
+    installs = [_install("hivemind", ["scipy>=1.2.1", "scipy<1; sys_platform == 'win32'"]),
+                _install("torch", [], compiled), _install("torchvision", ["torch"], compiled),
+                _install("scipy", [], compiled)]  # fmt: skip
+    needed = runtime_closure(installs, "3.12")
+    (tmp_path / "wheels").mkdir()
+    for name in ("hivemind-1.0-py3-none-any.whl", f"scipy-1.0-{compiled}.whl"):
+        (tmp_path / "wheels" / name).write_bytes(b"")
+    set_aside_if_missing(needed, "3.12", tmp_path)
+    assert [w.name for w in (tmp_path / "wheels").iterdir()] == ["hivemind-1.0-py3-none-any.whl"]
+    assert [w.name for w in (tmp_path / "wheels_if_missing").iterdir()] == [f"scipy-1.0-{compiled}.whl"]
+    assert (tmp_path / "if_missing_requirements.txt").read_text() == "scipy>=1.2.1\n"  # the win32 marker is not ours
+
+
+def test_offline_script_uses_the_machines_scipy_and_names_a_missing_package_without_its_wheel(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "source.tar.gz").write_bytes(b"")
+    (bundle / "python_version").write_text(f"{sys.version_info.major}.{sys.version_info.minor}\n")
+    (bundle / "machine_requirements.txt").write_text("torch>=2\n")
+    (bundle / "if_missing_requirements.txt").write_text("scipy>=1.2.1\nno-such-package-here>=1\n")
+    result = run_script(str(bundle), str(tmp_path / "out"), env={**trainer_env(), "PYTHON": sys.executable})
+    assert result.returncode == 2, result.stderr
+    assert "using this machine's torch" in result.stderr and "using this machine's scipy" in result.stderr
+    assert "no usable no-such-package-here" in result.stderr and "copy the bundle's wheels_if_missing/" in result.stderr
