@@ -37,3 +37,16 @@ lint: venv
 
 clean:
 	rm -rf checkpoints demo_out .pytest_cache
+
+# The GPU check (README, "GPU check"): on a CUDA machine with this repository, or offline from a bundle of wheels
+# for the GPU machine's Python (`make gpu-bundle GPU_PYTHON=3.12`, then `bash gpu_bundle/gpu_check.sh gpu_bundle OUT`).
+GPU_PYTHON ?= 3.12
+GPU_BUNDLE ?= gpu_bundle
+
+.PHONY: gpu-check gpu-bundle
+
+gpu-check: venv
+	$(PY) benchmarks/gpu_check.py --out benchmarks/results
+
+gpu-bundle: venv
+	$(PY) scripts/gpu_bundle.py --python-version $(GPU_PYTHON) --out $(GPU_BUNDLE)

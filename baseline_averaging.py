@@ -4,8 +4,11 @@ old hivemind DecentralizedSGD drove it.
 A background thread loops ``TrainingAverager.step(data_lock=lock)``: one round at a time, the snapshot is taken
 *before* matchmaking, the result is applied with the delta rule under the lock. The trainer must hold ``lock``
 from before its forward pass until after its optimizer step (an in-place apply between forward and backward
-would break autograd), so ``needs_lock_for_forward`` is True. Same interface as ``DecentralizedSGD`` where the
-VISSL hooks touch it: ``on_step_end``, ``lock``, ``records``, ``counters``, ``peer_id``, ``shutdown``.
+would break autograd), so ``needs_lock_for_forward`` is True. It implements ``averaging_protocol.Averaging``, the
+interface the VISSL task and hooks are written against, so ``run_trainer.py --averager old`` runs the same hooks.
+
+TrainingAverager shares parameters and optimizer state with a late joiner, but no training progress: a peer that
+joins with the old design restarts the LR schedule from iteration 0 (see ``load_state_from_peers``).
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
+from hivemind.p2p import PeerID
 
 from decentralized_sgd import make_compression, schema_fingerprint
+from decentralized_sgd.averager_shutdown import shut_down_averager
+from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +48,33 @@ class _StampedLock:
         self.lock.release()
 
 
+class _TrainingAverager(TrainingAverager):
+    """hivemind's TrainingAverager with a shutdown that prints no traceback (see averager_shutdown)."""
+
+    _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
+    _stub_type = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._steps: set[StepControl] = set()  # steps in flight, seen from the averager's process
+        super().__init__(*args, **kwargs)
+
+    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
+        self._steps.add(step)
+        try:
+            await super()._step(step=step, **kwargs)
+        finally:
+            self._steps.discard(step)
+
+    def run(self) -> None:
+        """Averager process: decode 8-bit parts with hivemind's NumPy 2 bug fixed (see hivemind_fixes)."""
+        with fixed_8bit_decoding():
+            super().run()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        # the trainer has no handle on TrainingAverager.step's StepControl: cancel the steps from here
+        await shut_down_averager(self, timeout, steps=self._steps)
+
+
 class OldDesignAverager:
     """TrainingAverager + a background thread: the pre-DecentralizedSGD way of averaging."""
 
@@ -56,7 +91,7 @@ class OldDesignAverager:
         self.counters: dict[str, float] = {"rounds_applied": 0, "rounds_failed": 0}
         buffers = [b for b in (model.buffers() if model is not None else ()) if b.is_floating_point()]
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.averager = TrainingAverager(
+        self.averager = _TrainingAverager(
             optimizer, average_parameters=True, average_gradients=False, extra_tensors=buffers,
             initialize_optimizer=False, dht=dht, prefix=f"{prefix}_old_{schema_fingerprint(params + buffers)}",
             start=True, target_group_size=target_group_size, min_group_size=2,
@@ -69,15 +104,33 @@ class OldDesignAverager:
         self._thread.start()
 
     @property
-    def peer_id(self) -> Any:
+    def peer_id(self) -> PeerID:
         return self.dht.peer_id
 
     def on_step_end(self, batch_size: int | None = None) -> None:
         self.local_step += 1
 
-    def load_state_from_peers(self, timeout: float | None = None) -> dict | None:
-        self.averager.load_state_from_peers(timeout=timeout)
-        return None  # TrainingAverager shares no training progress: the old design restarts the schedule
+    def last_applied_record(self) -> dict | None:
+        return next((record for record in reversed(self.records) if record["applied"]), None)
+
+    def load_state_from_peers(self, timeout: float | None = None,
+                              accept: Callable[[dict], bool] | None = None) -> None:
+        """Take over a peer's parameters and optimizer state (TrainingAverager's download); always returns None.
+
+        TrainingAverager shares no training progress, so the caller keeps its own schedule: a new peer trains the
+        swarm's weights from iteration 0 of the LR schedule. For the same reason ``accept`` can only be asked
+        about an empty progress dict ``{}``: a peer that resumed from a checkpoint (the VISSL task then asks "is
+        the donor ahead of my checkpoint?") keeps its checkpoint.
+        """
+        if accept is not None and not accept({}):
+            logger.info("load_state_from_peers: the old design shares no training progress; keeping our own state")
+            return None
+        try:
+            with self.lock:
+                self.averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            logger.info("load_state_from_peers: no peer shared its state in time; keeping our own")
+        return None
 
     def _average_forever(self) -> None:
         while not self._stop.is_set():
@@ -101,6 +154,10 @@ class OldDesignAverager:
                     file.write(json.dumps(record) + "\n")
 
     def shutdown(self) -> None:
+        """Stop the averager process, which first cancels its steps in flight (see _TrainingAverager): the
+        averaging thread's ``step()`` then fails and the thread ends on its own. It is not joined (it may wait for
+        ``lock``, which a trainer interrupted by Ctrl-C can still hold); a daemon, it never keeps the process
+        alive."""
         self._stop.set()
         if self.averager.is_alive():
             self.averager.shutdown()

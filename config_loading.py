@@ -8,10 +8,12 @@ is exactly what ``tools/run_distributed_engines.py config=...`` would build.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import vissl_compat
+from recipe import RecipeError, apply_recipe
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _OVERRIDE_PATTERN = re.compile(r"^\+?config(\.[A-Za-z_][A-Za-z0-9_]*)+=.*$", re.DOTALL)
@@ -43,11 +45,31 @@ def check_overrides(overrides: list[str]) -> None:
             )
 
 
+@dataclass
+class TrainerConfig:
+    """What ``run_trainer.py`` trains with, and the lines it prints about how it got there."""
+
+    config: Any  # VISSL's AttrDict
+    compat_changes: list[str] = field(default_factory=list)  # vissl_compat.adapt_config
+    recipe: list[str] = field(default_factory=list)  # recipe.apply_recipe: values set for this box and dataset
+
+
 def compose_config(
     name: str, overrides: list[str], has_gpu: bool, dump_config: bool = False
 ) -> tuple[Any, list[str]]:
     """Return (VISSL AttrDict config, list of compat changes made to it); ``dump_config`` writes
     ``train_config.yaml`` into the checkpoint folder as VISSL's own launcher does."""
+    composed = _compose(name, overrides, has_gpu, dump_config, scale_recipe=False)
+    return composed.config, composed.compat_changes
+
+
+def compose_trainer_config(name: str, overrides: list[str], has_gpu: bool) -> TrainerConfig:
+    """The config a peer trains with: composed, adapted to this stack, its recipe scaled to this box and dataset
+    (``recipe.py``), then completed by VISSL's own inference and dumped to the checkpoint folder."""
+    return _compose(name, overrides, has_gpu, dump_config=True, scale_recipe=True)
+
+
+def _compose(name: str, overrides: list[str], has_gpu: bool, dump_config: bool, scale_recipe: bool) -> TrainerConfig:
     vissl_compat.apply()
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
@@ -67,6 +89,11 @@ def compose_config(
             f"Check the key names against configs/{name}.yaml and VISSL's defaults.yaml; "
             "a key that is not there yet needs a leading '+'."
         ) from error
-    changes = vissl_compat.adapt_config(composed.config, has_gpu=has_gpu)
-    _, config = convert_to_attrdict(composed, dump_config=dump_config)  # also VISSL's own inference and checks
-    return config, changes
+    result = TrainerConfig(config=None, compat_changes=vissl_compat.adapt_config(composed.config, has_gpu=has_gpu))
+    if scale_recipe:
+        try:
+            result.recipe = apply_recipe(composed.config, overrides)
+        except RecipeError as error:
+            raise ConfigError(f"config {name!r}: {error}") from error
+    _, result.config = convert_to_attrdict(composed, dump_config=dump_config)  # also VISSL's inference and checks
+    return result

@@ -14,16 +14,28 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from classy_vision.tasks import register_task
 from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
+from vissl.utils.misc import set_torch_seed
 
+import local_replicas
 import swarm
+from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
+from initial_model import initial_model_seed, weights_fingerprint
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
+
+_averaging_tasks: list[DecentralizedSelfSupervisionTask] = []  # tasks of this process that are in the swarm
+
+
+def leave_swarm() -> None:
+    """Shut down every averager of this process. run_trainer.py calls it before it shuts its DHT down: VISSL runs
+    no hook on Ctrl-C (its trainer catches only Exception), and an averager must stop before the DHT it talks to."""
+    for task in list(_averaging_tasks):
+        task.shutdown_averaging()
 
 
 
@@ -35,7 +47,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         super().__init__(config)
         self.swarm_settings = swarm.SwarmSettings.from_config(config.get("SWARM", {}))
         self.dht = None
-        self.decentralized_sgd: DecentralizedSGD | None = None
+        self.decentralized_sgd: Averaging | None = None  # DecentralizedSGD, or the old design (--averager old)
         self.joined_from_swarm = False
 
     @property
@@ -43,6 +55,18 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         """Only local rank 0 of a box talks to the swarm; its other GPUs follow through VISSL's DDP."""
         local_rank, _ = get_machine_local_and_dist_rank()
         return local_rank == 0
+
+    def _build_model(self):
+        """VISSL's model, initialised from the run's seed (initial_model.py): every peer of the run starts from
+        the same weights; the peer's own seed still drives data order and augmentations."""
+        settings = self.swarm_settings
+        seed = initial_model_seed(settings.run_id, settings.config_name)
+        self.config["MODEL"]["_MODEL_INIT_SEED"] = seed  # VISSL seeds each head with it (else with SEED_VALUE)
+        with set_torch_seed(seed):  # the trunk draws from torch's generator; the peer's state is restored after
+            model = super()._build_model()
+        logging.info(f"Initial model of run {settings.run_id!r} ({settings.config_name}): seed {seed}, "
+                     f"trunk fingerprint {weights_fingerprint(model.trunk)}")
+        return model
 
     def prepare(self, pin_memory: bool = False) -> SelfSupervisionTask:
         super().prepare(pin_memory=pin_memory)
@@ -58,12 +82,16 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                 timeout=timeout,
                 accept=None if resumed_at is None else lambda extra: int(extra.get("iteration", 0)) > resumed_at,
             )
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            shared = [progress]
-            dist.broadcast_object_list(shared, src=0)  # DDP's construction broadcasts rank 0's weights
-            progress = shared[0]
+        if local_replicas.is_box():
+            # VISSL builds DDP after this, which copies rank 0's parameters and buffers but not its optimizer state
+            # (the momentum rank 0 downloaded, or created to average it): the other local ranks take it here
+            progress = local_replicas.broadcast_object(progress)
+            local_replicas.broadcast_optimizer_state(self._torch_optimizer())
         if progress:
             self._continue_from(progress)
+        elif self.swarm_settings.averager == "old" and self.decentralized_sgd is not None and timeout > 0:
+            start = "from its checkpoint" if self.checkpoint is not None else "from iteration 0"
+            logging.info(f"--averager old shares no training progress: this peer runs its own LR schedule {start}")
         return self
 
     def _start_averaging(self) -> None:
@@ -72,10 +100,11 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         records_path = Path(self.checkpoint_folder or ".") / ROUNDS_FILE
         with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
             self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
+        _averaging_tasks.append(self)
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
 
-    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> DecentralizedSGD:
+    def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         wrapper = DecentralizedSGD
         if settings.averager == "old":
             from baseline_averaging import OldDesignAverager as wrapper
@@ -130,9 +159,12 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         logging.info(f"Joined the swarm at iteration {self.iteration} (phase {self.phase_idx + 1})")
 
     def shutdown_averaging(self) -> None:
-        """Stop averaging and leave the swarm; idempotent (called on end, on exception and at exit)."""
+        """Stop averaging, then our own DHT (the averager talks to it until it is down); idempotent (called on end,
+        on exception, and by :func:`leave_swarm`)."""
         if self.decentralized_sgd is not None:
             self.decentralized_sgd.shutdown()
         if self.dht is not None and self.dht is not swarm.take_shared_dht():
             self.dht.shutdown()
         self.decentralized_sgd = None
+        if self in _averaging_tasks:
+            _averaging_tasks.remove(self)

@@ -6,25 +6,40 @@
 The first peer prints the join line; the others join with it, exactly as boxes on a network would. Live
 progress of every peer is shown; at the end, a summary table and a PNG with loss curves and the averaging
 timeline of all peers (in --out).
+
+Every demo is a new one: it empties --out first (a folder an earlier demo made, or an empty one: anything else is
+refused, so a mistyped --out never loses files). A folder per run would keep the old results, but each run's
+checkpoints take tens of MB, and a rerun in the same folder would resume the finished checkpoints instead of
+training. The minutes count from the moment every peer has logged its first step.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
 from statistics import mean
 
-from local_swarm import REPO, LocalPeer, start_swarm, stop_all
+from local_swarm import REPO, LocalPeer, start_swarm, stop_all, wait_until
+
+MARKER = ".made_by_demo"  # in --out: the folder is ours to empty
+START_TIMEOUT_S = 300.0  # from launching the first peer until every peer trains (VISSL's start is slow on 2 cores)
+
+
+class DemoError(RuntimeError):
+    """The demo could not run or its peers did not train; the message says what to look at."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (train/ val/)")
-    parser.add_argument("--minutes", type=float, default=3.0, help="how long the swarm trains")
+    parser.add_argument("--minutes", type=float, default=3.0,
+                        help="how long the swarm trains, from the moment every peer has logged its first step")
     parser.add_argument("--peers", type=int, default=3, help="number of peers on this machine")
-    parser.add_argument("--out", type=Path, default=REPO / "demo_out", help="checkpoints, logs, table and plot")
+    parser.add_argument("--out", type=Path, default=REPO / "demo_out",
+                        help="checkpoints, logs, table and plot; emptied at start (only if a demo made it, or empty)")
     parser.add_argument("--min_matchmaking_time", type=float, default=3.0, help="seconds to gather each group")
     return parser
 
@@ -88,29 +103,88 @@ def plot(peers: list[LocalPeer], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main() -> int:
-    args = build_parser().parse_args()
-    peers = [LocalPeer(f"peer{index}", args.out) for index in range(args.peers)]
+def empty_out_dir(out: Path) -> None:
+    """Start from an empty --out; refuse a non-empty folder that no demo made (it may hold the user's files)."""
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"--out {out} is a file; pass a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise DemoError(f"--out {out} is not empty and no demo made it; pass a new or empty folder")
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("demo.py empties this folder at the start of every demo\n")
+
+
+def check_running(peers: list[LocalPeer]) -> None:
+    """DemoError naming the first peer that exited: during the demo every peer runs until it is stopped."""
+    for peer in peers:
+        if not peer.is_running():
+            raise DemoError(f"{peer.exit_message()} before the end of the demo")
+
+
+def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
+    """Start the peers, wait until each trains, let them train for --minutes while showing their progress."""
     flags = ["--run_id", "demo", "--target_group_size", str(args.peers), "--min_matchmaking_time",
              str(args.min_matchmaking_time), "--averaging_timeout", "30", "--next_chunk_timeout", "5"]
     overrides = ["config.OPTIMIZER.num_epochs=20", "config.CHECKPOINT.OVERWRITE_EXISTING=True"]
-    try:
-        addresses = start_swarm(peers, args.data_path, flags, overrides,
-                                per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
-        print(f"[peer0] join line: python run_trainer.py --config swav_tiny --initial_peers {' '.join(addresses)}")
-        deadline, shown = time.monotonic() + args.minutes * 60.0, [0] * len(peers)
-        while time.monotonic() < deadline and all(peer.is_running() for peer in peers):
-            time.sleep(2.0)
-            show_progress(peers, shown)
-    finally:
-        stop_all(peers)
+    started = time.monotonic()
+    addresses = start_swarm(peers, args.data_path, flags, overrides,
+                            per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+    print(f"[peer0] join line: python run_trainer.py --config swav_tiny --initial_peers {' '.join(addresses)}")
+    shown = [0] * len(peers)
+
+    def all_training() -> bool:
+        check_running(peers)
+        show_progress(peers, shown)
+        return all(peer.progress() for peer in peers)
+
+    wait_until(all_training, START_TIMEOUT_S - (time.monotonic() - started), "the first logged step of every peer")
+    deadline = time.monotonic() + args.minutes * 60.0
+    while time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        check_running(peers)
+        show_progress(peers, shown)
+
+
+def report(peers: list[LocalPeer], out: Path) -> list[dict]:
+    """The table and the plot of this demo's peers (--out held nothing else), printed and written to --out."""
     rows = summarize(peers)
     table = markdown_table(rows)
-    (args.out / "summary.md").write_text(table + "\n")
-    plot(peers, args.out / "swarm.png")
+    (out / "summary.md").write_text(table + "\n")
+    plot(peers, out / "swarm.png")
     print("\n" + table)
-    print(f"\nplot: {args.out / 'swarm.png'}; logs and checkpoints: {args.out}")
-    return 0 if all(row["steps"] > 0 for row in rows) else 1
+    print(f"\nplot: {out / 'swarm.png'}; logs and checkpoints: {out}")
+    return rows
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    try:
+        empty_out_dir(args.out)
+    except DemoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    peers = [LocalPeer(f"peer{index}", args.out) for index in range(args.peers)]
+    failure = None
+    try:
+        run_swarm(peers, args)
+    except (RuntimeError, TimeoutError) as error:  # DemoError; local_swarm's when peer0 exits before its join line
+        failure = str(error)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the peers", flush=True)
+    finally:
+        stop_all(peers)
+    rows = report(peers, args.out)
+    problems = [f"{peer.name} did not train" + (f" (see {peer.log_path})" if peer.process else " (not started)")
+                for peer, row in zip(peers, rows, strict=True) if row["steps"] == 0] + ([failure] if failure else [])
+    if problems:
+        print(f"\nerror: the demo failed: {'; '.join(problems)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

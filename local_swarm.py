@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,12 +87,20 @@ class LocalPeer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def exit_message(self) -> str:
+        """Why the process ended, for an error message: its exit code and the last error line of its log (VISSL
+        logs more after an error), else its last line."""
+        lines = [line.strip() for line in self.log_text().splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        last = (errors or lines or ["(empty log)"])[-1][:300]
+        return f"{self.name} exited with code {self.process.returncode} ({last!r}; see {self.log_path})"
+
     def join_addresses(self, timeout: float = 240.0) -> list[str]:
         """The multiaddrs of the join line this peer printed."""
 
         def addresses() -> list[str] | None:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.process.returncode}; see {self.log_path}")
+                raise RuntimeError(self.exit_message())
             for line in self.log_text().splitlines():
                 if "run_trainer.py" in line and "--initial_peers" in line:
                     return line.split("--initial_peers", 1)[1].split()
@@ -137,6 +146,42 @@ def start_swarm(peers: list[LocalPeer], data_path: Path, flags: list[str], overr
     addresses = peers[0].join_addresses()
     for peer in peers[1:]:
         peer.start(data_path, addresses, flags, overrides + extra(peer))
+    return addresses
+
+
+def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
+                         per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
+                         stagger: float = 1.5) -> list[str]:
+    """Start all peers at about the same moment, so that none trains alone for the others' start-up (as after
+    ``start_swarm``, which waits for the first peer's join line): the first peer gets an identity and port made
+    here, so its address is known before it runs. A joiner whose DHT came up before the first peer listened
+    (it exits: bootstrap failed) is started again once the first peer printed its join line."""
+    from hivemind.p2p import P2P, PeerID
+
+    extra = per_peer_overrides or (lambda peer: [])
+    first = peers[0]
+    first.out_dir.mkdir(parents=True, exist_ok=True)
+    identity = first.out_dir / f"{first.name}.identity"
+    if not identity.exists():
+        P2P.generate_identity(str(identity))
+    with socket.socket() as probe:  # a free port on the loopback, released for the first peer to take
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    addresses = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"]
+    first.start(data_path, [], [*flags, "--identity_path", str(identity), "--host_maddrs",
+                                f"/ip4/127.0.0.1/tcp/{port}"], overrides + extra(first))
+    time.sleep(stagger)
+    for peer in peers[1:]:
+        peer.start(data_path, addresses, flags, overrides + extra(peer))
+    first.join_addresses()
+    for peer in peers[1:]:
+        try:
+            peer.join_addresses()
+        except RuntimeError:
+            if "could not start or join the swarm" not in peer.log_text():
+                raise
+            peer.start(data_path, addresses, flags, overrides + extra(peer))
+            peer.join_addresses()
     return addresses
 
 

@@ -32,7 +32,8 @@ from swarm_metrics import fetch_metrics, metrics_validators  # noqa: E402
 
 MIN_ALIVE_WINDOW_S = 60.0
 COLUMNS = (("peer", "{:>10}"), ("step", "{:>7}"), ("samples/s", "{:>10}"), ("loss", "{:>8}"), ("group", "{:>6}"),
-           ("stale", "{:>6}"), ("ok", "{:>5}"), ("failed", "{:>7}"), ("seen s ago", "{:>11}"))
+           ("stale", "{:>6}"), ("ok", "{:>5}"), ("failed", "{:>7}"), ("averager failures", "{:>17}"),
+           ("seen s ago", "{:>11}"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +95,7 @@ def format_table(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
     lines = ["  ".join(fmt.format(name) for name, fmt in COLUMNS)]
     for row in rows:
         cells = (row["peer"], row["step"], show(row["samples_per_s"]), show(row["loss"], 4), show(row["group_size"]),
-                 show(row["staleness_steps"]), row["rounds_ok"], row["rounds_failed"],
+                 show(row["staleness_steps"]), row["rounds_ok"], row["rounds_failed"], row["averager_failures"],
                  show(row["seen_s_ago"]) + ("" if row["alive"] else " (gone)"))
         lines.append("  ".join(fmt.format(cell) for (_, fmt), cell in zip(COLUMNS, cells, strict=True)))
     lines.append(f"swarm: {totals['peers_alive']} peers alive, {totals['samples_per_s']:.1f} samples/s in total, "

@@ -186,21 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vissl.utils.distributed_launcher import launch_distributed
 
-    from config_loading import compose_config
-    from decentralized_task import TASK_NAME
+    from config_loading import compose_trainer_config
+    from decentralized_task import TASK_NAME, leave_swarm
     from hooks import swarm_hook_generator
     from swarm_metrics import metrics_validators
 
     try:
-        config, changes = compose_config(
-            args.config, overrides, has_gpu=torch.cuda.is_available(), dump_config=True
-        )
+        composed = compose_trainer_config(args.config, overrides, has_gpu=torch.cuda.is_available())
+        config = composed.config
         check_resume_checkpoint(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    for change in changes:
+    for change in composed.compat_changes:
         print(f"[compat] {change}", file=sys.stderr)
+    for line in composed.recipe:  # the values that depend on this box's batch and dataset (recipe.py)
+        print(f"[recipe] {line}", file=sys.stderr)
     vissl_compat.fork_start_method()
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
     finally:
+        leave_swarm()  # the averager first (it still talks to the DHT while it stops), then the DHT and its p2pd
         if dht is not None:
             dht.shutdown()
     return 0

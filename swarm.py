@@ -78,11 +78,13 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     import hivemind
     from hivemind.p2p import P2PDaemonError
 
+    from decentralized_sgd import FixedDHT, keep_dht_connected
+
     check_multiaddrs("--initial_peers", settings.initial_peers)
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
     try:
-        return hivemind.DHT(
+        dht = FixedDHT(  # a hivemind.DHT that survives a restarted averager
             start=True,
             initial_peers=settings.initial_peers or None,
             host_maddrs=settings.host_maddrs,
@@ -101,6 +103,8 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
             else "check --host_maddrs and --identity_path"
         )
         raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
+    keep_dht_connected(dht)  # hivemind dials the initial peers only once: rejoin after a network outage
+    return dht
 
 
 def visible_maddrs(dht: Any) -> list[str]:

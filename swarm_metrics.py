@@ -21,6 +21,8 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
+ADDED_LATER = ("averager_failures",)  # PeerMetrics fields that records of older peers lack
+
 
 class PeerMetrics(pydantic.BaseModel):
     """One peer's latest progress. Strict types: hivemind rejects any record that pydantic would have to convert."""
@@ -34,6 +36,21 @@ class PeerMetrics(pydantic.BaseModel):
     rounds_failed: pydantic.conint(ge=0, strict=True)
     time: pydantic.StrictFloat  # the publisher's wall clock (time.time()) when it made the record
     peer_id: pydantic.constr(strict=True, max_length=128)
+    # added later, with a default (see ADDED_LATER): records of peers that run an older version stay valid
+    averager_failures: pydantic.conint(ge=0, strict=True) = 0  # times the averager was found dead or unresponsive
+
+    def dict(self, **kwargs: Any) -> dict[str, Any]:
+        """Leaves out a field of ADDED_LATER that the record does not hold: hivemind's SchemaValidator rejects a
+        record that differs from its parsed form, so the default filled in would make older peers' records invalid.
+        Every other field stays in (a record without ``loss`` still fails: parsed, it has ``loss: None``)."""
+        missing = {name for name in ADDED_LATER if name not in self.__fields_set__}
+        return super().dict(**{**kwargs, "exclude": (kwargs.get("exclude") or set()) | missing})
+
+    @classmethod
+    def complete(cls, value: Any) -> dict[str, Any]:
+        """The record with every field, defaults filled in; pydantic.ValidationError if it breaks the schema."""
+        parsed = cls.parse_obj(value)
+        return {name: getattr(parsed, name) for name in cls.__fields__}
 
 
 class MetricsSchema(pydantic.BaseModel):
@@ -63,7 +80,7 @@ def owner_subkey(private_key: RSAPrivateKey | None = None) -> bytes:
 
 def make_record(*, step: int, samples_per_s: float, loss: float | None, group_size: int | None,
                 staleness_steps: int | None, rounds_ok: int, rounds_failed: int, time: float,
-                peer_id: str) -> dict[str, Any]:
+                peer_id: str, averager_failures: int = 0) -> dict[str, Any]:
     """A record that passes the schema: numbers coerced to the exact types, a non-finite loss as None."""
     finite_loss = loss is not None and math.isfinite(float(loss))
     return {
@@ -76,6 +93,7 @@ def make_record(*, step: int, samples_per_s: float, loss: float | None, group_si
         "rounds_failed": max(0, int(rounds_failed)),
         "time": float(time),
         "peer_id": str(peer_id)[:128],
+        "averager_failures": max(0, int(averager_failures)),
     }
 
 
@@ -92,7 +110,7 @@ def fetch_metrics(dht: Any, run_id: str, timeout: float = 30.0) -> dict[bytes, d
     records = {}
     for subkey, entry in found.value.items():
         try:
-            records[subkey] = PeerMetrics.parse_obj(entry.value).dict()
+            records[subkey] = PeerMetrics.complete(entry.value)
         except (pydantic.ValidationError, AttributeError, TypeError):
             continue
     return records

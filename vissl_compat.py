@@ -112,6 +112,29 @@ def skip_unreadable_images() -> None:
     DiskImageDataset.__getitem__ = getitem
 
 
+def unscale_before_clipping() -> None:
+    """VISSL's ``GradClipHook`` clips in ``on_backward`` while torch AMP's gradients are still multiplied by the
+    loss scale (vissl/hooks/grad_clip_hooks.py, 0.1.6 and VISSL's main branch): ``MAX_NORM`` is compared with
+    scale x the gradient norm (the scale starts at 65536), so every step's gradient is shrunk to
+    ``MAX_NORM / scale``, i.e. almost no update. Unscale first, as torch's AMP notes prescribe for clipping
+    ("Working with unscaled gradients"); ``GradScaler.step`` then sees the optimizer unscaled and does not
+    unscale again, and still skips the step if the gradients are not finite."""
+    import torch
+    from vissl.hooks.grad_clip_hooks import GradClipHook
+
+    if getattr(GradClipHook.on_backward, "_unscales", False):
+        return
+
+    def on_backward(self, task) -> None:
+        scaler = getattr(task, "amp_grad_scaler", None)
+        if scaler is not None:  # torch AMP (VISSL creates the scaler only for AMP_TYPE pytorch)
+            scaler.unscale_(task.optimizer)
+        torch.nn.utils.clip_grad_norm_(task.model.parameters(), max_norm=self.max_norm, norm_type=self.norm_type)
+
+    on_backward._unscales = True
+    GradClipHook.on_backward = on_backward
+
+
 def apply() -> None:
     """Apply the import-level patches once; safe to call many times."""
     global _applied
@@ -122,6 +145,7 @@ def apply() -> None:
     alias_kinetics400()
     make_checkpoints_atomic()
     skip_unreadable_images()
+    unscale_before_clipping()
     _applied = True
 
 

@@ -4,36 +4,56 @@
 Why: the old design (TrainingAverager driven one round at a time from a background thread) spends much of its wall
 time between rounds and averages a snapshot taken *before* matchmaking, so its results are stale by the time they land.
 `decentralized_sgd.DecentralizedSGD` claims to fix that (delta rule, refresh right before AllReduce, pipelined
-matchmaking). This script measures each design, and each improvement switched off, on the same workloads.
+matchmaking). This script measures each design, and each improvement switched off, on the same workloads, and what
+an uneven swarm (one overloaded or slow peer) and bandwidth-limited links do to them.
 
 Every peer is a separate OS process (fork) with its own DHT on 127.0.0.1 (peer 0 bootstraps the others), so GIL and
 CPU contention are realistic. Each (regime, mode) gets fresh processes; their process groups are killed afterwards.
 
 Usage:
-    python benchmarks/bench_averaging.py [--quick] [--regimes R ...] [--modes M ...] [--seconds S] [--peers N]
-        [--warmup W] [--sim-params P] [--min-matchmaking-time T] [--json PATH [--json-peers]] [--markdown PATH]
-        [--plot PATH] [--verbose]
+    python benchmarks/bench_averaging.py [--quick] [--regimes R ...] [--modes M ...] [--compressions C ...]
+        [--seconds S] [--peers N] [--warmup W] [--sim-params P] [--min-matchmaking-time T] [--json PATH [--json-peers]]
+        [--markdown PATH] [--plot PATH] [--verbose]
 
-Regimes: sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32 params really averaged),
-         cpu_full, cpu_not_full (real CPU training of a ~0.5M-param CNN on sklearn digits).
-         "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4 (groups never fill up).
-Modes:   none, old, improved, no_delta, no_refresh, no_pipeline.
+Regimes (default: the first four):
+    sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32 params really averaged),
+    cpu_full, cpu_not_full (real CPU training of a ~0.5M-param CNN on sklearn digits).
+        "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4 (groups never fill up).
+    straggler: 5 peers, target 4, 0.05 s simulated steps, a 100k-param model, the test suite's fast timeouts. After a
+        reference window, the last peer's whole process group (trainer, averager, DHT, p2pd) is stopped 80% of the
+        time (SIGSTOP 0.4 s / SIGCONT 0.1 s, as a box whose CPUs are saturated); the healthy peers' rounds/min in
+        that window against the reference window of the same swarm.
+    slow_step: 3 peers, target 3 (full groups), 0.05 s steps; after the reference window the last peer steps 20x
+        slower; the fast peers' time from group formed to round end and their rounds/min against the reference.
+    wan_100mbit, wan_1gbit: 3 peers, target 4, 0.3 s simulated steps, ResNet-50-sized tensors (25.6M params), each
+        peer in its own network namespace behind a link shaped to 100 Mbit/s or 1 Gbit/s each way (benchmarks/netns.py;
+        the script re-executes itself inside `unshare -rn`); compression fp16 and uint8. Reported against the cap
+        min(60 / min_matchmaking_time, 60 / AllReduce s) rounds/min and staleness against AllReduce steps + 1.
+Modes:   none, old, improved, no_delta, no_refresh, no_pipeline, fill_at_boundary (improved, but a round is filled
+         at the first trainer step boundary after its group formed: the behaviour before issue 11). Each regime runs
+         the modes that make sense for it (REGIMES[...].modes); --modes picks among them.
 Each run trains for a warm-up (10 s; --quick 3 s; 1 s for `none`) in which averaging already runs, then measures a
-window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up.
---quick: 5M params, min_matchmaking_time 2 s; every regime and mode still runs.
+window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up. Regimes with a perturbation measure a second
+window of the same length after a settling pause, with the last peer perturbed.
+--quick: 5M params, min_matchmaking_time 2 s in the sim/cpu regimes, shorter windows in all; every regime and mode
+still runs.
 
 Metrics (per run; rounds count if they finished inside the measured window):
     samples_per_s_per_peer, throughput_ratio (vs `none` of the same regime), rounds_per_min (applied rounds per
     peer per minute of window), rounds_per_min_steady (60 / mean interval between a peer's applied rounds: no
     start-up bias in short windows), staleness_steps (local steps between the snapshot that went into AllReduce and
     the apply), duty_cycle (union over time of matchmaking / awaiting trigger / AllReduce spans per peer, / window),
-    group_size_mean, rounds_failed. Peer logs go to $TMPDIR/bench_averaging_logs/.
+    group_size_mean, rounds_failed, formed_to_end_s_mean (group formed to round end). Perturbed regimes: the same
+    for the healthy peers in the perturbed window, `reference` (the healthy peers in the reference window),
+    `perturbed_peer` (the perturbed one), with_perturbed_peer_share (healthy rounds whose group held it).
+    Peer logs go to $TMPDIR/bench_averaging_logs/.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -48,7 +68,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -56,20 +76,61 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REGIMES: dict[str, tuple[str, int]] = {  # name -> (trainer kind, target_group_size)
-    "sim_full": ("sim", 3),
-    "sim_not_full": ("sim", 4),
-    "cpu_full": ("cpu", 3),
-    "cpu_not_full": ("cpu", 4),
-}
-MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline")
+MODES: tuple[str, ...] = ("none", "old", "improved", "no_delta", "no_refresh", "no_pipeline", "fill_at_boundary")
 IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs that define each mode
     "improved": {},
     "no_delta": {"delta_rule": False},
     "no_refresh": {"refresh_before_allreduce": False},
     "no_pipeline": {"pipeline": False},
+    "fill_at_boundary": {"fill_when_formed": False},
 }
+# the test suite's FAST settings (tests/dsgd_swarm.py) with a tiny model and quick steps: many rounds per minute, so
+# that what one uneven peer costs the others shows in a short window
+FAST_SWARM: dict[str, Any] = dict(sim_params=100_000, sim_step_s=0.05, min_matchmaking_time=1.0, request_timeout=0.5,
+                                  next_chunk_timeout=2.0, allreduce_timeout=15.0)  # fmt: skip
+WAN: dict[str, Any] = dict(sim_params=25_600_000, sim_step_s=0.3, min_matchmaking_time=5.0, request_timeout=3.0,
+                           allreduce_timeout=60.0, setup_timeout=120.0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A workload: how peers train, how groups form, what is uneven about the swarm and its links."""
+
+    trainer: str  # "sim" (a step is a sleep) or "cpu" (real training on the CPU)
+    target_group_size: int
+    peers: int | None = None  # None: --peers
+    modes: tuple[str, ...] = MODES
+    perturbation: str | None = None  # "straggler" | "slow_step": a reference window, then the last peer perturbed
+    link_mbit: float | None = None  # every peer in its own network namespace behind a link of this rate
+    compressions: tuple[str, ...] = ("none",)
+    nominal: dict[str, Any] = field(default_factory=dict)  # RunConfig settings of this regime
+    quick: dict[str, Any] = field(default_factory=dict)  # and in --quick (applied over `nominal`)
+
+
+UNEVEN_MODES = ("old", "improved", "fill_at_boundary")
+REGIMES: dict[str, Regime] = {
+    "sim_full": Regime("sim", 3),
+    "sim_not_full": Regime("sim", 4),
+    "cpu_full": Regime("cpu", 3),
+    "cpu_not_full": Regime("cpu", 4),
+    "straggler": Regime("sim", 4, peers=5, modes=UNEVEN_MODES, perturbation="straggler", nominal=FAST_SWARM,
+                        quick=dict(seconds=15.0, settle_s=3.0)),
+    "slow_step": Regime("sim", 3, peers=3, modes=UNEVEN_MODES, perturbation="slow_step", nominal=FAST_SWARM,
+                        quick=dict(seconds=10.0, settle_s=2.0)),
+    "wan_100mbit": Regime("sim", 4, peers=3, modes=("old", "improved"), link_mbit=100.0,
+                          compressions=("fp16", "uint8"), nominal=dict(WAN, warmup_s=20.0),
+                          quick=dict(seconds=20.0, warmup_s=10.0)),
+    "wan_1gbit": Regime("sim", 4, peers=3, modes=("old", "improved"), link_mbit=1000.0,
+                        compressions=("fp16", "uint8"), nominal=dict(WAN, warmup_s=20.0),
+                        quick=dict(seconds=20.0, warmup_s=10.0)),
+}  # fmt: skip
+DEFAULT_REGIMES = ("sim_full", "sim_not_full", "cpu_full", "cpu_not_full")
+STRAGGLER_STOP_S, STRAGGLER_RUN_S = 0.4, 0.1  # the straggler's process group: stopped 80% of the time
+SLOW_STEP_FACTOR = 20.0
 LOG_DIR = Path(tempfile.gettempdir()) / "bench_averaging_logs"
 SPAN_COLORS = {"matchmaking": "tab:blue", "awaiting": "tab:orange", "allreduce": "tab:green", "copy": "tab:gray"}
 
@@ -80,8 +141,10 @@ class RunConfig:
 
     regime: str
     mode: str
+    compression: str = "none"
     seconds: float = 60.0
     warmup_s: float = 10.0  # trained (and averaged) before the measured window: steady state, not start-up
+    settle_s: float = 5.0  # perturbed regimes: between the reference window and the perturbed one
     peers: int = 3
     sim_params: int = 25_000_000
     sim_step_s: float = 0.3
@@ -90,17 +153,37 @@ class RunConfig:
     min_matchmaking_time: float = 5.0
     request_timeout: float = 3.0
     allreduce_timeout: float = 60.0
+    next_chunk_timeout: float = 10.0
     setup_timeout: float = 90.0
     shutdown_grace: float = 5.0
     verbose: bool = False
+    trace_dir: str | None = None  # time hivemind's matchmaking / DHT / AllReduce calls (benchmarks/hivemind_trace.py)
+
+    @property
+    def spec(self) -> Regime:
+        return REGIMES[self.regime]
 
     @property
     def trainer_kind(self) -> str:
-        return REGIMES[self.regime][0]
+        return self.spec.trainer
 
     @property
     def target_group_size(self) -> int:
-        return REGIMES[self.regime][1]
+        return self.spec.target_group_size
+
+    @property
+    def perturbed_rank(self) -> int | None:
+        """The last peer (never the bootstrap, rank 0) is the uneven one."""
+        return self.peers - 1 if self.spec.perturbation else None
+
+    def windows(self, t_train: float) -> tuple[float, float, float | None, float | None]:
+        """(t0, t1): the measured (reference) window; (t2, t3): the perturbed window, None without perturbation.
+        The perturbation starts at t1 and lasts until t3 (t1..t2 lets the swarm settle)."""
+        t0 = t_train + self.warmup_s
+        t1 = t0 + self.seconds
+        if not self.spec.perturbation:
+            return t0, t1, None, None
+        return t0, t1, t1 + self.settle_s, t1 + self.settle_s + self.seconds
 
 
 # ----------------------------------------------------------------------------------------------------- trainers
@@ -113,23 +196,29 @@ class SimModel(nn.Module):
         super().__init__()
         sizes = [num_params // num_tensors] * num_tensors
         sizes[-1] += num_params - sum(sizes)
-        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(size)) for size in sizes)
+        init = torch.Generator().manual_seed(0)  # the same weights on every peer, spread like trained ones: 8-bit
+        # quantization scales by each tensor's spread, and a constant tensor would quantize without error
+        self.weights = nn.ParameterList(nn.Parameter(0.02 * torch.randn(size, generator=init)) for size in sizes)
         self.register_buffer("running_stat", torch.zeros(1024))
 
 
 class SimTrainer:
-    """Simulated accelerator: a local step is `sleep(step_s)`; gradients are fixed so optimizer.step stays cheap."""
+    """Simulated accelerator: a local step is `sleep(step_s)`; gradients are fixed so optimizer.step stays cheap.
+    slow_from: from that time on (time.time()), a step takes SLOW_STEP_FACTOR times longer (regime slow_step)."""
 
     def __init__(self, cfg: RunConfig, rank: int):
         self.model, self.batch_size, self.step_s = SimModel(cfg.sim_params), cfg.sim_batch_size, cfg.sim_step_s
-        for param in self.model.parameters():
-            param.grad = torch.full_like(param, 1e-4 * (rank + 1))  # peers drift apart, so averaging matters
+        drift = torch.Generator().manual_seed(1000 + rank)
+        for param in self.model.parameters():  # peers drift apart, so averaging matters
+            param.grad = 1e-4 * torch.randn(param.shape, generator=drift)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.last_loss: float | None = None
         self.needs_lock_for_compute = False  # the simulated compute never reads the parameters
+        self.slow_from: float | None = None
 
     def compute(self) -> None:
-        time.sleep(self.step_s)
+        slow = self.slow_from is not None and time.time() >= self.slow_from
+        time.sleep(self.step_s * (SLOW_STEP_FACTOR if slow else 1.0))
         self.model.running_stat.add_(1.0)
 
 
@@ -201,6 +290,14 @@ class NoAveraging:
         pass
 
 
+def _compression(name: str) -> Any:
+    """The same hivemind compression DecentralizedSGD uses for `name`, for every mode."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from decentralized_sgd import make_compression
+
+    return make_compression(name)
+
+
 def _old_averager_class() -> type:
     """TrainingAverager with a stage timer slotted *under* it in the MRO.
 
@@ -266,13 +363,17 @@ class OldDesign:
         self._records: list[dict] = []
         self._current: dict | None = None
         buffers = [buf for buf in trainer.model.buffers() if buf.is_floating_point()]
-        self.averager = _old_averager_class()(
-            trainer.opt, average_parameters=True, average_gradients=False, extra_tensors=buffers,
-            initialize_optimizer=False, dht=dht, prefix=prefix, start=True,
-            target_group_size=cfg.target_group_size, min_group_size=2,
-            min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=10.0,
-        )  # fmt: skip
+        from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+
+        with fixed_8bit_decoding():  # its averager process forks here and keeps hivemind's 8-bit decoding fixed
+            self.averager = _old_averager_class()(
+                trainer.opt, average_parameters=True, average_gradients=False, extra_tensors=buffers,
+                initialize_optimizer=False, dht=dht, prefix=prefix, start=True,
+                target_group_size=cfg.target_group_size, min_group_size=2,
+                min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
+                allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+                compression=_compression(cfg.compression),
+            )  # fmt: skip
         self.thread = threading.Thread(target=self._loop, name="old-averaging", daemon=True)
 
     def begin(self) -> None:
@@ -313,6 +414,7 @@ class OldDesign:
         record["t_end"] = time.time()
         record["applied"] = gathered is not None and len(stamped.stamps) >= 2
         record["group_size"] = len(gathered) if gathered else 0
+        record["group"] = [str(peer) for peer in gathered] if gathered else None
         if stamped.stamps:
             record["step_at_snapshot"] = stamped.stamps[0][1]
         if record["applied"]:
@@ -365,8 +467,8 @@ class ImprovedDesign:
             trainer.opt, dht, prefix=prefix, model=trainer.model,
             target_group_size=cfg.target_group_size, min_group_size=2,
             min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout, verbose=cfg.verbose, start=True,
-            **IMPROVED_OVERRIDES[cfg.mode],
+            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+            compression=cfg.compression, verbose=cfg.verbose, start=True, **IMPROVED_OVERRIDES[cfg.mode],
         )  # fmt: skip
 
     @property
@@ -384,15 +486,8 @@ class ImprovedDesign:
         return [dict(record) for record in list(self.opt.records)]
 
     def in_flight(self) -> list[dict]:
-        """Rounds not resolved yet. DecentralizedSGD has no public API for them, so read its round queue if present;
-        without it, duty cycle only misses the tail of the window."""
-        fields = ("index", "t_start", "t_group_formed", "t_triggered", "t_allreduce_start")
-        found = []
-        for r in list(getattr(self.opt, "_rounds", ()) or ()):
-            record = {f: getattr(r, f, None) for f in fields}
-            record["round"], record["in_flight"] = record.pop("index"), True
-            found.append(record)
-        return found
+        """Rounds not resolved yet (their spans count towards the duty cycle up to the end of the window)."""
+        return [dict(record, in_flight=True) for record in self.opt.in_flight_rounds()]
 
     def counters(self) -> dict:
         return dict(getattr(self.opt, "counters", {}) or {})
@@ -415,19 +510,21 @@ def make_driver(cfg: RunConfig, trainer: Any, dht: Any) -> Any:
 
 @dataclass
 class Channels:
-    """IPC between the orchestrator and peers: one message queue each way plus a shared start time."""
+    """IPC between the orchestrator and peers: one message queue each way plus a shared start time; `net_ready`:
+    every peer's link is plugged in (regimes with links)."""
 
     to_parent: Any
     maddrs: Any
     start_at: Any
     go: Any
+    net_ready: Any
 
 
 def _start_dht(rank: int, cfg: RunConfig, channels: Channels) -> Any:
-    """Peer 0 is the bootstrap; the others join it. Loopback only."""
+    """Peer 0 is the bootstrap; the others join it. Loopback, or the peer's own link in the link regimes."""
     import hivemind
 
-    host = ["/ip4/127.0.0.1/tcp/0"]
+    host = [f"/ip4/{netns.host_address(rank) if cfg.spec.link_mbit else '127.0.0.1'}/tcp/0"]
     if rank == 0:
         dht = hivemind.DHT(start=True, host_maddrs=host)
         addrs = [str(addr) for addr in dht.get_visible_maddrs()]
@@ -439,24 +536,31 @@ def _start_dht(rank: int, cfg: RunConfig, channels: Channels) -> Any:
 
 
 def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> dict:
-    """Train for warmup_s + seconds from t_train; the measured window [t0, t1] is the last `seconds`.
-    Remember when every local step ended (for throughput and the timeline)."""
+    """Train for warmup_s + seconds from t_train (the measured window [t0, t1] is the last `seconds`), and in the
+    perturbed regimes on until t3. Remember when every local step ended (for throughput and the timeline)."""
     step_times: list[float] = []
     losses: list[float] = []
-    t0 = t_train + cfg.warmup_s
-    t1 = t0 + cfg.seconds
-    while time.time() < t1:
+    t0, t1, t2, t3 = cfg.windows(t_train)
+    while time.time() < (t1 if t3 is None else t3):
         driver.train_step()
         step_times.append(time.time())
         if trainer.last_loss is not None:
             losses.append(trainer.last_loss)
     tail = losses[-20:]
-    return {"t_train": t_train, "t0": t0, "t1": t1, "step_times": step_times, "batch_size": trainer.batch_size,
-            "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
+    return {"t_train": t_train, "t0": t0, "t1": t1, "t2": t2, "t3": t3, "step_times": step_times,
+            "batch_size": trainer.batch_size, "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
+
+
+def _suffix(cfg: RunConfig) -> str:
+    return "" if cfg.compression == "none" else f"_{cfg.compression}"
 
 
 def log_path(cfg: RunConfig, rank: int) -> Path:
-    return LOG_DIR / f"{cfg.regime}_{cfg.mode}_peer{rank}.log"
+    return LOG_DIR / f"{cfg.regime}_{cfg.mode}{_suffix(cfg)}_peer{rank}.log"
+
+
+def _all_finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
 
 
 def _redirect_output(cfg: RunConfig, rank: int) -> None:
@@ -480,8 +584,16 @@ def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None
     dht = driver = None
     try:
         phases = {"start": time.time()}
+        if cfg.spec.link_mbit:
+            netns.enter_own_namespace()  # the orchestrator plugs our link in meanwhile
         trainer = make_trainer(cfg, rank, data)
         phases["trainer"] = time.time()
+        if cfg.spec.link_mbit and not channels.net_ready.wait(cfg.setup_timeout):
+            raise TimeoutError("the orchestrator never plugged in our network link")
+        if cfg.trace_dir:  # before the DHT and the averager fork: they inherit the timers
+            import hivemind_trace
+
+            hivemind_trace.install(Path(cfg.trace_dir) / f"{cfg.mode}{_suffix(cfg)}" / f"peer{rank}")
         dht = None if cfg.mode == "none" else _start_dht(rank, cfg, channels)
         phases["dht"] = time.time()
         driver = make_driver(cfg, trainer, dht)
@@ -490,10 +602,13 @@ def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None
         if not channels.go.wait(cfg.setup_timeout):
             raise TimeoutError("orchestrator never said go")
         time.sleep(max(0.0, channels.start_at.value - time.time()))
+        if cfg.spec.perturbation == "slow_step" and rank == cfg.perturbed_rank:
+            trainer.slow_from = cfg.windows(channels.start_at.value)[1]
         driver.begin()
         result = _train_window(cfg, trainer, driver, channels.start_at.value)
         result.update(rank=rank, records=driver.records(), in_flight=driver.in_flight(), counters=driver.counters(),
-                      final_step=driver.local_step, clock_offset=time.time() - time.monotonic())  # fmt: skip
+                      final_step=driver.local_step, clock_offset=time.time() - time.monotonic(),
+                      peer_id=None if dht is None else str(dht.peer_id), finite=_all_finite(trainer.model))  # fmt: skip
         channels.to_parent.put(("result", rank, result))
     except BaseException:
         channels.to_parent.put(("error", rank, traceback.format_exc()))
@@ -538,18 +653,86 @@ def _collect(channels: Channels, cfg: RunConfig, kind: str, deadline: float) -> 
     return got
 
 
+class Throttle(threading.Thread):
+    """Orchestrator: between `start` and `stop` (time.time()), stop process group `pgid` for STRAGGLER_STOP_S out of
+    every STRAGGLER_STOP_S + STRAGGLER_RUN_S seconds, as a box whose CPUs other work saturates. Leaves it running."""
+
+    def __init__(self, pgid: int, start: float, stop: float):
+        super().__init__(name="straggler-throttle", daemon=True)
+        self.pgid, self.start_at, self.stop_at = pgid, start, stop
+        self.cancelled = threading.Event()
+        self.stopped_s = self.throttled_s = 0.0
+
+    def run(self) -> None:
+        self.cancelled.wait(max(0.0, self.start_at - time.time()))
+        began = time.time()
+        try:
+            while not self.cancelled.is_set() and time.time() < self.stop_at:
+                t_stop = time.time()
+                os.killpg(self.pgid, signal.SIGSTOP)
+                self.cancelled.wait(STRAGGLER_STOP_S)
+                os.killpg(self.pgid, signal.SIGCONT)
+                self.stopped_s += time.time() - t_stop
+                self.cancelled.wait(STRAGGLER_RUN_S)
+        except ProcessLookupError:  # the peer is gone: its own error message says why
+            pass
+        finally:
+            self.throttled_s = time.time() - began
+            self._resume()
+
+    def _resume(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        self.cancelled.set()
+        if self.is_alive():
+            self.join()
+        self._resume()
+
+
+def _unavailable(cfg: RunConfig) -> str | None:
+    """Why this run cannot run with the code at hand (it is then reported as skipped), or None."""
+    overrides = IMPROVED_OVERRIDES.get(cfg.mode, {})
+    if overrides:
+        sys.path.insert(0, str(REPO_ROOT))
+        from decentralized_sgd import DecentralizedSGD
+
+        known = inspect.signature(DecentralizedSGD.__init__).parameters
+        missing = [key for key in overrides if key not in known]
+        if missing:
+            return f"DecentralizedSGD has no {', '.join(missing)} flag yet (issue 11: helper 'core' adds it)"
+    return None
+
+
+def _plug_in_links(cfg: RunConfig, procs: Sequence[Any], channels: Channels) -> None:
+    """Link regimes: once each peer process is in its own network namespace, give it its shaped link."""
+    for rank, proc in enumerate(procs):
+        netns.wait_for_own_namespace(proc.pid, cfg.setup_timeout)
+        netns.plug_in(proc.pid, rank, cfg.spec.link_mbit)
+    channels.net_ready.set()
+
+
 def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
     """Run one (regime, mode) with fresh peer processes and fresh DHTs; always kill every process it started."""
+    summary: dict[str, Any] = {"regime": cfg.regime, "mode": cfg.mode, "compression": cfg.compression, "error": None,
+                               "skipped": _unavailable(cfg)}  # fmt: skip
+    if summary["skipped"]:
+        return summary
     ctx = mp.get_context("fork")
-    channels = Channels(ctx.Queue(), ctx.Queue(), ctx.Value("d", 0.0), ctx.Event())
+    channels = Channels(ctx.Queue(), ctx.Queue(), ctx.Value("d", 0.0), ctx.Event(), ctx.Event())
     procs = [ctx.Process(target=_peer_main, args=(rank, cfg, channels, data)) for rank in range(cfg.peers)]
     started = time.time()
-    summary: dict[str, Any] = {"regime": cfg.regime, "mode": cfg.mode, "error": None}
     summary["loadavg_1m_before"] = os.getloadavg()[0]
     peers: dict[int, dict] = {}
+    throttle = None
     try:
         for proc in procs:
             proc.start()
+        if cfg.spec.link_mbit:
+            _plug_in_links(cfg, procs, channels)
         ready = _collect(channels, cfg, "ready", time.time() + cfg.setup_timeout)
         summary["setup_s"] = max(p["driver"] for p in ready.values()) - started
         summary["setup_phases_s"] = {  # slowest peer per phase: where setup time goes
@@ -557,12 +740,19 @@ def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
             for prev, name in pairwise(("start", "trainer", "dht", "driver"))
         }
         channels.start_at.value = time.time() + 0.2  # every peer starts its window at the same instant
+        _, t1, _, t3 = cfg.windows(channels.start_at.value)
+        if cfg.spec.perturbation == "straggler":
+            throttle = Throttle(procs[cfg.perturbed_rank].pid, start=t1, stop=t3)
+            throttle.start()
         channels.go.set()
-        peers = _collect(channels, cfg, "result", time.time() + cfg.warmup_s + cfg.seconds + cfg.setup_timeout)
+        peers = _collect(channels, cfg, "result", (t1 if t3 is None else t3) + cfg.setup_timeout)
     except Exception as e:
         summary["error"] = f"{type(e).__name__}: {e}"[-2000:]
         summary["logs"] = [str(log_path(cfg, rank)) for rank in range(cfg.peers)]
     finally:
+        if throttle is not None:
+            throttle.close()
+            summary["straggler_stopped_share"] = _ratio(throttle.stopped_s, throttle.throttled_s)
         deadline = time.time() + cfg.shutdown_grace
         for proc in procs:
             proc.join(max(0.0, deadline - time.time()))
@@ -571,9 +761,12 @@ def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
             _kill_group(proc.pid)
         for proc in procs:
             proc.join(1.0)
+        if cfg.spec.link_mbit:
+            for rank in range(cfg.peers):
+                netns.unplug(rank)
     summary["wall_s"] = time.time() - started
     summary["loadavg_1m_after"] = os.getloadavg()[0]  # others share these 2 cores: keep the evidence with the number
-    summary.update(summarize_peers([peers[rank] for rank in sorted(peers)]))
+    summary.update(summarize_run(cfg, [peers[rank] for rank in sorted(peers)]))
     return summary
 
 
@@ -653,9 +846,10 @@ def _copy_step_indices(record: dict) -> list[int]:
     return [record[k] - 1 for k in ("step_at_snapshot", "step_at_apply") if record.get(k) is not None]
 
 
-def _peer_metrics(peer: dict) -> dict:
-    """One peer's numbers over its window [t0, t1]; rounds count if they finished inside it."""
-    t0, t1, offset = peer["t0"], peer["t1"], peer["clock_offset"]
+def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: frozenset[str] = frozenset()) -> dict:
+    """One peer's numbers over its window [peer[window[0]], peer[window[1]]]; rounds count if they finished inside it.
+    with_others: of its applied rounds, how many had a peer of `others` in the group."""
+    t0, t1, offset = peer[window[0]], peer[window[1]], peer["clock_offset"]
     window = t1 - t0
     step_times = peer["step_times"]
     # duration of every local step since training began; those that ended inside the window are measured
@@ -671,6 +865,8 @@ def _peer_metrics(peer: dict) -> dict:
 
     durations = [all_durations[i] for i in measured]
     measured_set = set(measured)
+    formed_to_end = [r["awaiting_trigger_s"] + r["allreduce_s"] for r in applied
+                     if r.get("awaiting_trigger_s") is not None and r.get("allreduce_s") is not None]  # fmt: skip
     copy_steps = {i for r in applied for i in _copy_step_indices(r) if i in measured_set}
 
     return {
@@ -690,19 +886,25 @@ def _peer_metrics(peer: dict) -> dict:
         "allreduce_s": values("allreduce_s"),
         "matchmaking_s": values("matchmaking_s"),
         "awaiting_s": values("awaiting_trigger_s"),
+        "formed_to_end_s": formed_to_end,
+        "with_others": sum(1 for r in applied if others & set(r.get("group") or ())),
     }
 
 
-def summarize_peers(peers: list[dict]) -> dict:
-    """Per-run metrics: rates and duty cycle averaged over peers, per-round values pooled over peers."""
+def summarize_peers(
+    peers: list[dict], window: tuple[str, str] = ("t0", "t1"), others: frozenset[str] = frozenset()
+) -> dict:
+    """Per-run metrics over one window: rates and duty cycle averaged over peers, per-round values pooled over peers.
+    with_perturbed_peer_share: the share of applied rounds whose group held one of `others`."""
     if not peers:
         return {}
-    per_peer = [_peer_metrics(peer) for peer in peers]
+    per_peer = [_peer_metrics(peer, window, others) for peer in peers]
 
     def pooled(key: str) -> list[float]:
         return [v for m in per_peer for v in m[key]]
 
     step_mean, allreduce_mean = _mean(pooled("step_durations")), _mean(pooled("allreduce_s"))
+    applied_total = sum(m["applied"] for m in per_peer)
     counters: dict[str, float] = {}
     for peer in peers:
         for key, value in (peer.get("counters") or {}).items():
@@ -725,6 +927,10 @@ def summarize_peers(peers: list[dict]) -> dict:
         "allreduce_s_mean": allreduce_mean,
         "matchmaking_s_mean": _mean(pooled("matchmaking_s")),
         "awaiting_s_mean": _mean(pooled("awaiting_s")),
+        "formed_to_end_s_mean": _mean(pooled("formed_to_end_s")),
+        "with_perturbed_peer_share": (sum(m["with_others"] for m in per_peer) / applied_total
+                                      if others and applied_total else None),
+        "all_finite": all(peer.get("finite", True) for peer in peers),
         "allreduce_steps_mean": allreduce_mean / step_mean if allreduce_mean is not None and step_mean else None,
         # trainer-side cost of averaging: steps that did (or waited for) a snapshot/fill or apply vs the others
         "copy_step_s_mean": _mean(pooled("copy_step_durations")),
@@ -735,6 +941,47 @@ def summarize_peers(peers: list[dict]) -> dict:
     }
 
 
+COMPACT_KEYS = ("samples_per_s_per_peer", "rounds_per_min", "rounds_per_min_steady", "staleness_steps_mean",
+                "group_size_mean", "rounds_applied", "rounds_failed", "formed_to_end_s_mean", "allreduce_s_mean",
+                "matchmaking_s_mean", "awaiting_s_mean", "with_perturbed_peer_share", "all_finite")  # fmt: skip
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize_run(cfg: RunConfig, peers: list[dict]) -> dict:
+    """summarize_peers, plus what each regime is about: in perturbed regimes the healthy peers' perturbed window
+    (the main numbers) against their reference window and the perturbed peer; with links, the cap on rounds/min."""
+    if not peers:
+        return {}
+    if not cfg.spec.perturbation:
+        summary = summarize_peers(peers)
+    else:
+        slow = [p for p in peers if p["rank"] == cfg.perturbed_rank]
+        healthy = [p for p in peers if p["rank"] != cfg.perturbed_rank]
+        slow_ids = frozenset(p["peer_id"] for p in slow if p.get("peer_id"))
+        reference = summarize_peers(healthy, ("t0", "t1"), slow_ids)
+        summary = summarize_peers(healthy, ("t2", "t3"), slow_ids)
+        summary["reference"] = {key: reference.get(key) for key in COMPACT_KEYS}
+        summary["perturbed_peer"] = {key: value for key, value in summarize_peers(slow, ("t2", "t3")).items()
+                                     if key in COMPACT_KEYS}  # fmt: skip
+        summary["rounds_per_min_vs_reference"] = _ratio(summary["rounds_per_min"], reference["rounds_per_min"])
+        summary["rounds_per_min_steady_vs_reference"] = _ratio(
+            summary["rounds_per_min_steady"], reference["rounds_per_min_steady"]
+        )
+        summary["all_finite"] = all(p.get("finite", True) for p in peers)
+        summary["peers"] = peers
+    if cfg.spec.link_mbit and summary.get("allreduce_s_mean"):
+        # one AllReduce at a time, and a group that cannot fill forms no sooner than min_matchmaking_time
+        summary["rounds_per_min_cap"] = min(60 / cfg.min_matchmaking_time, 60 / summary["allreduce_s_mean"])
+        for key in ("rounds_per_min", "rounds_per_min_steady"):
+            summary[f"{key}_vs_cap"] = _ratio(summary[key], summary["rounds_per_min_cap"])
+    if summary.get("allreduce_steps_mean") is not None:
+        summary["staleness_bound"] = summary["allreduce_steps_mean"] + 1
+    return summary
+
+
 def add_throughput_ratios(runs: list[dict]) -> None:
     """throughput_ratio = samples/s of a mode divided by `none` of the same regime (None if no baseline ran)."""
     baseline = {r["regime"]: r.get("samples_per_s_per_peer") for r in runs if r["mode"] == "none"}
@@ -743,9 +990,46 @@ def add_throughput_ratios(runs: list[dict]) -> None:
         run["throughput_ratio"] = rate / base if base and rate is not None else None
 
 
+def _check(regime: str, text: str, value: float | None, threshold: float | None, at_most: bool) -> dict:
+    met = None if value is None or threshold is None else (value <= threshold if at_most else value >= threshold)
+    return {"regime": regime, "target": text, "value": value, "threshold": threshold, "met": met}
+
+
+def uneven_targets(runs: list[dict]) -> list[dict]:
+    """Issue 11's goals for `improved` in the regimes that ran: an uneven peer does not slow the others, and on a
+    100 Mbit/s link the rounds keep up with the cap."""
+    results = []
+    for run in runs:
+        if run["mode"] != "improved" or run.get("skipped") or run.get("error"):
+            continue
+        regime = run["regime"]
+        label = regime if run["compression"] == "none" else f"{regime}/{run['compression']}"
+        if regime == "straggler":
+            results += [
+                _check(label, "healthy rounds/min >= 0.7 x unthrottled", run.get("rounds_per_min_vs_reference"), 0.7,
+                       False),
+                _check(label, "no failed round among the healthy peers", run.get("rounds_failed"), 0, True),
+                _check(label, "every peer's tensors finite", float(bool(run.get("all_finite"))), 1.0, False),
+            ]  # fmt: skip
+        elif regime == "slow_step":
+            reference = (run.get("reference") or {}).get("formed_to_end_s_mean")
+            results.append(_check(label, "fast peers' group formed -> round end <= all-fast + 0.1 s",
+                                   run.get("formed_to_end_s_mean"), None if reference is None else reference + 0.1,
+                                   True))  # fmt: skip
+        elif regime == "wan_100mbit":
+            results += [
+                _check(label, "steady rounds/min >= 0.95 x cap", run.get("rounds_per_min_steady_vs_cap"), 0.95, False),
+                _check(label, "staleness mean <= AllReduce steps + 1", run.get("staleness_steps_mean"),
+                       run.get("staleness_bound"), True),
+            ]  # fmt: skip
+    return results
+
+
 def evaluate_targets(runs: list[dict], regime: str = "sim_not_full") -> list[dict]:
     """The team's goals for `improved` vs `old` (brief); None where a needed run is missing."""
-    cells = {(r["regime"], r["mode"]): r for r in runs}
+    cells = {(r["regime"], r["mode"]): r for r in runs if r.get("compression", "none") == "none"}
+    if (regime, "improved") not in cells and (regime, "old") not in cells:
+        return uneven_targets(runs)
     new, old = cells.get((regime, "improved"), {}), cells.get((regime, "old"), {})
 
     def get(run: dict, key: str) -> float | None:
@@ -765,20 +1049,17 @@ def evaluate_targets(runs: list[dict], regime: str = "sim_not_full") -> list[dic
         ("throughput ratio >= 0.97", get(new, "throughput_ratio"), 0.97, False),
         ("duty cycle >= 0.95", get(new, "duty_cycle"), 0.95, False),
     ]  # fmt: skip
-    results = []
-    for text, value, threshold, at_most in checks:
-        met = None if value is None or threshold is None else (value <= threshold if at_most else value >= threshold)
-        results.append({"regime": regime, "target": text, "value": value, "threshold": threshold, "met": met})
-    return results
+    results = [_check(regime, *check) for check in checks]
+    return results + uneven_targets(runs)
 
 
 def targets_markdown(targets: list[dict]) -> str:
-    lines = ["", "Targets (improved, sim_not_full):"]
+    lines = ["", "Targets (improved):"]
     for t in targets:
         mark = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
         value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
         threshold = "n/a" if t["threshold"] is None else f"{t['threshold']:.3g}"
-        lines.append(f"- {mark}: {t['target']} (observed {value}, threshold {threshold})")
+        lines.append(f"- {mark}: [{t['regime']}] {t['target']} (observed {value}, threshold {threshold})")
     return "\n".join(lines)
 
 
@@ -786,12 +1067,14 @@ def run_metadata(args: argparse.Namespace, started: float) -> dict:
     """What the numbers depend on: versions, the exact optimizer file, and how busy the shared machine was."""
     import hivemind
 
-    source = REPO_ROOT / "decentralized_sgd.py"
+    package = REPO_ROOT / "decentralized_sgd"  # a module today, a package after issue 11's split
+    sources = sorted(package.glob("*.py")) if package.is_dir() else [REPO_ROOT / "decentralized_sgd.py"]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources if path.exists())).hexdigest()[:16]
     return {
         "argv": sys.argv[1:], "quick": args.quick, "started": time.strftime("%F %T", time.localtime(started)),
         "total_s": time.time() - started, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "torch": torch.__version__, "hivemind": hivemind.__version__,
-        "decentralized_sgd_sha256": hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.exists() else None,
+        "decentralized_sgd_sha256": digest,
     }  # fmt: skip
 
 
@@ -809,16 +1092,55 @@ TABLE_COLUMNS = [  # (header, key, format)
 ]  # fmt: skip
 
 
-def markdown_table(runs: list[dict]) -> str:
-    lines = ["| " + " | ".join(h for h, _, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
-    for run in runs:
-        cells = []
-        for _, key, fmt in TABLE_COLUMNS:
-            value = run.get(key)
-            text = "" if value is None else fmt.format(value)
-            cells.append(text.splitlines()[0][:60] if key == "error" and text else text)
-        lines.append("| " + " | ".join(cells) + " |")
+UNEVEN_COLUMNS = [  # perturbed regimes: the healthy peers, reference window vs perturbed window
+    ("regime", "regime", "{}"), ("mode", "mode", "{}"),
+    ("r/min reference", "reference.rounds_per_min", "{:.1f}"), ("r/min perturbed", "rounds_per_min", "{:.1f}"),
+    ("ratio", "rounds_per_min_vs_reference", "{:.2f}"),
+    ("steady ratio", "rounds_per_min_steady_vs_reference", "{:.2f}"),
+    ("formed->end s reference", "reference.formed_to_end_s_mean", "{:.3f}"),
+    ("formed->end s perturbed", "formed_to_end_s_mean", "{:.3f}"),
+    ("MM s", "matchmaking_s_mean", "{:.2f}"), ("group", "group_size_mean", "{:.2f}"),
+    ("with slow peer", "with_perturbed_peer_share", "{:.2f}"), ("failed", "rounds_failed", "{}"),
+    ("slow peer r/min", "perturbed_peer.rounds_per_min", "{:.1f}"), ("finite", "all_finite", "{}"),
+    ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
+]  # fmt: skip
+LINK_COLUMNS = [  # bandwidth-limited links
+    ("regime", "regime", "{}"), ("compression", "compression", "{}"), ("mode", "mode", "{}"),
+    ("AR s", "allreduce_s_mean", "{:.2f}"), ("AR steps", "allreduce_steps_mean", "{:.1f}"),
+    ("rounds/min", "rounds_per_min", "{:.1f}"), ("steady r/min", "rounds_per_min_steady", "{:.1f}"),
+    ("cap", "rounds_per_min_cap", "{:.1f}"), ("steady / cap", "rounds_per_min_steady_vs_cap", "{:.2f}"),
+    ("stale mean", "staleness_steps_mean", "{:.1f}"), ("AR steps + 1", "staleness_bound", "{:.1f}"),
+    ("MM s", "matchmaking_s_mean", "{:.2f}"), ("group", "group_size_mean", "{:.2f}"),
+    ("failed", "rounds_failed", "{}"), ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
+]  # fmt: skip
+
+
+def _cell(run: dict, key: str, fmt: str) -> str:
+    """A run's value under `key` ("a.b": run["a"]["b"]); an error or skip reason shortened to one line."""
+    value: Any = run
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if key == "error" and value is None and run.get("skipped"):
+        value = f"skipped: {run['skipped']}"
+    text = "" if value is None else fmt.format(value)
+    return text.splitlines()[0][:90] if key == "error" and text else text
+
+
+def markdown_table(runs: list[dict], columns: Sequence[tuple[str, str, str]] = TABLE_COLUMNS) -> str:
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(run, key, fmt) for _, key, fmt in columns) + " |" for run in runs]
     return "\n".join(lines)
+
+
+def report_tables(runs: list[dict]) -> str:
+    """One table per kind of regime that ran: plain, uneven swarm (perturbed), bandwidth-limited links."""
+    kinds = [
+        ([r for r in runs if not REGIMES[r["regime"]].perturbation and not REGIMES[r["regime"]].link_mbit],
+         TABLE_COLUMNS),
+        ([r for r in runs if REGIMES[r["regime"]].perturbation], UNEVEN_COLUMNS),
+        ([r for r in runs if REGIMES[r["regime"]].link_mbit], LINK_COLUMNS),
+    ]  # fmt: skip
+    return "\n\n".join(markdown_table(chosen, columns) for chosen, columns in kinds if chosen)
 
 
 def _old_copy_spans(record: dict) -> list[tuple[str, float, float]]:
@@ -892,13 +1214,16 @@ def _json_ready(run: dict, keep_peers: bool) -> dict:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="all regimes and modes in <5 min on 2 cores: shorter runs, 5M-param sim model, "
-                             "min_matchmaking_time 2 s")  # fmt: skip
-    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run")
+                        help="shorter runs (the default regimes and modes in ~5 min on 2 cores), 5M-param sim model "
+                             "and min_matchmaking_time 2 s in the sim/cpu regimes")  # fmt: skip
+    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(DEFAULT_REGIMES))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="among each regime's own modes")  # fmt: skip
+    parser.add_argument("--compressions", nargs="+", choices=["none", "fp16", "uint8"], default=None,
+                        help="instead of each regime's own (none; fp16 and uint8 in the wan_* regimes)")  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (and per window)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds trained before the measured window")
-    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--peers", type=int, default=None, help="instead of each regime's own (3; straggler 5)")
     parser.add_argument("--sim-params", type=int, default=None, help="parameters of the simulated model")
     parser.add_argument("--min-matchmaking-time", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None)
@@ -906,16 +1231,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json-peers", action="store_true", help="also store per-peer step times and records")
     parser.add_argument("--verbose", action="store_true", help="keep hivemind / DecentralizedSGD logs")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="time every hivemind matchmaking / DHT / AllReduce call into this folder "
+                             "(summary: benchmarks/hivemind_trace.py)")  # fmt: skip
     return parser.parse_args(argv)
 
 
-def build_configs(args: argparse.Namespace) -> list[RunConfig]:
-    """Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
-    base = RunConfig(regime="sim_full", mode="none", peers=args.peers, verbose=args.verbose)
+def _regime_config(args: argparse.Namespace, name: str) -> RunConfig:
+    """Defaults, then --quick's, then the regime's own settings (and their --quick variant), then the command line.
+    Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
+    regime = REGIMES[name]
+    base = RunConfig(regime=name, mode="none", peers=args.peers or regime.peers or 3, verbose=args.verbose,
+                     trace_dir=None if args.trace is None else str(args.trace.resolve() / name))  # fmt: skip
     if args.quick:
         base = replace(base, seconds=6.0, warmup_s=3.0, sim_params=5_000_000, min_matchmaking_time=2.0,
                        request_timeout=1.0, allreduce_timeout=20.0, setup_timeout=40.0, shutdown_grace=0.5)  # fmt: skip
-    baseline_seconds = 4.0 if args.quick and args.seconds is None else None  # `none` has no rounds to wait for
+    base = replace(base, **{**regime.nominal, **(regime.quick if args.quick else {})})
     if args.seconds is not None:
         base = replace(base, seconds=args.seconds)
     if args.warmup is not None:
@@ -925,15 +1256,22 @@ def build_configs(args: argparse.Namespace) -> list[RunConfig]:
     if args.min_matchmaking_time is not None:
         mmt = args.min_matchmaking_time
         base = replace(base, min_matchmaking_time=mmt, request_timeout=min(base.request_timeout, 0.6 * mmt))
-    return [
-        replace(base, regime=r, mode=m, seconds=baseline_seconds or base.seconds, warmup_s=min(base.warmup_s, 1.0))
-        if m == "none"
-        else replace(base, regime=r, mode=m)
-        for r in REGIMES
-        if r in args.regimes
-        for m in MODES
-        if m in args.modes
-    ]
+    return base
+
+
+def build_configs(args: argparse.Namespace) -> list[RunConfig]:
+    """Every chosen regime with each of its modes (among --modes) and compressions."""
+    baseline_seconds = 4.0 if args.quick and args.seconds is None else None  # `none` has no rounds to wait for
+    configs = []
+    for name in (r for r in REGIMES if r in args.regimes):
+        base, regime = _regime_config(args, name), REGIMES[name]
+        for mode in (m for m in MODES if m in args.modes and m in regime.modes):
+            for compression in args.compressions or regime.compressions:
+                cfg = replace(base, mode=mode, compression=compression)
+                if mode == "none":
+                    cfg = replace(cfg, seconds=baseline_seconds or cfg.seconds, warmup_s=min(cfg.warmup_s, 1.0))
+                configs.append(cfg)
+    return configs
 
 
 def _prewarm(configs: Sequence[RunConfig]) -> None:
@@ -955,19 +1293,25 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the `finally` that kills peer process groups
     args = parse_args(argv)
     configs = build_configs(args)
+    if any(cfg.spec.link_mbit for cfg in configs):
+        if not netns.inside():  # peers need network namespaces: rerun this command inside a user namespace
+            netns.reexec_inside([str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)])
+        netns.create_bridge()
     data = _digits() if any(c.trainer_kind == "cpu" for c in configs) else None  # load once, share via fork
     _prewarm(configs)
     started, runs = time.time(), []
     for cfg in configs:
-        print(f"[bench] {cfg.regime:>13} / {cfg.mode:<11} ...", end=" ", flush=True, file=sys.stderr)
+        print(f"[bench] {cfg.regime:>13} / {cfg.mode:<16} / {cfg.compression:<5} ...", end=" ", flush=True,
+              file=sys.stderr)  # fmt: skip
         run = run_one(cfg, data)
         run["config"] = {k: v for k, v in asdict(cfg).items() if k not in ("regime", "mode", "verbose")}
         runs.append(run)
-        status = "ok" if not run["error"] else run["error"].splitlines()[0][:120]
-        print(f"{run['wall_s']:.1f}s {status}", flush=True, file=sys.stderr)
+        status = (f"skipped: {run['skipped']}" if run["skipped"] else
+                  "ok" if not run["error"] else run["error"].splitlines()[0][:120])  # fmt: skip
+        print(f"{run.get('wall_s', 0.0):.1f}s {status}", flush=True, file=sys.stderr)
     add_throughput_ratios(runs)
     targets = evaluate_targets(runs)
-    report = markdown_table(runs) + "\n" + targets_markdown(targets)
+    report = report_tables(runs) + "\n" + targets_markdown(targets)
     print(report)
     print(f"\n[bench] total {time.time() - started:.0f}s for {len(runs)} runs", file=sys.stderr)
     if args.markdown:

@@ -11,26 +11,36 @@ import vissl_compat
 vissl_compat.apply()
 
 from classy_vision.hooks import ClassyHook  # noqa: E402
-from vissl.hooks import default_hook_generator  # noqa: E402
+from vissl.hooks import NormalizePrototypesHook, default_hook_generator  # noqa: E402
 
 import decentralized_task  # noqa: E402,F401  (registers the task with classy_vision's registry)
 from hooks.average_on_update_hook import AverageOnUpdateHook  # noqa: E402
 from hooks.hold_params_during_update_hook import HoldParamsDuringUpdateHook  # noqa: E402
 from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
 from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
+from hooks.normalize_prototypes_on_update_hook import NormalizePrototypesOnUpdateHook  # noqa: E402
 from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
 
 __all__ = ["AverageOnUpdateHook", "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
-           "PublishProgressOnStepHook", "swarm_hook_generator"]
+           "NormalizePrototypesOnUpdateHook", "PublishProgressOnStepHook", "swarm_hook_generator"]
 
 
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
-    """VISSL's default hooks plus ours; the swarm hooks do nothing for a task that does not average."""
+    """VISSL's default hooks plus ours; the swarm hooks do nothing for a task that does not average.
+
+    Hooks run in list order at each event. In ``on_update``: HoldParamsDuringUpdateHook releases the lock it took
+    after backward (the optimizer step is done), AverageOnUpdateHook applies a finished round, then the
+    prototypes are normalised (VISSL's hook, which would run before the averaging, is replaced by ours after it).
+    The progress hooks come last so that they log the step's final weights.
+    """
     log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
+    vissl_hooks = default_hook_generator(cfg)
+    normalizes = any(isinstance(hook, NormalizePrototypesHook) for hook in vissl_hooks)
     return [
-        *default_hook_generator(cfg),
+        *[hook for hook in vissl_hooks if not isinstance(hook, NormalizePrototypesHook)],
         HoldParamsDuringUpdateHook(),
         AverageOnUpdateHook(),
+        *([NormalizePrototypesOnUpdateHook()] if normalizes else []),
         LogProgressOnStepHook(log_every=log_every),
         PublishProgressOnStepHook(publish_every=log_every),
         LeaveSwarmOnEndHook(),

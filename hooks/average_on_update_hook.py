@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
+
+import local_replicas
 
 
 class AverageOnUpdateHook(ClassyHook):
     """Calls ``DecentralizedSGD.on_step_end`` at the step boundary (where the delta rule may touch the weights).
 
     On a box with several GPUs only local rank 0 is in the swarm; when it applied a round, it broadcasts its
-    parameters and buffers to the other local ranks in the same step, so the replicas never diverge.
+    parameters and buffers (and the optimizer state, when that is averaged too) to the other local ranks in the
+    same step, so the replicas never diverge (``local_replicas``: on the device the box's backend serves).
     """
 
     on_start = ClassyHook._noop
@@ -27,19 +28,11 @@ class AverageOnUpdateHook(ClassyHook):
         if not task.train or not hasattr(task, "decentralized_sgd"):
             return
         optimizer = task.decentralized_sgd
-        applied = 0
+        applied = False
         if optimizer is not None:
             before = optimizer.counters["rounds_applied"]
             optimizer.on_step_end(batch_size=task.get_batchsize_per_replica())
-            applied = int(optimizer.counters["rounds_applied"] > before)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._broadcast_if_applied(task, applied)
-
-    @staticmethod
-    def _broadcast_if_applied(task, applied: int) -> None:
-        flag = torch.tensor([applied], dtype=torch.int64)
-        dist.broadcast(flag, src=0)
-        if flag.item():
-            with torch.no_grad():
-                for tensor in [*task.base_model.parameters(), *task.base_model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+            applied = optimizer.counters["rounds_applied"] > before
+        if local_replicas.is_box() and local_replicas.broadcast_flag(applied):
+            averaged_optimizer = task.swarm_settings.average_optimizer_state
+            local_replicas.sync_replicas(task.base_model, task._torch_optimizer() if averaged_optimizer else None)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from classy_vision.hooks import ClassyHook
+
+from averaging_protocol import Averaging
 
 
 class HoldParamsDuringUpdateHook(ClassyHook):
@@ -23,11 +26,11 @@ class HoldParamsDuringUpdateHook(ClassyHook):
 
     def __init__(self) -> None:
         super().__init__()
-        self._held = None
+        self._held: threading.RLock | None = None
 
     @staticmethod
-    def _averager(task):
-        return getattr(task, "decentralized_sgd", None)
+    def _averager(task) -> Averaging | None:
+        return getattr(task, "decentralized_sgd", None)  # None: not averaging (--isolated, or a non-zero local rank)
 
     def _acquire(self, task) -> None:
         averager = self._averager(task)
@@ -41,7 +44,8 @@ class HoldParamsDuringUpdateHook(ClassyHook):
             self._held = None
 
     def _holds_through_forward(self, task) -> bool:
-        return getattr(self._averager(task), "needs_lock_for_forward", False)
+        averager = self._averager(task)
+        return averager is not None and averager.needs_lock_for_forward
 
     def on_start(self, task) -> None:
         if self._holds_through_forward(task):

@@ -7,11 +7,13 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
+from averaging_protocol import Averaging
+from hooks.normalize_prototypes_on_update_hook import prototypes_norm_error
 from hooks.samples_per_second import SamplesPerSecond
+from local_replicas import replica_checksums
 
 PROGRESS_FILE = "progress.jsonl"
 
@@ -23,11 +25,12 @@ def world_rank_and_size() -> tuple[int, int]:
 
 
 class LogProgressOnStepHook(ClassyHook):
-    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds) and rounds ok/failed,
-    and appends the same as a JSON line to CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it live).
+    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds), rounds ok/failed and how
+    often the averager was found dead or unresponsive, and appends the same as a JSON line to
+    CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it live).
 
-    On a box with several GPUs, every local rank also records a checksum of its parameters
-    (``progress_rank<r>.jsonl`` for ranks > 0), which shows that the replicas stay identical.
+    On a box with several GPUs, every local rank also records checksums of its parameters, buffers and optimizer
+    state (``progress_rank<r>.jsonl`` for ranks > 0), which show that the replicas stay identical.
     """
 
     on_phase_start = ClassyHook._noop
@@ -56,8 +59,7 @@ class LogProgressOnStepHook(ClassyHook):
         rank, world_size = world_rank_and_size()
         entry = {"time": time.time(), "step": task.iteration}
         if world_size > 1:
-            with torch.no_grad():
-                entry["param_checksum"] = float(sum(p.double().sum() for p in task.base_model.parameters()))
+            entry.update(replica_checksums(task.base_model, task._torch_optimizer()))
         if rank == 0:
             entry.update(self._progress_fields(task))
             logging.info(self._line(entry))
@@ -69,13 +71,17 @@ class LogProgressOnStepHook(ClassyHook):
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
         fields = {"loss": float(task.last_batch.loss.item()), "samples_per_s": round(samples_per_s, 2),
                   "lr": float(task.optimizer.options_view.lr)}
-        optimizer = getattr(task, "decentralized_sgd", None)
+        norm_error = prototypes_norm_error(task)
+        if norm_error is not None:  # SwAV: how far the prototypes are from the unit sphere the loss assumes
+            fields["prototypes_norm_error"] = norm_error
+        optimizer: Averaging | None = getattr(task, "decentralized_sgd", None)  # None: not averaging
         if optimizer is not None:
             last = optimizer.last_applied_record() or {}
             fields.update({
                 "peer_id": str(optimizer.peer_id),
                 "rounds_ok": int(optimizer.counters["rounds_applied"]),
                 "rounds_failed": int(optimizer.counters["rounds_failed"]),
+                "averager_failures": int(optimizer.counters.get("averager_failures", 0)),
                 "group_size": last.get("group_size"),
                 "staleness_steps": last.get("staleness_steps"),
                 "round_s": round(last["t_end"] - last["t_start"], 2) if last else None,
@@ -88,7 +94,8 @@ class LogProgressOnStepHook(ClassyHook):
                 f"lr {entry['lr']:.5f}")
         if "rounds_ok" in entry:
             line += (f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
-                     f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']}")
+                     f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} | "
+                     f"averager failures {entry['averager_failures']}")
         return line
 
     def on_end(self, task) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from classy_vision.hooks import ClassyHook
 from hivemind.utils import get_dht_time
 
+from averaging_protocol import Averaging
 from hooks.samples_per_second import SamplesPerSecond
 from swarm_metrics import make_record, metrics_key, metrics_validators, owner_subkey
 
@@ -74,14 +75,14 @@ class PublishProgressOnStepHook(ClassyHook):
 
     def _record(self, task) -> tuple[dict, float]:
         samples_per_s, interval = self._rate.update(task.iteration, task.get_global_batchsize())
-        optimizer = task.decentralized_sgd
+        optimizer: Averaging = task.decentralized_sgd
         last = optimizer.last_applied_record() or {}
         loss = getattr(task.last_batch, "loss", None) if task.last_batch is not None else None
         record = make_record(
             step=task.iteration, samples_per_s=samples_per_s, loss=None if loss is None else float(loss.item()),
             group_size=last.get("group_size"), staleness_steps=last.get("staleness_steps"),
             rounds_ok=optimizer.counters["rounds_applied"], rounds_failed=optimizer.counters["rounds_failed"],
-            time=time.time(), peer_id=self._peer_id,
+            averager_failures=optimizer.counters.get("averager_failures", 0), time=time.time(), peer_id=self._peer_id,
         )
         return record, interval
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import hivemind
 import torch
 
-from decentralized_sgd import DecentralizedSGD
+from decentralized_sgd import DecentralizedSGD, keep_dht_connected
+from decentralized_sgd.hivemind_fixes import FixedDHT
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -85,7 +86,8 @@ class Swarm:
 
     def dht(self) -> hivemind.DHT:
         initial_peers = self.dhts[0].get_visible_maddrs() if self.dhts else None
-        self.dhts.append(hivemind.DHT(start=True, host_maddrs=self.host_maddrs, initial_peers=initial_peers))
+        self.dhts.append(FixedDHT(start=True, host_maddrs=self.host_maddrs, initial_peers=initial_peers))
+        keep_dht_connected(self.dhts[-1])  # as swarm.start_dht does
         return self.dhts[-1]
 
     def peer(self, model: torch.nn.Module, lr: float = 0.0, momentum: float = 0.0, **kwargs) -> DecentralizedSGD:

@@ -12,16 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dsgd_swarm import FAST, make_model  # noqa: E402
 
-from decentralized_sgd import DecentralizedSGD  # noqa: E402
+from decentralized_sgd import DecentralizedSGD, keep_dht_connected  # noqa: E402
+from decentralized_sgd.hivemind_fixes import FixedDHT  # noqa: E402
 
 
 def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) -> list[str]:
@@ -46,7 +45,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    dht = hivemind.DHT(start=True, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers)
+    dht = FixedDHT(start=True, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers)
+    keep_dht_connected(dht)  # as swarm.start_dht does: the network-cut scenario needs the rejoin
     model = make_model(args.value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     peer = DecentralizedSGD(optimizer, dht, prefix="test", model=model, records_path=str(args.out / "rounds.jsonl"),
@@ -60,8 +60,8 @@ def main() -> None:
             model[0].weight.add_(1e-3)  # a local step: the delta rule must keep it
         peer.on_step_end()
         if args.marker is not None and not args.marker.exists():
-            rounds = list(peer._rounds)
-            looking = len(rounds) == 1 and rounds[0].control.stage == AveragingStage.LOOKING_FOR_GROUP
+            rounds = peer.in_flight_rounds()
+            looking = len(rounds) == 1 and rounds[0]["state"] == "LOOKING"
             newly_applied = peer.counters["rounds_applied"] > applied
             if (args.marker_when == "looking" and applied and looking) or (
                 args.marker_when == "applied" and newly_applied

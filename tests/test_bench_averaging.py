@@ -28,7 +28,7 @@ def test_bench_averaging_smoke(tmp_path: Path) -> None:
     runs = json.loads(out.read_text())["runs"]
     assert [(r["regime"], r["mode"]) for r in runs] == [("sim_full", "none"), ("sim_full", "improved")]
     for run in runs:
-        assert run["error"] is None, run["error"]
+        assert run["error"] is None and run["skipped"] is None, run["error"]
         assert all(field in run for field in FIELDS), sorted(run)
         assert run["samples_per_s_per_peer"] > 0
     none, improved = runs

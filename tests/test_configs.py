@@ -33,14 +33,37 @@ def test_config_builds_model_and_runs_forward(name: str, size: int, trunk_dim: i
 
 
 def test_recipe_of_the_resnet50_config() -> None:
+    """SwAV's small-batch recipe, as given for 256 images (run_trainer.py scales it: tests/test_recipe.py)."""
     config, _ = compose_config("swav_resnet50", [], has_gpu=True)
     crops = config.DATA.TRAIN.TRANSFORMS[0]
     assert crops["size_crops"] == [224, 96] and crops["num_crops"] == [2, 6]
     assert config.OPTIMIZER.use_larc and config.OPTIMIZER.name == "sgd_fsdp"
     assert config.DATA.TRAIN.BATCHSIZE_PER_REPLICA == 64
     assert config.MODEL.AMP_PARAMS.AMP_TYPE == "pytorch"
-    assert [s["name"] for s in config.OPTIMIZER.param_schedulers.lr.schedulers] == ["linear", "cosine"]
+    lr = config.OPTIMIZER.param_schedulers.lr
+    assert (lr.name, lr.start_value, lr.end_value) == ("cosine", 0.6, 0.0006)  # no warm-up
+    assert config.RECIPE.reference_batch == 256 and config.RECIPE.scale_lr
+    assert (config.RECIPE.queue_length, config.RECIPE.queue_start_epoch) == (3840, 15)
+    assert config.RECIPE.freeze_prototypes_epochs == 1
     assert config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP[0][0] == "module.heads.0.prototypes0.weight"
+
+
+def test_recipe_of_the_vit_config() -> None:
+    """DINO's ViT optimisation around SwAV's small-batch recipe."""
+    config, _ = compose_config("swav_vit_small", [], has_gpu=True)
+    optimizer = config.OPTIMIZER
+    assert optimizer.name == "adamw" and not optimizer.use_larc
+    assert not optimizer.regularize_bn and not optimizer.regularize_bias
+    assert set(optimizer.non_regularized_parameters) == {"pos_embed", "cls_token"}
+    warmup, cosine = optimizer.param_schedulers.lr.schedulers
+    assert warmup == {"name": "linear", "start_value": 0.0, "end_value": 0.0005}
+    assert cosine == {"name": "cosine", "start_value": 0.0005, "end_value": 1e-6}
+    for key in ("weight_decay", "weight_decay_head"):
+        decay = optimizer.param_schedulers[key]
+        assert (decay["name"], decay["start_value"], decay["end_value"]) == ("cosine", 0.04, 0.4)
+    assert config.MODEL.GRAD_CLIP.USE_GRAD_CLIP and config.MODEL.GRAD_CLIP.MAX_NORM == 3.0
+    assert config.RECIPE.scale_lr and not config.RECIPE.scale_final_lr
+    assert (config.RECIPE.queue_length, config.RECIPE.queue_start_epoch) == (3840, 15)
 
 
 def test_unknown_key_in_override_is_a_clear_error() -> None:

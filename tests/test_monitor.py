@@ -2,7 +2,9 @@
 real VISSL trainers.
 
 The trainers are plain run_trainer.py processes: they publish once PublishProgressOnStepHook is in
-``hooks.swarm_hook_generator`` (test_trainers_publish_through_the_swarm_hooks checks that it is).
+``hooks.swarm_hook_generator`` (test_trainers_publish_through_the_swarm_hooks checks that it is). They run the old
+design (``--averager old``, the benchmarks' baseline) with the default ``--load_state_timeout``: the hooks are
+written against ``averaging_protocol.Averaging``, so the baseline must train and publish like the default averager.
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FORGED_STEP = 10**6
 
 # the trainers run until the test stops them; publish (LOG_FREQUENCY) every 2 steps; no checkpoints on the way
-TRAINER_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300", "config.LOG_FREQUENCY=2",
-                     "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100000"]
-TRAINER_FLAGS = ["--run_id", "montest", "--target_group_size", "2", "--min_matchmaking_time", "2",
-                 "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none",
-                 "--load_state_timeout", "0"]
+LOG_FREQUENCY = 2
+TRAINER_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
+                     f"config.LOG_FREQUENCY={LOG_FREQUENCY}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100000"]
+TRAINER_FLAGS = ["--run_id", "montest", "--averager", "old", "--target_group_size", "2", "--min_matchmaking_time",
+                 "2", "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none"]
 
 
 def record(step: int, peer_id: str = "QmHonest") -> dict:
     return make_record(step=step, samples_per_s=12.5, loss=3.2, group_size=2, staleness_steps=1, rounds_ok=4,
-                       rounds_failed=0, time=get_dht_time(), peer_id=peer_id)
+                       rounds_failed=0, averager_failures=1, time=get_dht_time(), peer_id=peer_id)
 
 
 def dht(initial_peers: list[str], validators: list | None) -> hivemind.DHT:
@@ -85,9 +87,9 @@ def test_forged_and_malformed_records_are_rejected() -> None:
         # (while every peer validates, a store's result says whether any peer took the record)
         # another peer's subkey: the forger's DHT cannot sign for that key, and every peer refuses the record
         assert not forger.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
-        # correctly signed but against the schema: a float step, a missing field, a field too many
+        # correctly signed but against the schema: a float step, a missing field, a field too many, a negative count
         bad_values = [{**record(8), "step": 8.0}, {k: v for k, v in record(8).items() if k != "loss"},
-                      {**record(8), "admin": True}]
+                      {**record(8), "admin": True}, {**record(8), "averager_failures": -1}]
         for bad_value in bad_values:
             assert not honest.store(key, bad_value, expiration + 2, subkey=victim), bad_value
         # a subkey without the owner's public key in it
@@ -103,7 +105,13 @@ def test_forged_and_malformed_records_are_rejected() -> None:
         records = fetch_metrics(monitor, run_id)
         assert list(records) == [victim]
         assert records[victim]["step"] == 7 and records[victim]["peer_id"] == "QmHonest"
+        assert records[victim]["averager_failures"] == 1
         assert fetch_metrics(forger, run_id)[victim]["step"] == 7  # any validating peer sees the same
+
+        # a peer of an older version publishes no averager_failures: its record is valid, read as 0 failures
+        older = {k: v for k, v in record(11).items() if k != "averager_failures"}
+        assert honest.store(key, older, expiration + 3, subkey=victim)
+        assert fetch_metrics(monitor, run_id)[victim] == {**older, "averager_failures": 0}
     finally:
         for node in nodes:
             node.shutdown()
@@ -112,7 +120,8 @@ def test_forged_and_malformed_records_are_rejected() -> None:
 def stub_task(node: hivemind.DHT, iteration: int) -> SimpleNamespace:
     """The parts of a DecentralizedSelfSupervisionTask that the hook reads, around a real DHT."""
     applied = {"applied": True, "group_size": 3, "staleness_steps": 2}  # then a failed round
-    averager = SimpleNamespace(last_applied_record=lambda: applied, counters={"rounds_applied": 5, "rounds_failed": 1})
+    averager = SimpleNamespace(last_applied_record=lambda: applied,
+                               counters={"rounds_applied": 5, "rounds_failed": 1, "averager_failures": 2})
     return SimpleNamespace(dht=node, decentralized_sgd=averager, swarm_settings=SimpleNamespace(run_id="hooktest"),
                            train=True, iteration=iteration, get_global_batchsize=lambda: 16,
                            last_batch=SimpleNamespace(loss=torch.tensor(float("nan"))))
@@ -137,7 +146,8 @@ def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture
                 lambda last=last: [r for r in fetch_metrics(monitor, "hooktest").values() if r["step"] == last],
                 30, f"the hook's record of step {last}")
         assert published == [{**published[0], "group_size": 3, "staleness_steps": 2, "rounds_ok": 5,
-                               "rounds_failed": 1, "loss": None, "peer_id": str(trainer.peer_id)}]
+                               "rounds_failed": 1, "averager_failures": 2, "loss": None,
+                               "peer_id": str(trainer.peer_id)}]
         # the hook skips a step while its previous store is in flight: let that one finish before the DHT dies
         wait_until(lambda: hook._pending is None or hook._pending.done(), 30, "the hook's last store")
     finally:
@@ -219,7 +229,13 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
         wait_until(both_trainers_listed, 400, "both trainers in the monitor's table")
         rows = wait_until(lambda: [row for row in both_trainers_listed() or [] if row["group_size"] == 2],
                           300, "an averaging round of the two trainers in the monitor's table")
-        assert rows[0]["rounds_ok"] >= 1 and rows[0]["samples_per_s"] > 0
+        assert rows[0]["rounds_ok"] >= 1 and rows[0]["samples_per_s"] > 0 and rows[0]["averager_failures"] == 0
+        # both trained past their first progress line, where the old design once crashed (last_applied_record)
+        def both_past(step: int) -> list[dict] | None:
+            rows = both_trainers_listed()
+            return rows if rows and all(row["step"] >= step for row in rows) else None
+
+        wait_until(lambda: both_past(2 * LOG_FREQUENCY), 120, "both trainers past their first progress line")
 
         # a peer without validators overwrites one trainer's record: the monitor keeps showing the real one
         reader = dht(addresses, metrics_validators("montest"))  # (only a validating DHT can read signed records)
@@ -247,7 +263,7 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
             monitor.wait(timeout=60)
     assert monitor.returncode == 0, log_path.read_text()[-2000:]
     output = log_path.read_text()
-    assert "swarm: 2 peers alive" in output and "Traceback" not in output
+    assert "swarm: 2 peers alive" in output and "averager failures" in output and "Traceback" not in output
     assert 2 in tensorboard_scalars(tmp_path / "tensorboard", "swarm/peers_alive")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -42,17 +43,55 @@ def test_plain_pytorch_snippet_runs() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it trained
 
 
-@pytest.mark.timeout(600)
-def test_demo_in_a_short_mode(digits_dir: Path, tmp_path: Path) -> None:
-    """`make demo` runs demo.py: here with 2 peers for a short while; it must end with the table and the plot."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / "demo.py"), "--data_path", str(digits_dir), "--peers", "2", "--minutes", "0.5",
-         "--min_matchmaking_time", "2", "--out", str(tmp_path)],
-        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=540,
+def run_demo(digits_dir: Path, out: Path, minutes: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "demo.py"), "--data_path", str(digits_dir), "--peers", "2", "--minutes",
+         str(minutes), "--min_matchmaking_time", "2", "--out", str(out)],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=420,
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
-    assert "| peer | steps | final_loss | rounds | mean_group_size | mean_staleness |" in result.stdout
-    assert (tmp_path / "swarm.png").stat().st_size > 10_000
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| peer") and "steps" not in line]
-    assert len(rows) == 2 and all(int(row.split("|")[2]) > 0 for row in rows)
+
+
+@pytest.mark.timeout(900)
+def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Path) -> None:
+    """`make demo` runs demo.py: here with 2 peers for a few seconds of training, twice in the same folder. Each run
+    is a new demo: it trains from scratch (does not resume the first run's checkpoints) and its table describes
+    only its own peers; it ends with the table and the plot, and without a traceback."""
+    out = tmp_path / "demo_out"
+    for run in (1, 2):
+        result = run_demo(digits_dir, out, minutes=0.05)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"run {run}: {output[-3000:]}"
+        assert "Traceback" not in output, f"run {run}: {output[-3000:]}"
+        assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
+        assert "| peer | steps | final_loss | rounds | mean_group_size | mean_staleness |" in result.stdout
+        assert (out / "swarm.png").stat().st_size > 10_000
+        rows = [line for line in result.stdout.splitlines() if line.startswith("| peer") and "steps" not in line]
+        assert len(rows) == 2 and all(int(row.split("|")[2]) > 0 for row in rows), f"run {run}: {rows}"
+        for peer in ("peer0", "peer1"):
+            log = (out / f"{peer}.log").read_text()
+            assert "Resume from file" not in log, f"run {run}: {peer} resumed an earlier demo's checkpoint"
+        first_step = json.loads((out / "peer0" / "progress.jsonl").read_text().splitlines()[0])["step"]
+        assert first_step <= 5, f"run {run}: peer0 started at step {first_step}, not from scratch"
+        assert (out / "summary.md").read_text().strip() == "\n".join(
+            line for line in result.stdout.splitlines() if line.startswith("|"))
+
+
+def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
+    (tmp_path / "thesis.tex").write_text("not a demo's")
+    result = subprocess.run([sys.executable, str(REPO / "demo.py"), "--out", str(tmp_path)], cwd=REPO,
+                            env=trainer_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "is not empty and no demo made it" in result.stderr, result.stderr
+    assert (tmp_path / "thesis.tex").read_text() == "not a demo's"
+
+
+def test_demo_whose_peers_do_not_train_says_so(tmp_path: Path) -> None:
+    """A demo whose first peer cannot start (no images at --data_path): the table shows it, the demo says why and
+    exits non-zero."""
+    result = subprocess.run([sys.executable, str(REPO / "demo.py"), "--data_path", str(tmp_path / "nothing"),
+                             "--peers", "2", "--out", str(tmp_path / "out")], cwd=REPO, env=trainer_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "| peer0 | 0 |" in result.stdout and "| peer1 | 0 |" in result.stdout
+    assert "error: the demo failed: peer0 did not train" in result.stderr
+    assert "peer0 exited with code 2 ('error: --data_path" in result.stderr  # with the peer's own error
+    assert "Traceback" not in result.stdout + result.stderr

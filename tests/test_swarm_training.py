@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from initial_model import weights_fingerprint
+from local_replicas import compare_replica_logs
 from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
+from tests.test_recipe import build_task_model
 
 # 10 batches of 16 real images per epoch, plenty of epochs: the test decides when peers stop
 SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
@@ -35,23 +39,22 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a))
 
 
-def initial_weights(seed: int) -> dict[str, torch.Tensor]:
-    from vissl.models import build_model
-
-    from config_loading import compose_config
-
-    config, _ = compose_config("swav_tiny", [], has_gpu=False)
-    torch.manual_seed(seed)
-    return float_tensors(build_model(config.MODEL, config.OPTIMIZER).get_classy_state()["model"])
+def logged_fingerprint(peer: LocalPeer) -> str:
+    """The trunk fingerprint of the initial model the peer built (decentralized_task.py logs it)."""
+    match = re.search(r"trunk fingerprint (\w+)", peer.log_text())
+    return match.group(1) if match else ""
 
 
 @pytest.mark.timeout(900)
 def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
     try:
-        # each peer starts from its own random init (seed) instead of downloading the first peer's weights
+        # each peer its own seed (data order) and no download of the first peer's weights: the run's initial model
         addresses = start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
                                 per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+        fingerprints = [wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
+                        for peer in peers]
+        assert len(set(fingerprints)) == 1, f"the peers of one run built different initial models: {fingerprints}"
 
         # 1. every peer applies rounds in groups of at least 2
         for peer in peers:
@@ -91,41 +94,54 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
     for peer in peers:
         losses = [entry["loss"] for entry in peer.progress()]
         assert losses and all(math.isfinite(loss) for loss in losses), peer.name
+    # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
+    for peer in peers:
+        errors = [entry["prototypes_norm_error"] for entry in peer.progress()]
+        assert max(errors) < 1e-6, f"{peer.name}'s prototypes left the unit sphere: {max(errors)}"
+    logged_at_apply = [entry for peer in peers[:2] for entry in peer.progress()
+                       if entry["step"] in {r["step_at_apply"] for r in peer.applied_rounds()}]
+    assert logged_at_apply, "no logged step applied a round: the check above saw none"
     first_losses = [entry["loss"] for entry in peers[0].progress()[:3]]
     last_losses = [entry["loss"] for entry in peers[0].progress()[-3:]]
     assert sum(last_losses) < sum(first_losses), "SwAV loss of the first peer did not fall"
 
-    # averaging pulled the peers together: much closer than two random inits, which is where they started
-    start_distance = distance(initial_weights(0), initial_weights(1))
+    # averaging kept the peers together: they ended much closer to each other than to the initial model they
+    # started from (the run's, rebuilt here exactly as the peers built it)
+    initial = build_task_model("swarmtest", seed_value=0)
+    assert logged_fingerprint(peers[0]) == weights_fingerprint(initial.trunk)
+    initial_weights = float_tensors(initial.get_classy_state()["model"])
+    moved = distance(latest_weights(peers[0]), initial_weights)
     final_distance = distance(latest_weights(peers[0]), latest_weights(peers[1]))
-    assert final_distance < 0.5 * start_distance, (final_distance, start_distance)
+    assert final_distance < 0.5 * moved, (final_distance, moved)
 
 
 @pytest.mark.timeout(600)
 def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: Path, tmp_path: Path) -> None:
-    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm and broadcasts
-    each applied round, so rank 1 holds exactly the same weights at every logged step."""
+    """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm. It downloads the
+    swarm's state (momentum included) and averages momentum too: rank 1 holds exactly rank 0's parameters and
+    momentum at every step, and its buffers at every step where rank 0 applied a round (between rounds each rank's
+    BatchNorm statistics follow its own batches, as in any DDP run without SyncBatchNorm)."""
     box = LocalPeer("box", tmp_path)
     single = LocalPeer("single", tmp_path)
-    box_overrides = [*SWARM_OVERRIDES, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
-    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--load_state_timeout", "0"]
+    every_step = [o for o in SWARM_OVERRIDES if not o.startswith("config.LOG_FREQUENCY")] + ["config.LOG_FREQUENCY=1"]
+    box_overrides = [*every_step, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
+    flags = [*SWARM_FLAGS, "--target_group_size", "2", "--average_optimizer_state"]
     try:
-        single.start(digits_dir, [], flags, SWARM_OVERRIDES)
+        single.start(digits_dir, [], [*flags, "--load_state_timeout", "0"], SWARM_OVERRIDES)
         addresses = single.join_addresses()
+        wait_until(lambda: single.progress(), 180, "the first logged step of the single peer")  # it has momentum
         box.start(digits_dir, addresses, flags, box_overrides)
-        wait_until(lambda: len(box.applied_rounds()) >= 3, 420, "three rounds on the two-process peer")
-        first_round_step = min(r["step_at_apply"] for r in box.applied_rounds())
         rank1_log = box.checkpoint_dir / "progress_rank1.jsonl"
-        wait_until(lambda: len([e for e in read_jsonl(rank1_log) if e["step"] > first_round_step]) >= 3, 300,
-                   "three logged steps of rank 1 after the first applied round")
+        wait_until(lambda: compare_replica_logs(box.progress(), read_jsonl(rank1_log))["round_steps_compared"] >= 3,
+                   420, "three rounds on the two-process peer, in the logs of both ranks")
     finally:
         stop_all([box, single])
-    rank0 = {entry["step"]: entry["param_checksum"] for entry in box.progress()}
-    rank1 = {entry["step"]: entry["param_checksum"] for entry in read_jsonl(rank1_log)}
-    common = sorted(set(rank0) & set(rank1))
-    assert len([step for step in common if step > first_round_step]) >= 2
-    for step in common:
-        assert rank0[step] == pytest.approx(rank1[step], rel=1e-9, abs=1e-6), f"replicas differ at step {step}"
+    assert "Joined the swarm at iteration" in box.log_text()  # rank 0 downloaded the single peer's state
+    report = compare_replica_logs(box.progress(), read_jsonl(rank1_log))
+    assert report["first_step_compared"], "rank 1 did not log the first step after the download"
+    assert report["optimizer_state_present"] and report["round_steps_compared"] >= 3, report
+    assert report["param_mismatch_steps"] == report["optimizer_mismatch_steps"] == [], report
+    assert report["buffer_mismatch_steps"] == [], report
 
 
 def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,7 +41,9 @@ def test_pkg_resources_is_available_for_vissl() -> None:
 
 @pytest.mark.parametrize("name", ["swav_resnet50", "swav_vit_small"])
 def test_adapt_config_replaces_apex_and_gpu_only_settings(name: str) -> None:
-    config, changes = compose_config(name, ["config.OPTIMIZER.name=sgd", "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
+    # VISSL's own way to ask for LARC (sgd + use_larc) needs apex; the ViT's recipe is AdamW, asked for LARC here
+    config, changes = compose_config(name, ["config.OPTIMIZER.name=sgd", "config.OPTIMIZER.use_larc=True",
+                                            "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
                                             "config.MULTI_PROCESSING_METHOD=forkserver",
                                             "config.DISTRIBUTED.RUN_ID=xxxxxxxxxxxxxxxx"], has_gpu=False)
     assert config.OPTIMIZER.name == "sgd_fsdp" and config.OPTIMIZER.use_larc
@@ -69,3 +72,28 @@ def test_fork_start_method_lets_a_hivemind_averager_start() -> None:
         averager.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_gradient_clipping_under_torch_amp_clips_the_unscaled_gradient() -> None:
+    """VISSL's GradClipHook with torch AMP: the step must be the true gradient clipped to MAX_NORM, not the scaled
+    gradient clipped and then divided by the loss scale (an update 65536 times too small)."""
+    from vissl.hooks import GradClipHook
+
+    vissl_compat.apply()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    loss = model(10 * torch.randn(32, 8)).pow(2).mean()
+    gradient = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    norm = torch.sqrt(sum(g.pow(2).sum() for g in gradient))
+    assert norm > 1.0
+    expected = [p.detach() - g / norm for p, g in zip(model.parameters(), gradient, strict=True)]  # lr 1, norm 1
+
+    scaler.scale(loss).backward()
+    task = SimpleNamespace(model=model, optimizer=optimizer, amp_grad_scaler=scaler)
+    GradClipHook(norm_type=2, max_norm=1.0).on_backward(task)
+    scaler.step(optimizer)  # must not unscale a second time
+    scaler.update()
+    for param, want in zip(model.parameters(), expected, strict=True):
+        assert torch.allclose(param.detach(), want, atol=1e-5)

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""What one averaging round's compression costs the weights, through hivemind's real AllReduce.
+
+Why: `--compression uint8` quantizes the *parameters themselves* (hivemind's Uniform8BitQuantization: 256 levels over
++-3 standard deviations of each part), so its error scales with the weights, not with how far the peers are apart.
+Peers that averaging keeps close to each other may get more noise from one 8-bit round than the round removes.
+
+What it does: `--peers` peers hold ResNet-50-sized tensors (torchvision's resnet50: parameters and BatchNorm buffers,
+as DecentralizedSGD averages them; initial weights from a fixed seed; --checkpoint: a VISSL checkpoint's trained trunk),
+each perturbed by `level` x the tensor's RMS of Gaussian noise (peers that drifted apart by that much). They run one
+real AllReduce (hivemind.DecentralizedAverager on 127.0.0.1, our make_compression(name), every part serialized and
+deserialized as a receiving peer does), and each peer's result is compared with the exact float64 mean.
+
+Schemes: none, fp16, uint8 (what `--compression` offers), quantile8 (hivemind's Quantile8BitQuantization, same
+size rule), uint8_delta_ideal: uint8 applied to `w - w_ref` with a reference every peer shares exactly (here the
+common weights before perturbation): the best that quantizing a delta could do; uint8_all: 8 bits for every tensor of
+at least 1024 values (`uint8` sends tensors under 65536 values as fp16: all of swav_tiny's).
+
+Metrics (relative to the norm of the exact mean, all tensors together):
+    error: ||result_i - mean|| (mean over peers, and max);
+    correction: ||w_i - mean||, what averaging moves a peer; error / correction;
+    spread_after: mean pairwise ||result_i - result_j|| (exact averaging leaves 0), / the spread before.
+
+Usage:
+    python benchmarks/bench_compression.py [--peers 3] [--levels 1e-2 1e-3 1e-4] [--schemes ...] [--checkpoint PATH]
+        [--json PATH] [--markdown PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from decentralized_sgd import make_compression  # noqa: E402
+from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding  # noqa: E402
+
+SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all")
+
+
+def compression_for(scheme: str):
+    """hivemind compression of a scheme; quantile8 uses the same size rule as make_compression('uint8'), uint8_all
+    quantizes every tensor of at least 1024 values (make_compression('uint8') sends tensors under 2**16 as fp16)."""
+    from hivemind.compression import (
+        Float16Compression,
+        Quantile8BitQuantization,
+        SizeAdaptiveCompression,
+        Uniform8BitQuantization,
+    )
+
+    if scheme == "quantile8":
+        return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Quantile8BitQuantization())
+    if scheme == "uint8_all":
+        return SizeAdaptiveCompression(2**10, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+    return make_compression("uint8" if scheme == "uint8_delta_ideal" else scheme)
+
+
+def model_tensors(checkpoint: Path | None) -> list[torch.Tensor]:
+    """Parameters and float buffers of torchvision's ResNet-50 (25.6M values, initial weights from seed 0), in
+    DecentralizedSGD's order; or, with a checkpoint, the float tensors of a VISSL checkpoint's trained trunk."""
+    if checkpoint is not None:
+        from run_eval import load_trunk_state, resolve_checkpoint
+
+        state = load_trunk_state(resolve_checkpoint(checkpoint))
+        return [t.detach().float().clone() for t in state.values() if torch.is_tensor(t) and t.is_floating_point()]
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50()
+    params = [p.detach().clone() for p in model.parameters()]
+    return params + [b.detach().clone() for b in model.buffers() if b.is_floating_point()]
+
+
+def perturbed_copies(base: Sequence[torch.Tensor], peers: int, level: float) -> list[list[torch.Tensor]]:
+    """Each peer: every tensor plus level x its RMS x N(0, 1) (RMS, not std, so constant tensors move too)."""
+    gen = torch.Generator().manual_seed(1)
+    copies = []
+    for _ in range(peers):
+        copies.append([t + level * t.pow(2).mean().sqrt().clamp_min(1e-8) * torch.randn(t.shape, generator=gen)
+                       for t in base])  # fmt: skip
+    return copies
+
+
+def allreduce(tensors: list[list[torch.Tensor]], scheme: str, round_index: int) -> list[list[torch.Tensor]]:
+    """One real hivemind AllReduce of every peer's tensors (all peers in one group); each peer's result. Fresh DHTs
+    for every round: a DHT that outlives an averager keeps failing to read what the averager's process left in its
+    pipe ("No such file or directory" from multiprocessing's resource sharer), and the next round may hang."""
+    import hivemind
+
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(len(tensors) - 1)]  # fmt: skip
+    try:
+        return _allreduce_once(tensors, scheme, dhts, f"compression_{scheme}_{round_index}")
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _allreduce_once(
+    tensors: list[list[torch.Tensor]], scheme: str, dhts: Sequence, prefix: str
+) -> list[list[torch.Tensor]]:
+    import hivemind
+
+    averagers = [
+        hivemind.DecentralizedAverager(
+            [t.clone() for t in peer_tensors], dht, prefix=prefix, target_group_size=len(dhts),
+            min_group_size=len(dhts), min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=300.0,
+            next_chunk_timeout=120.0, compression=compression_for(scheme), start=True,
+        )
+        for peer_tensors, dht in zip(tensors, dhts, strict=True)
+    ]  # fmt: skip
+    try:
+        with ThreadPoolExecutor(len(averagers)) as pool:
+            groups = list(pool.map(lambda a: a.step(timeout=600.0), averagers))
+        if any(group is None or len(group) != len(dhts) for group in groups):
+            raise RuntimeError(f"{scheme}: not every peer averaged with all others: {groups}")
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as averaged:
+                results.append([t.clone() for t in averaged])
+        return results
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
+def _distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True)))
+
+
+def measure(base: list[torch.Tensor], peers: int, level: float, scheme: str, index: int) -> dict:
+    local = perturbed_copies(base, peers, level)
+    exact = [torch.stack([peer[i].double() for peer in local]).mean(0) for i in range(len(base))]
+    started = time.time()
+    if scheme == "uint8_delta_ideal":  # quantize w - w_ref with w_ref shared exactly, then add it back
+        deltas = allreduce([[w - r for w, r in zip(peer, base, strict=True)] for peer in local], scheme, index)
+        results = [[d + r for d, r in zip(peer, base, strict=True)] for peer in deltas]
+    else:
+        results = allreduce(local, scheme, index)
+    seconds = time.time() - started
+    scale = _norm(exact)
+    errors = [_distance(result, exact) / scale for result in results]
+    corrections = [_distance(peer, exact) / scale for peer in local]
+    spread_before = [_distance(a, b) / scale for a, b in itertools.combinations(local, 2)]
+    spread_after = [_distance(a, b) / scale for a, b in itertools.combinations(results, 2)]
+    mean = sum(errors) / len(errors)
+    return {
+        "scheme": scheme, "level": level, "peers": peers, "error_mean": mean, "error_max": max(errors),
+        "correction_mean": sum(corrections) / len(corrections),
+        "error_vs_correction": mean / (sum(corrections) / len(corrections)),
+        "spread_before": sum(spread_before) / len(spread_before), "spread_after": sum(spread_after) / len(spread_after),
+        "spread_after_vs_before": sum(spread_after) / sum(spread_before), "round_s": seconds,
+        "all_finite": all(bool(torch.isfinite(t).all()) for result in results for t in result),
+    }  # fmt: skip
+
+
+COLUMNS = [
+    ("scheme", "scheme", "{}"), ("level", "level", "{:g}"), ("error", "error_mean", "{:.2e}"),
+    ("error max", "error_max", "{:.2e}"), ("correction", "correction_mean", "{:.2e}"),
+    ("error / correction", "error_vs_correction", "{:.3f}"), ("spread before", "spread_before", "{:.2e}"),
+    ("spread after", "spread_after", "{:.2e}"), ("after / before", "spread_after_vs_before", "{:.3f}"),
+]  # fmt: skip
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt.format(row[key]) for _, key, fmt in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--levels", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4],
+                        help="per-peer perturbation, relative to each tensor's RMS")  # fmt: skip
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a VISSL checkpoint (file or folder): its trained trunk instead of ResNet-50's initial "
+                             "weights")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    warnings.filterwarnings("ignore")
+    args = parse_args(argv)
+    import hivemind  # noqa: F401  (sets up its loggers, quieted here)
+
+    logging.getLogger("hivemind").setLevel(logging.ERROR)  # "target_group_size should be a power of 2" etc.
+
+    base = model_tensors(args.checkpoint)
+    print(f"[compression] {sum(t.numel() for t in base) / 1e6:.1f}M values in {len(base)} tensors", file=sys.stderr)
+    rows = []
+    with fixed_8bit_decoding():  # the averagers fork from here and decode 8-bit parts: with the NumPy 2 fix
+        for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
+            rows.append(measure(base, args.peers, level, scheme, index))
+            row = rows[-1]
+            print(f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
+                  f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s", file=sys.stderr)  # fmt: skip
+    table = markdown(rows)
+    print(table)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:]}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The GPU check's trainer: ``run_trainer.py`` with one more VISSL hook, which times a window of training steps.
+
+    python -m benchmarks.measured_trainer --result R --schema S --warmup_steps W --window_steps N --min_rounds K \
+        -- <run_trainer.py arguments>
+
+``measured_hook_generator`` is the swarm's hooks plus ``MeasureWindowHook``; VISSL pickles it into each local
+process of a box (spawned: they re-import this module first, hence vissl_compat at import, as in run_trainer.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import vissl_compat
+
+vissl_compat.apply()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from classy_vision.hooks import ClassyHook  # noqa: E402
+
+from hooks import swarm_hook_generator  # noqa: E402  (bound before gpu_check puts measured_hook_generator there)
+
+
+@dataclass
+class WindowSettings:
+    result_path: str
+    schema_path: str  # the averager's prefix and tensor shapes, for the simulated peer
+    warmup_steps: int
+    window_steps: int
+    min_rounds: int  # the window starts once this many rounds were applied (0: no averaging)
+
+
+class CallTimer:
+    """Wall time of each call of ``obj.name`` that returned True (a fill that filled, an apply that applied).
+
+    DecentralizedSGD does not time its fill and apply itself, so the check wraps the two methods of the instance;
+    a method that is not there (another version of DecentralizedSGD) is reported as not measured.
+    """
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.durations: list[float] = []
+        original = getattr(obj, name, None)
+        self.available = callable(original)
+        if not self.available:
+            return
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            if result:
+                self.durations.append(time.perf_counter() - started)
+            return result
+
+        setattr(obj, name, timed)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _host_timer_total(task: Any, name: str) -> float:
+    """VISSL's PerfStats sums host timers (seconds) per name (``read_sample``: waiting for the data loader)."""
+    stats = getattr(getattr(task, "perf_stats", None), "_host_stats", None) or {}
+    metric = stats.get(name)
+    return float(metric.sum_values) if metric is not None else 0.0
+
+
+class MeasureWindowHook(ClassyHook):
+    """On local rank 0: after a warm-up (and, with averaging, once rounds are applied), time a window of steps
+    and write what it measured to ``settings.result_path`` (the check then stops the trainer)."""
+
+    on_phase_start = ClassyHook._noop
+    on_forward = ClassyHook._noop
+    on_loss_and_meter = ClassyHook._noop
+    on_backward = ClassyHook._noop
+    on_step = ClassyHook._noop
+    on_phase_end = ClassyHook._noop
+    on_end = ClassyHook._noop
+
+    def __init__(self, settings: WindowSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.steps, self.start, self.done, self.averaging = 0, None, False, None
+        self.timers: dict[str, CallTimer] = {}
+
+    def on_start(self, task) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            self.done = True
+            return
+        self.averaging = getattr(task, "decentralized_sgd", None)
+        if self.averaging is not None:
+            with self.averaging.averager.get_tensors() as tensors:
+                shapes = [list(t.shape) for t in tensors]
+            schema = {"prefix": self.averaging.prefix, "shapes": shapes}
+            Path(self.settings.schema_path).write_text(json.dumps(schema))
+            scheduler = getattr(self.averaging, "_scheduler", None)  # the fill runs in the scheduler thread
+            self.timers = {"_fill": CallTimer(scheduler, "_fill_and_trigger"),
+                           "_apply": CallTimer(self.averaging, "_apply_finished_rounds")}  # fmt: skip
+
+    def on_update(self, task) -> None:
+        if self.done:
+            return
+        self.steps += 1
+        if self.start is None:
+            if self.steps >= self.settings.warmup_steps and self._rounds() >= self.settings.min_rounds:
+                _synchronize()
+                self.start = {"step": self.steps, **self._snapshot(task)}
+            return
+        if self.steps - self.start["step"] < self.settings.window_steps:
+            return
+        _synchronize()
+        self.done = True
+        Path(self.settings.result_path).write_text(json.dumps(self._result(task, self._snapshot(task))))
+
+    def _rounds(self) -> int:
+        return int(self.averaging.counters["rounds_applied"]) if self.averaging is not None else 0
+
+    def _snapshot(self, task) -> dict:
+        counters = self.averaging.counters if self.averaging is not None else {}
+        return {
+            "time": time.perf_counter(), "rounds": self._rounds(), "trainer_s": counters.get("trainer_s", 0.0),
+            "read_sample": _host_timer_total(task, "read_sample"),
+            "records": len(self.averaging.records) if self.averaging is not None else 0,
+            "calls": {name: len(timer.durations) for name, timer in self.timers.items()},
+        }  # fmt: skip
+
+    def _result(self, task, end: dict) -> dict:
+        start, steps = self.start, self.settings.window_steps
+        elapsed = end["time"] - start["time"]
+        result = {
+            "steps": steps, "step_s": elapsed / steps,
+            "samples_per_s": task.get_global_batchsize() * steps / elapsed,
+            "data_wait_ms_per_step": 1000 * (end["read_sample"] - start["read_sample"]) / steps,
+            "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        }  # fmt: skip
+        if self.averaging is None:
+            return result
+        records = self.averaging.records[start["records"] : end["records"]]
+        allreduce = [r["allreduce_s"] for r in records if r["applied"] and r["allreduce_s"] is not None]
+        result.update(
+            rounds_applied=end["rounds"] - start["rounds"],
+            trainer_ms_per_step=1000 * (end["trainer_s"] - start["trainer_s"]) / steps,
+            allreduce_s=statistics.fmean(allreduce) if allreduce else None,
+        )
+        for name, timer in self.timers.items():
+            durations = timer.durations[start["calls"][name] : end["calls"][name]]
+            key = name.strip("_")
+            result[f"{key}_ms"] = 1000 * statistics.fmean(durations) if durations else None
+            result[f"{key}_ms_max"] = 1000 * max(durations) if durations else None
+        return result
+
+
+def measured_hook_generator(settings: WindowSettings, cfg) -> list[ClassyHook]:
+    return [*swarm_hook_generator(cfg), MeasureWindowHook(settings)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--result", required=True, help="where the measured window goes (JSON)")
+    parser.add_argument("--schema", required=True, help="where the averager's prefix and shapes go (JSON)")
+    parser.add_argument("--warmup_steps", type=int, required=True)
+    parser.add_argument("--window_steps", type=int, required=True)
+    parser.add_argument("--min_rounds", type=int, required=True, help="rounds applied before the window starts")
+    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then run_trainer.py's arguments")
+    args = parser.parse_args(argv)
+    import hooks
+    import run_trainer
+
+    settings = WindowSettings(args.result, args.schema, args.warmup_steps, args.window_steps, args.min_rounds)
+    hooks.swarm_hook_generator = functools.partial(measured_hook_generator, settings)  # run_trainer imports it late
+    return run_trainer.main(args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Network namespaces with rate-limited links for benchmarks: every peer behind a link of its own, as on real boxes.
+
+Why: on 127.0.0.1 an AllReduce is bound by CPU, never by bandwidth; users' boxes talk over 100 Mbit/s - 1 Gbit/s links.
+Topology (all inside a user + network namespace the benchmark re-executes itself in, as tests/netcut_scenario.py
+runs in one; no root and no real interface is touched):
+
+    peer i's namespace: p<i> 10.79.0.<i+1>/24 --veth-- h<i> (orchestrator's namespace) --- bridge br0
+
+Each direction of each veth is shaped with a token bucket (``tc qdisc ... tbf``; ``netem`` is not available on the
+machines this runs on), so a peer's upload (p<i> egress) and download (h<i> egress) are both limited to the rate.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+ENV_FLAG = "BENCH_INSIDE_NETNS"  # set when this process was re-executed inside `unshare -rn`
+SUBNET = "10.79.0"
+BRIDGE = "br0"
+_CLONE_NEWNET = 0x40000000
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in ("unshare", "ip", "tc", "nsenter") if shutil.which(tool) is None]
+
+
+def inside() -> bool:
+    return os.environ.get(ENV_FLAG) == "1"
+
+
+def reexec_inside(argv: Sequence[str]) -> None:
+    """Replace this process by itself inside a new user + network namespace (root there, nobody outside)."""
+    missing = missing_tools()
+    if missing:
+        raise SystemExit(f"bandwidth-limited regimes need {', '.join(missing)} (util-linux, iproute2); install them "
+                         "or run without the wan_* regimes")  # fmt: skip
+    os.environ[ENV_FLAG] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp("unshare", ["unshare", "-rn", sys.executable, *argv])
+
+
+def _run(*args: str) -> None:
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed: {result.stderr.strip()}")
+
+
+def host_address(rank: int) -> str:
+    return f"{SUBNET}.{rank + 1}"
+
+
+def create_bridge() -> None:
+    """Orchestrator, once, inside the namespace: loopback up and the bridge every peer's link plugs into."""
+    _run("ip", "link", "set", "lo", "up")
+    _run("ip", "link", "add", BRIDGE, "type", "bridge")
+    _run("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
+    _run("ip", "link", "set", BRIDGE, "up")
+
+
+def enter_own_namespace() -> None:
+    """Peer process, first thing after fork: a network namespace of its own (its link is plugged in from outside)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed: run inside `unshare -rn`")
+    _run("ip", "link", "set", "lo", "up")
+
+
+def _shape(netns: Sequence[str], device: str, mbit: float) -> None:
+    """Token bucket at `mbit`: a bucket of 10 ms of traffic (at least 64 KiB, so GSO packets pass), queue 50 ms."""
+    burst = max(int(mbit * 1e6 / 8 * 0.01), 64 * 1024)
+    _run(*netns, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
+         "latency", "50ms")  # fmt: skip
+
+
+def wait_for_own_namespace(pid: int, timeout: float) -> None:
+    """Orchestrator: wait until process `pid` has left our network namespace (enter_own_namespace ran)."""
+    ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + timeout
+    while os.readlink(f"/proc/{pid}/ns/net") == ours:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peer process {pid} did not enter a network namespace of its own in {timeout}s")
+        time.sleep(0.01)
+
+
+def plug_in(pid: int, rank: int, mbit: float | None) -> None:
+    """Orchestrator: a veth pair from the bridge into process `pid`'s namespace, address host_address(rank),
+    both directions shaped to `mbit` (None: unshaped)."""
+    inner, outer = f"p{rank}", f"h{rank}"
+    netns = ("nsenter", f"--net=/proc/{pid}/ns/net")
+    _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+    _run("ip", "link", "set", inner, "netns", str(pid))
+    _run("ip", "link", "set", outer, "master", BRIDGE)
+    _run("ip", "link", "set", outer, "up")
+    _run(*netns, "ip", "addr", "add", f"{host_address(rank)}/24", "dev", inner)
+    _run(*netns, "ip", "link", "set", inner, "up")
+    if mbit is not None:
+        _shape((), outer, mbit)  # the peer's download
+        _shape(netns, inner, mbit)  # the peer's upload
+
+
+def unplug(rank: int) -> None:
+    """Orchestrator: remove a peer's link (deleting one end of a veth pair deletes both); absent is fine."""
+    subprocess.run(["ip", "link", "del", f"h{rank}"], capture_output=True)

@@ -1,0 +1,28 @@
+"""DecentralizedSGD: wrap any torch optimizer and keep averaging its parameters with peers in the background.
+
+Built on ``hivemind.DecentralizedAverager`` (hivemind 1.1.12 no longer ships DecentralizedSGD). Compared with the old
+design, each round (1) fills the averager with the *latest* local parameters as soon as its group has formed,
+(2) applies the result as a delta (``w += averaged - snapshot``) at the trainer's next step boundary, so local steps
+made during the round are kept, and (3) looks for the next group while the current AllReduce is still running.
+Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, are the design:
+
+- ``optimizer``: ``DecentralizedSGD``, what the training loop calls (the lock contract, the step boundary, SSP);
+- ``rounds``: one round's states and transitions (which thread, which lock), and the book of rounds and records;
+- ``scheduler``: the background thread that moves rounds through their states, fills when the group forms;
+- ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
+- ``state_transfer``: serving our state to late joiners, and taking over a donor's;
+- ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
+- ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
+  an averager restart); ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's);
+  ``dht_rejoin``: the DHT re-bootstrap after an outage; both are for whoever owns the DHT
+  (``swarm.start_dht`` uses them); ``compression``: what goes on the wire.
+"""
+
+from .compression import make_compression, schema_fingerprint
+from .dht_rejoin import keep_dht_connected
+from .hivemind_fixes import FixedDHT, keep_ctrl_c
+from .optimizer import DecentralizedSGD
+
+__all__ = [
+    "DecentralizedSGD", "FixedDHT", "keep_ctrl_c", "keep_dht_connected", "make_compression", "schema_fingerprint",
+]  # fmt: skip

@@ -1,0 +1,35 @@
+"""What goes on the wire: hivemind compression by a CLI-friendly name, and the fingerprint that keeps peers whose
+models differ out of each other's groups (it goes into the averaging prefix, so they never even meet)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
+
+COMPRESSIONS = ("none", "fp16", "uint8")
+
+
+def make_compression(name: str) -> CompressionBase:
+    """Map the CLI-friendly names onto hivemind compression classes."""
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return Float16Compression()
+    if name == "uint8":  # 8-bit quantization needs many values for its statistics: small tensors travel as fp16
+        return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+    raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {name!r}")
+
+
+def schema_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
+    """Short hash of shapes/dtypes; put into the prefix so that peers with different models never even meet."""
+    schema = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    return hashlib.sha256(schema.encode()).hexdigest()[:16]

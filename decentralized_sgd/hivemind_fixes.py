@@ -1,0 +1,297 @@
+"""Work-arounds for hivemind 1.1.12 (the version requirements.txt pins), each naming the bug or missing feature.
+
+Nothing here is applied at import. ``HivemindFixes`` is a ``DecentralizedAverager`` mixin: its overrides act on our
+own averager only, in the trainer's process or in the forked averager process (each method says which).
+``fixed_8bit_decoding`` is the one process-wide patch, and only inside the averager process (``HivemindFixes.run``):
+hivemind decodes every received part through a global registry keyed by the wire type
+(``compression/serialization.py``), not through the averager's compression object, so no narrower scope exists.
+The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``).
+``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
+averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
+a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
+``tests/test_hivemind_fixes.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import logging
+import multiprocessing.sharedctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
+
+import hivemind
+import numpy as np
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.compression.quantization import Quantization
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import achain, anext, as_aiter
+from hivemind.utils.multiaddr import Multiaddr
+
+from decentralized_sgd.averager_shutdown import shut_down_averager
+
+logger = logging.getLogger(__name__)
+
+
+class AveragerUnresponsive(RuntimeError):
+    """The averager process did not answer within its deadline (stopped, wedged, or killed holding a lock)."""
+
+
+@contextlib.contextmanager
+def keep_ctrl_c() -> Iterator[None]:
+    """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so
+    that its child inherits it): afterwards Ctrl-C no longer stops the trainer. Restore the handler we had."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _extract_8bit(self: Quantization, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """hivemind 1.1.12's Quantization.extract with one fix: it calls int() on a 1-element array, an error in NumPy 2,
+    so every 8-bit part failed to decode and silently stayed un-averaged."""
+    codebook_size = int(np.frombuffer(serialized_tensor.buffer, count=1, dtype=np.int64)[0])
+    codebook = np.frombuffer(serialized_tensor.buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(serialized_tensor.buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+    codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
+@contextlib.contextmanager
+def fixed_8bit_decoding() -> Iterator[None]:
+    """Decode hivemind's 8-bit parts with the NumPy 2 fix while the block runs (process-wide: see the module)."""
+    original, Quantization.extract = Quantization.extract, _extract_8bit
+    try:
+        yield
+    finally:
+        Quantization.extract = original
+
+
+class _NoGroupIsNoError(logging.Filter):
+    """hivemind logs a round that found no group as an ERROR with a traceback (averager.py, _step). With a
+    matchmaking deadline (see start_step) that is an expected outcome, counted as ``rounds_no_group``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
+
+
+class LockedConnection:
+    """The averager's control pipe with sends serialized. hivemind sends on it from whichever thread calls step(),
+    load_state_from_peers() or a property setter; concurrent sends on one multiprocessing connection interleave."""
+
+    def __init__(self, connection: Any):
+        self._connection, self._send_lock = connection, threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._send_lock:
+            self._connection.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
+async def _remove_handlers_of(p2p: P2P, names: Sequence[str], address: Multiaddr) -> None:
+    """Remove stream handlers that another client of this p2p daemon registered from `address` (p2pd matches a
+    handler by protocol and the registering client's socket address), reusing hivemind's request code."""
+    control = copy.copy(p2p._client.control)
+    control.listen_maddr = address
+    for name in names:
+        control.handlers = {name: None}  # remove_stream_handler deletes its own entry afterwards
+        try:
+            await control.remove_stream_handler(name)
+        except Exception as e:  # already gone (a clean shutdown removes its own handlers)
+            logger.debug(f"stale handler {name}: {e!r}")
+
+
+class _RequestsOfTheDead:
+    """The DHT process's end of its request pipe. A request carries MPFuture pipes, which the DHT fetches from the
+    sender's multiprocessing resource sharer while unpickling; if the sender dies meanwhile (an averager killed by
+    the OOM killer or restarted by us), that raises EOFError, which hivemind's DHT.run does not catch (it catches
+    OSError): the DHT process dies, and with it averaging for the whole peer. Raise an OSError instead: hivemind
+    logs it and drops that one request, whose sender is gone anyway."""
+
+    def __init__(self, connection: Any):
+        self._connection = connection
+
+    def recv(self) -> Any:
+        message = self._connection.recv_bytes()  # an EOFError here is the real end of the pipe
+        try:
+            return ForkingPickler.loads(message)
+        except EOFError as e:
+            raise ConnectionResetError(f"the sender of a DHT request died before it was read ({e!r})") from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
+class FixedDHT(hivemind.DHT):
+    """``hivemind.DHT`` that survives the death of a process that sent it a request (see _RequestsOfTheDead). DHT
+    owners create this instead (swarm.start_dht does); an averager restart on a plain hivemind.DHT can kill it."""
+
+    def run(self) -> None:
+        """DHT process."""
+        self._inner_pipe = _RequestsOfTheDead(self._inner_pipe)
+        super().run()
+
+
+class HivemindFixes(hivemind.DecentralizedAverager):
+    """``DecentralizedAverager`` plus the fixes below. Construct with ``start=False`` semantics: call
+    ``start_in_background`` (hivemind's ``run_in_background`` changes the caller's SIGINT handler)."""
+
+    _rpc_handlers = None  # the base class caches handlers per class: collect ours, or stubs may use another name
+    _stub_type = None
+
+    def __init__(self, *args, trigger_grace: float, handler_address: multiprocessing.sharedctypes.SynchronizedArray,
+                 **kwargs):  # fmt: skip
+        self.trigger_grace = trigger_grace
+        self._handler_address = handler_address  # shared by every averager this peer starts, see add_p2p_handlers
+        self._live_steps: set[asyncio.Task] = set()
+        super().__init__(*args, start=False, **kwargs)
+
+    # --- in the averager process ---
+    def run(self) -> None:
+        """Averager process. Ignore SIGINT here rather than in the parent (hivemind's run_in_background does the
+        latter, so that the child inherits it): Ctrl-C reaches the whole process group, and the trainer shuts us
+        down in order. Decode 8-bit parts with the NumPy 2 fix; do not log rounds without a group as errors."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
+        with fixed_8bit_decoding():
+            super().run()
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None,
+                               balanced: bool = False) -> None:  # fmt: skip
+        """Averager process. hivemind cannot restart an averager on a running DHT: the p2p daemon keeps the
+        handlers a killed averager registered and refuses new ones ("handler ... already set"). So each averager
+        records the address it registers from, and its successor first removes what was registered from there."""
+        stale = self._handler_address.value.decode()
+        if stale:
+            self._collect_rpc_handlers()
+            names = [self._get_handle_name(namespace, handler.method_name) for handler in self._rpc_handlers]
+            await _remove_handlers_of(p2p, names, Multiaddr(stale))
+        self._handler_address.value = str(p2p._client_listen_maddr).encode()
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+
+    async def _step(self, **kwargs) -> None:
+        """Averager process. hivemind creates this task without keeping a reference to it (averager.py, _run), and
+        the trigger it awaits is an MPFuture that hivemind holds only by weak reference: while a round awaits its
+        trigger, the garbage collector may destroy the whole chain ("Task was destroyed but it is pending!") and the
+        round never ends, for us and for our groupmates. Keep the task alive until it finishes."""
+        task = asyncio.current_task()
+        self._live_steps.add(task)
+        try:
+            await super()._step(**kwargs)
+        finally:
+            self._live_steps.discard(task)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Averager process. Groupmates trigger when they are ready, so their parts may arrive before we registered
+        the group. hivemind waits for that only while no other group (un)registers; with pipelined rounds one
+        always does, and the early sender would get BAD_GROUP_ID and drop us. Wait (bounded) for the group."""
+        request = await anext(stream)
+        deadline = time.monotonic() + self.trigger_grace
+        while request.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """Averager process. hivemind's own ``_shutdown`` crashes on running groups and leaves a last DHT request
+        behind: see ``averager_shutdown``."""
+        await shut_down_averager(self, timeout)
+
+    # --- in the trainer's process ---
+    def start_in_background(self, timeout: float) -> None:
+        """Start the averager process and wait (at most `timeout` s) until it serves. hivemind's run_in_background
+        sets SIGINT to SIG_IGN in the caller and cannot run outside the main thread (our restarts do)."""
+        self.start()
+        try:
+            self.wait_until_ready(timeout)
+        except concurrent.futures.TimeoutError:
+            raise AveragerUnresponsive(f"process did not start within {timeout:.0f}s") from None
+        self._outer_pipe = LockedConnection(self._outer_pipe)  # after the fork: the parent's side only
+
+    def start_step(self, *, scheduled_time: float, deadline: float, gather: Any, timeout: float) -> StepControl:
+        """Begin matchmaking for one round that waits for our trigger (hivemind's ``step(require_trigger=True,
+        wait=False, allow_retries=False)``). hivemind's step() then waits for the averager process to acknowledge
+        with no timeout (``future_for_init.result()``): a stopped or wedged averager blocks its caller forever.
+        The same request with a deadline (`timeout` s); raises AveragerUnresponsive.
+
+        `deadline` (DHT time) ends the matchmaking: by default hivemind looks for a group forever, and a
+        groupmate whose averager died while its p2p daemon lives on (a restart, a crash) leaves the others'
+        matchmaking stuck for good (a join request to its dead handlers never ends)."""
+        data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
+        step = StepControl(scheduled_time=scheduled_time, deadline=deadline, allow_retries=False, weight=1.0,
+                           data_for_gather=data_for_gather)  # fmt: skip
+        future_for_init = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
+        try:
+            step.attach(*future_for_init.result(timeout=timeout))
+        except concurrent.futures.TimeoutError:
+            trigger = MPFuture()
+            trigger.cancel()
+            step.attach(trigger, MPFuture())  # a StepControl without a trigger raises in its __del__
+            step.cancel()
+            raise AveragerUnresponsive(f"did not start a round within {timeout:.0f}s") from None
+        return step
+
+    @contextlib.contextmanager
+    def buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged tensors under their lock, like get_tensors(); hivemind's waits for the lock forever, and an
+        averager killed mid-AllReduce leaves it locked for good. Raises AveragerUnresponsive after `timeout` s."""
+        if not self.lock_averaged_tensors.acquire(timeout=timeout):
+            raise AveragerUnresponsive(f"held its buffers for over {timeout:.0f}s")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
+
+    def shutdown(self) -> None:
+        """Stop the averager process within about shutdown_timeout + 7 s, whatever its state. hivemind's shutdown()
+        ends with terminate(): a SIGSTOPped process never handles that SIGTERM, lives on, and multiprocessing joins
+        it at interpreter exit, so the program never ends. So continue a stopped process first (see _resume), and
+        kill what is left. For a dead process, only stop our state-fetching thread (hivemind's shutdown() would log
+        an exception)."""
+        if self.is_alive():
+            self._resume()
+            super().shutdown()
+            self.join(1.0)
+        else:
+            self._inner_pipe.send(("_SHUTDOWN", None))
+        if self.is_alive():
+            self.kill()
+            self.join(5.0)
+
+    def kill_now(self) -> None:
+        """Stop a failed averager at once (it has nothing left to finish): continue it if stopped (see _resume),
+        then SIGKILL, the one signal a wedged process cannot miss; stop hivemind's state-fetching thread here."""
+        if self.is_alive():
+            self._resume()
+            self.kill()
+            self.join(5.0)
+        self._inner_pipe.send(("_SHUTDOWN", None))
+
+    def _resume(self, grace: float = 0.5) -> None:
+        """SIGCONT, and a moment to run. hivemind hands every MPFuture's pipe to the DHT process through
+        multiprocessing's resource sharer, a thread of the sending process: while the averager is stopped, its
+        DHT process blocks waiting for such a handle, and if the averager is killed then, the DHT process dies
+        (an EOFError that hivemind's DHT._run does not catch) and takes the peer's DHT with it."""
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        self.join(grace)

@@ -1,0 +1,297 @@
+"""``DecentralizedSGD``: what a training loop calls. Wraps any torch optimizer; averages its parameters (and BN
+buffers, optionally optimizer state) with peers all the time, in the background.
+
+The trainer's side is small on purpose: ``step()`` / ``on_step_end()`` count the step and, at this step boundary,
+add the updates of finished rounds (``w ← w + averaged − snapshot``: local steps made during the round are kept).
+Everything else happens in the scheduler thread (``scheduler``), the averager process (``averager``,
+``supervisor``) and hivemind's state-fetching thread (``state_transfer``).
+
+The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; if you call
+``optimizer.step()`` yourself, do it and ``on_step_end()`` under ``with dsgd.lock:``). The scheduler copies the
+parameters into a formed round under that lock, and late joiners download them under it, so neither sees half an
+update. LR schedulers should be given ``dsgd.optimizer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.p2p import PeerID
+
+from . import state_transfer
+from .averager import Averager, handler_address_slot
+from .compression import make_compression, schema_fingerprint
+from .rounds import RoundBook
+from .rounds import RoundState as S
+from .scheduler import RoundScheduler
+from .supervisor import AveragerSupervisor
+from .tensors import AveragedTensors, ResultSlots, add_, copy_
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
+AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
+SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see HivemindFixes.shutdown
+COUNTERS = (
+    "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
+    "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
+    "dht_rejoins", "averager_failures", "averager_restarts",
+)  # fmt: skip
+
+
+class DecentralizedSGD:
+    """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time.
+
+    Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step.
+
+    Non-finite values: a peer whose own values are not finite contributes zeros with weight 0 (its groupmates
+    average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
+    A peer whose trainer stalls joins at most one group it does not trigger; its groupmates drop it after
+    ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``).
+    ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
+    """
+
+    needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        model: torch.nn.Module | None = None,
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        allreduce_timeout: float = 60.0,
+        next_chunk_timeout: float = 10.0,
+        max_staleness: int | None = None,
+        staleness_timeout: float = 60.0,
+        average_buffers: bool = True,
+        average_optimizer_state: bool = False,
+        weight_by_samples: bool = False,
+        compression: str = "none",
+        delta_rule: bool = True,
+        refresh_before_allreduce: bool = True,
+        pipeline: bool = True,
+        fill_when_formed: bool = True,
+        averager_timeout: float = 30.0,
+        records_path: str | None = None,
+        client_mode: bool | None = None,
+        get_extra_state: Callable[[], dict] | None = None,
+        before_allreduce: Callable[[], None] | None = None,
+        verbose: bool = False,
+        start: bool = True,
+    ):
+        assert "." not in prefix, "prefix may not contain '.'"
+        self.optimizer, self.dht, self.model = optimizer, dht, model
+        self.min_matchmaking_time, self.next_chunk_timeout = min_matchmaking_time, next_chunk_timeout
+        self.allreduce_timeout, self.averager_timeout = allreduce_timeout, averager_timeout
+        self.max_staleness, self.staleness_timeout = max_staleness, staleness_timeout
+        self.weight_by_samples, self.delta_rule = weight_by_samples, delta_rule
+        self.refresh_before_allreduce, self.pipeline = refresh_before_allreduce, pipeline
+        self.fill_when_formed = fill_when_formed  # False: the ablation of issue 11, see scheduler
+        self.get_extra_state = get_extra_state
+        self.before_allreduce = before_allreduce  # hivemind has no such hook: run right before the buffers are filled
+
+        self.lock = threading.RLock()  # guards local params/optimizer: trainer step vs. filling vs. serving state
+        self.local_step = self.samples = 0
+        self.boundaries = 0  # step boundaries passed: one per step, and one per poll while waiting for SSP
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.peer = str(dht.peer_id)
+        self._last_sync_step = self._samples_since_fill = 0
+        self._closed = False
+
+        self.averaged_tensors = AveragedTensors(optimizer, model, average_buffers=average_buffers,
+                                                average_optimizer_state=average_optimizer_state)  # fmt: skip
+        self.prefix = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
+        self.round_book = RoundBook(self.counters, ResultSlots(self.averaged_tensors), records_path, verbose)
+        self.records: list[dict] = self.round_book.records
+        averager_kwargs = dict(
+            prefix=self.prefix, target_group_size=target_group_size, min_group_size=min_group_size,
+            min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
+            allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
+            compression=make_compression(compression), client_mode=client_mode, state_fn=self._serve_state,
+            trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
+            shutdown_timeout=AVERAGER_SHUTDOWN_S,
+        )  # fmt: skip
+        self._supervisor = AveragerSupervisor(
+            lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
+        )
+        self._scheduler = RoundScheduler(self, self._supervisor, self.round_book)
+        if start:
+            self.start()
+
+    # --- torch.optim.Optimizer passthrough ---
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        with self.lock:
+            self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        logger.warning("Parameters added after DecentralizedSGD was created are trained locally but not averaged")
+        self.optimizer.add_param_group(param_group)
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    @property
+    def averager(self) -> Averager:
+        """The current averager process (a new one after a restart)."""
+        return self._supervisor.averager
+
+    def start(self) -> None:
+        """Start the averager process and the scheduler (only needed if created with start=False)."""
+        self._supervisor.start()
+        self._scheduler.start()
+
+    # --- the trainer's side ---
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        with self.lock:  # one hold: the step and its count are seen together by the scheduler and by late joiners
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            self._step_boundary(batch_size)
+        self._enforce_staleness_bound()
+        return loss
+
+    def on_step_end(self, batch_size: int | None = None) -> None:
+        """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
+        Applies the updates of finished rounds; cheap when nothing finished (no tensor copies)."""
+        with self.lock:
+            self._step_boundary(batch_size)
+        self._enforce_staleness_bound()
+
+    def _step_boundary(self, batch_size: int | None) -> None:
+        t0 = time.perf_counter()
+        self.local_step += 1
+        self.samples += batch_size or 1
+        self._samples_since_fill += batch_size or 1
+        self.boundaries += 1
+        self._apply_finished_rounds()
+        self._scheduler.wake()
+        self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
+
+    def _apply_finished_rounds(self) -> int:
+        """Trainer thread, holding self.lock, at a step boundary: add the updates of DONE rounds, oldest first
+        (they wait in result slots, which only this thread reads once DONE; see tensors.ResultSlots). Returns how
+        many it applied."""
+        book = self.round_book
+        with book.lock:
+            finished = [r for r in book.rounds if r.state is S.DONE]
+        if not finished or self._closed:
+            return 0
+        local = self.averaged_tensors.local()
+        with torch.no_grad():
+            for r in finished:
+                (add_ if self.delta_rule else copy_)(local, r.slot)
+        with book.lock:
+            for r in finished:
+                r.apply()
+            book.retire(self.local_step, self.peer)
+        self._last_sync_step = self.local_step
+        if not self.averager.client_mode:  # let late joiners prefer the most trained peer
+            self.averager.state_sharing_priority = float(self.local_step)
+        return len(finished)
+
+    def take_samples_since_fill(self) -> int:
+        """Scheduler thread, holding self.lock: the samples seen since the previous fill (weight_by_samples)."""
+        samples, self._samples_since_fill = self._samples_since_fill, 0
+        return samples
+
+    def _enforce_staleness_bound(self) -> None:
+        if self.max_staleness is not None and self.local_step - self._last_sync_step > self.max_staleness:
+            self._wait_for_round()
+
+    def _wait_for_round(self) -> None:
+        """SSP: block until a round is applied, at most staleness_timeout seconds."""
+        t0 = time.monotonic()
+        self.counters["ssp_waits"] += 1
+        while self.local_step - self._last_sync_step > self.max_staleness and not self._closed:
+            if time.monotonic() - t0 > self.staleness_timeout:
+                logger.warning(
+                    f"SSP: no round applied for {self.local_step - self._last_sync_step} steps and "
+                    f"{self.staleness_timeout}s, continuing without averaging"
+                )
+                self.counters["ssp_timeouts"] += 1
+                self._last_sync_step = self.local_step
+                break
+            time.sleep(0.01)
+            with self.lock:  # waiting here is a step boundary: rounds may start and fill, results are applied
+                self.boundaries += 1
+                self._apply_finished_rounds()
+            self._scheduler.wake()
+        self.counters["ssp_wait_s"] += time.monotonic() - t0
+
+    # --- records ---
+    def last_record(self) -> dict | None:
+        return self.records[-1] if self.records else None
+
+    def last_applied_record(self) -> dict | None:
+        return next((record for record in reversed(self.records) if record["applied"]), None)
+
+    def in_flight_rounds(self) -> list[dict]:
+        """Records (``applied=False``, ``state``: where the round is) of the rounds not resolved yet, oldest first."""
+        return self.round_book.in_flight(self.peer)
+
+    # --- state transfer ---
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor], None]:
+        return state_transfer.current_state(self)
+
+    def load_state_from_peers(
+        self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None
+    ) -> dict | None:
+        """Download params/buffers/optimizer state/progress from a peer.
+
+        Returns the donor's extra-state dict (its training progress, see get_extra_state) or None if nobody answered
+        or ``accept(extra_state)`` said no (e.g. the donor is not ahead of our checkpoint): then nothing changes.
+        The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
+        """
+        return state_transfer.load_state_from_peers(self, self.allreduce_timeout if timeout is None else timeout,
+                                                    accept)  # fmt: skip
+
+    def took_over_state(self, local_step: int, samples: int) -> None:
+        """Holding self.lock, after a donor's state replaced ours: continue its step count."""
+        self.local_step = self._last_sync_step = local_step
+        self.samples = samples
+
+    # --- lifecycle ---
+    def shutdown(self) -> None:
+        """Cancel pending rounds and stop the averager within a bounded time (see the class); safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._scheduler.stop(timeout=SCHEDULER_JOIN_S)
+        with self.round_book.lock:  # not recorded: the run is over
+            for r in self.round_book.rounds:
+                if r.state is S.TRIGGERED:
+                    r.fail("shut down")  # hivemind may still finish it: its buffers are never read again
+                elif not r.state.resolved and r.state is not S.DONE:
+                    r.cancel("shut down")
+            self.round_book.rounds.clear()
+        self._supervisor.shutdown()
+
+    def __enter__(self) -> DecentralizedSGD:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

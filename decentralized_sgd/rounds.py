@@ -1,0 +1,250 @@
+"""One averaging round's life cycle, and the book of rounds in flight and resolved.
+
+A round moves through explicit states; every transition is one method of ``Round``, called with ``RoundBook.lock``
+held (its docstring names the thread that calls it and the other locks it holds)::
+
+    LOOKING ──► FORMED ──► FILLED ──► TRIGGERED ──► DONE ──► APPLIED
+       │           │          │            │           └───► DISCARDED   (state reloaded meanwhile)
+       │           │          │            ├───────────────► DISCARDED   (not finite, or state reloaded)
+       └───────────┴──────────┴──► CANCELLED                 (never after TRIGGERED)
+       └───────────┴──────────┴────────────┴──────► FAILED   (hivemind reported an error, or the averager died)
+
+- LOOKING: hivemind's matchmaking runs. FORMED: the group formed, hivemind awaits our trigger. FILLED: our values
+  are in the averager's buffers. TRIGGERED: hivemind runs the AllReduce and owns the buffers. DONE: the update
+  (averaged − snapshot) waits in a result slot for the trainer's next step boundary.
+- A round is never cancelled once triggered: hivemind may already have committed to the AllReduce and would write
+  the buffers after the next round filled them. Trigger and cancel both change the state under the book's lock,
+  and the hivemind call (``allow_allreduce`` / ``cancel``) happens inside the transition, so they cannot race.
+- Timeouts use ``time.monotonic()``; the record keeps wall-clock times (``t_*``) for plots and logs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.averaging.control import StepControl
+
+from .tensors import ResultSlots
+
+logger = logging.getLogger(__name__)
+
+
+class RoundState(enum.Enum):
+    LOOKING = "looking"
+    FORMED = "formed"
+    FILLED = "filled"
+    TRIGGERED = "triggered"
+    DONE = "done"
+    APPLIED = "applied"
+    DISCARDED = "discarded"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def resolved(self) -> bool:
+        return self in _RESOLVED
+
+
+_RESOLVED = {RoundState.APPLIED, RoundState.DISCARDED, RoundState.CANCELLED, RoundState.FAILED}
+S = RoundState
+
+
+@dataclass(eq=False)
+class Round:
+    """One round: its hivemind StepControl, its state, and what its record reports. Steps are the trainer's
+    local_step; ``t_*`` are wall-clock (records), ``formed_at`` is monotonic (timeouts)."""
+
+    index: int
+    control: StepControl
+    t_start: float
+    step_at_start: int
+    early_snapshot: list[torch.Tensor] | None = None  # refresh_before_allreduce=False: values from the start
+    state: RoundState = RoundState.LOOKING
+    slot: list[torch.Tensor] | None = None  # from FILLED: the snapshot, then (DONE) the update to add
+    samples: int = 0  # samples the trainer saw between the previous fill and this one (weight_by_samples)
+    results_included: int = 0  # updates of DONE rounds added to this round's fill (not applied to w yet)
+    weight: float | None = None
+    local_nonfinite: bool = False  # our values were not finite: we took part with zeros and weight 0
+    stale: bool = False  # params were replaced by load_state_from_peers after our fill
+    error: str | None = None
+    group: list[str] | None = None
+    must_form_by: float = float("inf")  # monotonic, like the four below: hivemind's matchmaking deadline + slack
+    triggered_at: float | None = None
+    formed_at: float | None = None
+    boundary_at_formed: int | None = None  # the trainer's step-boundary count when the group formed
+    allreduce_started_at: float | None = None
+    ended_at: float | None = None
+    formed_during_prev_allreduce: bool = False
+    t_group_formed: float | None = None
+    t_triggered: float | None = None
+    t_allreduce_start: float | None = None
+    t_end: float | None = None
+    step_at_group_formed: int | None = None
+    step_at_snapshot: int | None = None
+    extra: dict = field(default_factory=dict)  # further record fields (e.g. from extensions)
+
+    def _move(self, sources: set[RoundState], target: RoundState) -> bool:
+        """Change state; False if the round was resolved meanwhile (e.g. by shutdown); a bug raises."""
+        if self.state not in sources:
+            if self.state.resolved:
+                return False
+            raise AssertionError(f"round {self.index}: {self.state.name} -> {target.name} is not a transition")
+        self.state = target
+        return True
+
+    # --- transitions (each with RoundBook.lock held) ---
+    def form(self, step: int, boundary: int, prev_running: bool) -> bool:
+        """LOOKING → FORMED. Scheduler thread. ``prev_running``: the previous round's AllReduce still runs."""
+        if not self._move({S.LOOKING}, S.FORMED):
+            return False
+        self.t_group_formed, self.formed_at, self.step_at_group_formed = time.time(), time.monotonic(), step
+        self.boundary_at_formed, self.formed_during_prev_allreduce = boundary, prev_running
+        return True
+
+    def fill(self, step: int, samples: int, slot: list[torch.Tensor], results_included: int) -> bool:
+        """FORMED → FILLED. Scheduler thread, holding the averager's buffer lock and ``dsgd.lock`` (so ``step`` is
+        exactly the step boundary whose values went in)."""
+        if not self._move({S.FORMED}, S.FILLED):
+            return False
+        self.samples, self.slot, self.results_included = samples, slot, results_included
+        self.step_at_snapshot = self.step_at_start if self.early_snapshot is not None else step
+        return True
+
+    def trigger(self, weight: float, local_nonfinite: bool) -> bool:
+        """FILLED → TRIGGERED, and let hivemind start the AllReduce. Scheduler thread, holding the averager's buffer
+        lock (the slot already holds the snapshot)."""
+        if not self._move({S.FILLED}, S.TRIGGERED):
+            return False
+        self.weight, self.local_nonfinite = weight, local_nonfinite
+        self.t_triggered, self.triggered_at = time.time(), time.monotonic()
+        self.control.weight = weight
+        self.control.allow_allreduce()
+        return True
+
+    def finish(self, group: list[str]) -> bool:
+        """TRIGGERED → DONE: the slot holds the update. Scheduler thread, holding the averager's buffer lock."""
+        if not self._move({S.TRIGGERED}, S.DONE):
+            return False
+        self.group = group
+        return True
+
+    def apply(self) -> bool:
+        """DONE → APPLIED: the trainer added the update. Trainer thread, holding ``dsgd.lock``."""
+        return self._move({S.DONE}, S.APPLIED)
+
+    def discard(self, reason: str, group: list[str] | None = None) -> bool:
+        """TRIGGERED or DONE → DISCARDED: the result is not used. Scheduler thread (not finite; our values were
+        not finite), or trainer thread holding ``dsgd.lock`` (state reloaded since the fill)."""
+        if not self._move({S.TRIGGERED, S.DONE}, S.DISCARDED):
+            return False
+        self.error, self.group = reason, group if group is not None else self.group
+        return True
+
+    def cancel(self, reason: str) -> bool:
+        """LOOKING, FORMED or FILLED → CANCELLED, and tell hivemind. Refused (False) once triggered. Scheduler
+        thread (not filled in time), or the thread calling shutdown."""
+        if self.state in (S.TRIGGERED, S.DONE) or not self._move({S.LOOKING, S.FORMED, S.FILLED}, S.CANCELLED):
+            return False
+        self.error = reason
+        self.control.cancel()
+        return True
+
+    def fail(self, error: str) -> bool:
+        """Any unresolved state but DONE → FAILED. Scheduler thread: hivemind ended the step with an error, or the
+        averager process failed (a DONE result lives in its slot and is still applied); or the thread calling
+        shutdown, for a triggered round."""
+        if not self._move({S.LOOKING, S.FORMED, S.FILLED, S.TRIGGERED}, S.FAILED):
+            return False
+        self.error = error
+        if not self.control.done():
+            self.control.cancel()
+        return True
+
+    # --- observations of hivemind's progress (scheduler thread; timestamps only) ---
+    def observe(self) -> None:
+        if self.t_allreduce_start is None and self.control.began_allreduce:
+            self.t_allreduce_start, self.allreduce_started_at = time.time(), time.monotonic()
+        if self.t_end is None and self.control.done():
+            self.t_end, self.ended_at = time.time(), time.monotonic()
+
+    def record(self, step_at_apply: int | None, peer: str) -> dict:
+        """One JSON-able dict; t_applied/step_at_apply: when the round was resolved for good (None in flight)."""
+
+        def span(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+
+        resolved = step_at_apply is not None
+        return dict(
+            round=self.index, state=self.state.name, group_size=None if self.group is None else len(self.group),
+            group=self.group, applied=self.state is S.APPLIED, error=self.error, weight=self.weight,
+            matchmaking_s=span(self.t_start, self.t_group_formed),
+            awaiting_trigger_s=span(self.t_group_formed, self.t_triggered),
+            allreduce_s=span(self.t_allreduce_start, self.t_end), t_start=self.t_start,
+            t_group_formed=self.t_group_formed, t_triggered=self.t_triggered, t_allreduce_start=self.t_allreduce_start,
+            t_end=self.t_end, t_applied=time.time() if resolved else None, step_at_start=self.step_at_start,
+            step_at_group_formed=self.step_at_group_formed, step_at_snapshot=self.step_at_snapshot,
+            step_at_apply=step_at_apply, results_included=self.results_included,
+            staleness_steps=None if self.step_at_snapshot is None or not resolved
+            else step_at_apply - self.step_at_snapshot,
+            formed_during_prev_allreduce=self.formed_during_prev_allreduce, peer=peer, **self.extra,
+        )  # fmt: skip
+
+
+# what a resolved round adds to DecentralizedSGD.counters
+_COUNTED = {S.APPLIED: "rounds_applied", S.CANCELLED: "rounds_cancelled"}
+_DISCARD_COUNTERS = {"local snapshot not finite": "rounds_skipped_local_nonfinite",
+                     "averaged result not finite": "rounds_discarded_nonfinite"}  # fmt: skip
+
+
+class RoundBook:
+    """The rounds in flight (oldest first, at most ``ResultSlots.count``) and the records of resolved ones.
+
+    ``lock`` guards every round's state and the list. A resolved round leaves the list once every older round has
+    (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path)."""
+
+    def __init__(self, counters: dict[str, float], slots: ResultSlots, records_path: str | None, verbose: bool):
+        self.lock = threading.Lock()
+        self.rounds: list[Round] = []
+        self.records: list[dict] = []
+        self.counters, self.slots, self.records_path, self.verbose = counters, slots, records_path, verbose
+        self.num_started = 0
+
+    def retire(self, step: int, peer: str) -> list[Round]:
+        """With ``lock`` held (trainer or scheduler thread): record the resolved rounds at the head of the list."""
+        retired = []
+        while self.rounds and self.rounds[0].state.resolved:
+            r = self.rounds.pop(0)
+            if r.slot is not None:
+                self.slots.give_back(r.slot)
+                r.slot = None
+            r.early_snapshot = None
+            self._count(r)
+            record = r.record(step, peer)
+            self.records.append(record)
+            if self.records_path is not None:
+                with open(self.records_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if self.verbose:
+                logger.info(f"DecentralizedSGD round: {record}")
+            retired.append(r)
+        return retired
+
+    def _count(self, r: Round) -> None:
+        if r.state in _COUNTED:
+            key = _COUNTED[r.state]
+        elif r.state is S.DISCARDED:
+            key = _DISCARD_COUNTERS.get(r.error or "")
+        else:  # FAILED
+            key = "rounds_failed" if r.t_group_formed is not None else "rounds_no_group"
+        if key is not None:
+            self.counters[key] += 1
+
+    def in_flight(self, peer: str) -> list[dict]:
+        with self.lock:
+            return [r.record(None, peer) for r in self.rounds]

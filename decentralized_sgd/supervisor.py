@@ -1,0 +1,128 @@
+"""Keeps the averager process alive: starts it, notices when it dies or stops answering, restarts it, stops it.
+
+A failed averager is restarted, not turned into an error that stops training. Under ASP (the default) a peer
+without an averager still trains; a new averager (about a second) puts it back into the swarm with its current
+parameters, whereas stopping would throw away a training run, its GPU state and data loaders for the failure of a
+helper process. Rounds then resume on their own; under SSP the trainer's waits stay bounded by staleness_timeout.
+
+What counts as a failure:
+- dead: ``is_alive()`` is False (SIGKILL, the OOM killer, a crash), checked on every scheduler tick (20 ms);
+- unresponsive: a call with a deadline timed out (``start_step``, the buffers' lock), or a probe (hivemind's
+  ``get_group_bits``, answered by the averager's event loop within milliseconds) got no answer for ``timeout`` s
+  (SIGSTOP, a wedged event loop).
+
+Each failure is logged once at ERROR with what to do and counted (``averager_failures``); the scheduler fails the
+rounds in flight (finished results, held outside the averager, are still applied); the old process is killed and a
+new one started, at once for a first failure, then after 2, 4, ... 60 s while failures follow each other within
+``QUIET_S`` of a restart (``averager_restarts`` counts the successful restarts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from hivemind.utils import MPFuture
+
+from .averager import Averager
+from .hivemind_fixes import AveragerUnresponsive
+
+logger = logging.getLogger(__name__)
+
+PROBE_PERIOD_S = 5.0
+QUIET_S = 300.0  # a failure this long after the last restart counts as a first failure again
+
+
+class AveragerSupervisor:
+    """Owns ``averager`` (replaced on restart). ``check`` and ``failed`` run in the scheduler thread, ``start``
+    and ``shutdown`` in the thread that creates / shuts down the optimizer."""
+
+    def __init__(self, make_averager: Callable[[], Averager], counters: dict[str, float], timeout: float):
+        self.make_averager, self.counters, self.timeout = make_averager, counters, timeout
+        self.averager = make_averager()
+        self.failure: str | None = None  # what went wrong, until the averager has been restarted
+        self.failures, self.last_failure = 0, ""  # the scheduler fails the rounds of every failed averager
+        self._failures_in_a_row, self._restart_at, self._last_restart = 0, 0.0, float("-inf")
+        self._probe: MPFuture | None = None
+        self._probe_sent_at = self._next_probe_at = 0.0
+        self._closed = False
+
+    def start(self) -> None:
+        try:
+            self.averager.start_in_background(self.timeout)
+        except AveragerUnresponsive as e:  # at construction: nothing to fall back on yet
+            raise RuntimeError(f"DecentralizedSGD: the averager {e}; is the DHT running, and the machine not "
+                               "overloaded? (averager_timeout sets this limit)") from None
+        self._next_probe_at = time.monotonic() + PROBE_PERIOD_S
+
+    def check(self) -> bool:
+        """Scheduler thread: is the averager usable now? Notices failures and restarts when due."""
+        if self._closed:
+            return False
+        if self.failure is None:
+            self._check_health()
+        if self.failure is not None and time.monotonic() >= self._restart_at:
+            self._restart()
+        return self.failure is None
+
+    def _check_health(self) -> None:
+        averager, now = self.averager, time.monotonic()
+        if not averager.is_alive():
+            self.failed(f"process (pid {averager.pid}) died with exit code {averager.exitcode}")
+        elif self._probe is not None and self._probe.done():
+            self._probe, self._next_probe_at = None, now + PROBE_PERIOD_S
+        elif self._probe is not None and now - self._probe_sent_at > self.timeout:
+            self.failed(f"process (pid {averager.pid}) did not answer for {self.timeout:.0f}s (stopped or wedged)")
+        elif self._probe is None and now >= self._next_probe_at:
+            self._probe, self._probe_sent_at = averager.get_group_bits(wait=False), now
+
+    def failed(self, what: str) -> None:
+        """Scheduler thread: a failure was seen (by a check, or by a call that timed out). Logged once."""
+        if self.failure is not None or self._closed:
+            return
+        now = time.monotonic()
+        if now - self._last_restart > QUIET_S:
+            self._failures_in_a_row = 0
+        self._failures_in_a_row += 1
+        self.failure, self.last_failure, self._restart_at = what, what, now + self._backoff()
+        self.failures += 1
+        self.counters["averager_failures"] += 1
+        self.averager.kill_now()
+        self._probe = None
+        logger.error(
+            f"DecentralizedSGD: the averager {what}. This peer keeps training but does not average until the "
+            f"averager is restarted, in {self._backoff():.0f}s (failure {self._failures_in_a_row} in a row). If it "
+            "keeps failing, look above for its traceback, check memory (the OOM killer) and that nothing stops "
+            "the process; `averager_failures` in the progress line counts these."
+        )
+
+    def _backoff(self) -> float:
+        return 0.0 if self._failures_in_a_row <= 1 else min(2.0 ** (self._failures_in_a_row - 1), 60.0)
+
+    def _restart(self) -> None:
+        averager = None
+        try:
+            averager = self.make_averager()
+            averager.start_in_background(self.timeout)
+        except Exception as e:
+            if averager is not None:
+                averager.kill_now()
+            self._failures_in_a_row += 1
+            self._restart_at = time.monotonic() + self._backoff()
+            logger.error(f"DecentralizedSGD: could not restart the averager ({e!r}); next try in "
+                         f"{self._backoff():.0f}s")
+            return
+        if self._closed:  # shutdown() ran meanwhile and stopped the old one
+            averager.shutdown()
+            return
+        self.averager, self.failure, self._last_restart = averager, None, time.monotonic()
+        self._next_probe_at = self._last_restart + PROBE_PERIOD_S
+        self.counters["averager_restarts"] += 1
+        logger.warning(f"DecentralizedSGD: averager restarted (pid {averager.pid}); averaging resumes")
+
+    def shutdown(self) -> None:
+        """Stop the averager within its deadline (see HivemindFixes.shutdown); drop its reference to the trainer."""
+        self._closed = True
+        self.averager.shutdown()
+        self.averager.state_fn = lambda: (None, [], None)

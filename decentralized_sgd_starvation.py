@@ -1,0 +1,93 @@
+"""A peer notices that its own box starves it of CPU, and stays out of groups until it recovers (issue 11, item 3).
+
+Why: a peer whose processes get the CPU only now and then (SwAV's multi-crop data loaders saturating the cores,
+another job, a stopped process group) still looks for groups: it leads groups that then wait for it, or joins
+groups whose AllReduce waits for its parts. It cannot tell that from its own step times (a slow GPU step is fine),
+but it can see that its threads wake up late: a thread that sleeps `period` seconds and measures how much later
+than that it woke up (time in which nothing of this process ran) is a direct measure of starvation.
+
+``StarvationMonitor`` runs that thread; ``starved`` turns True when, over the last `window_s`, more than
+`enter_share` of the time was lost to late wake-ups, and False again only after `recover_s` seconds in a row with
+less than `exit_share` lost (hysteresis: no flapping in and out of the swarm). DecentralizedSGD starts no round
+while ``starved`` (hook point: its round scheduling asks ``monitor.starved``); it keeps training locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+logger = logging.getLogger(__name__)
+
+
+class StarvationMonitor:
+    """Thread "starvation-monitor" samples wake-up lateness; `starved`, `lost_share()` are read by any thread."""
+
+    def __init__(self, period: float = 0.1, window_s: float = 5.0, enter_share: float = 0.5,
+                 exit_share: float = 0.1, recover_s: float = 5.0, start: bool = True):  # fmt: skip
+        self.period, self.window_s, self.recover_s = period, window_s, recover_s
+        self.enter_share, self.exit_share = enter_share, exit_share
+        self._samples: deque[tuple[float, float]] = deque()  # (wake-up time, seconds lost), monitor thread only
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._calm_since: float | None = None
+        self._first: float | None = None
+        self.starved = False
+        self.episodes = 0  # times it turned starved
+        self.starved_s = 0.0  # seconds spent starved (updated when it recovers, and live by starved_seconds())
+        self._starved_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name="starvation-monitor", daemon=True)
+        if start:
+            self._thread.start()
+
+    def _run(self) -> None:
+        expected = time.monotonic() + self.period
+        while not self._stop.wait(max(0.0, expected - time.monotonic())):
+            now = time.monotonic()
+            self.observe(now, max(0.0, now - expected))
+            expected = now + self.period
+
+    def observe(self, now: float, lost: float) -> None:
+        """One wake-up `lost` seconds late at monotonic time `now`; updates `starved` (monitor thread)."""
+        with self._lock:
+            self._samples.append((now, lost))
+            while self._samples and self._samples[0][0] < now - self.window_s:
+                self._samples.popleft()
+            share = self._lost_share(now)
+            if self._first is None:
+                self._first = now
+            full_window = now - self._first >= self.window_s  # no verdict on a start-up burst alone
+            if not self.starved and full_window and share > self.enter_share:
+                self.starved, self._starved_at, self._calm_since = True, now, None
+                self.episodes += 1
+                logger.warning(f"This peer's processes are starved of CPU ({share:.0%} of the last "
+                               f"{self.window_s:.0f}s lost): leaving averaging groups until it recovers")  # fmt: skip
+            elif self.starved:
+                self._calm_since = (self._calm_since or now) if share < self.exit_share else None
+                if self._calm_since is not None and now - self._calm_since >= self.recover_s:
+                    self.starved = False
+                    self.starved_s += now - (self._starved_at or now)
+                    logger.warning(f"This peer gets CPU again ({share:.0%} lost): rejoining averaging groups")
+
+    def _lost_share(self, now: float) -> float:
+        """Seconds lost / seconds covered by the samples in the window (at least one period)."""
+        if not self._samples:
+            return 0.0
+        covered = max(now - self._samples[0][0] + self.period + self._samples[0][1], self.period)
+        return min(1.0, sum(lost for _, lost in self._samples) / covered)
+
+    def lost_share(self) -> float:
+        with self._lock:
+            return self._lost_share(time.monotonic())
+
+    def starved_seconds(self) -> float:
+        with self._lock:
+            live = time.monotonic() - self._starved_at if self.starved and self._starved_at is not None else 0.0
+            return self.starved_s + live
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)

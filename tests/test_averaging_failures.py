@@ -1,0 +1,144 @@
+"""Failures of the averaging machinery itself, with in-process peers (tests/dsgd_swarm.py, FAST settings): the
+averager process killed or stopped, a trigger racing a cancel, a trainer that stalls right after its group formed.
+
+Each wait has a deadline; what is asserted are counts and exact values, never timings, except where the bound is
+the point (the ERROR line within 15 s of a kill, shutdown within its deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from dsgd_swarm import Swarm, Trainer, all_equal_to, averaged_tensors, make_model, wait_until
+
+from decentralized_sgd.optimizer import SHUTDOWN_DEADLINE_S
+
+WIDE = 2**14  # Linear(4, WIDE) has 2**16 weights: they travel 8-bit with compression="uint8"
+STALL_S = 30.0
+
+
+def errors_from_us(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("decentralized")]
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_averager_is_reported_once_and_restarted(swarm: Swarm, caplog):
+    torch.manual_seed(0)
+    a, b = (swarm.peer(make_model(width=WIDE), compression="uint8") for _ in range(2))
+    for peer in (a, b):
+        swarm.train(peer)
+    wait_until(lambda: a.counters["rounds_applied"] >= 1, 60, lambda: a.counters)
+    killed = a.averager.pid
+    with caplog.at_level(logging.ERROR, logger="decentralized_sgd"):
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: errors_from_us(caplog), 15, lambda: a.counters)
+        wait_until(lambda: a.counters["averager_restarts"] == 1, 30, lambda: a.counters)
+    assert len(errors_from_us(caplog)) == 1 and "died" in errors_from_us(caplog)[0]
+    assert a.counters["averager_failures"] == 1 and a.averager.pid != killed and a.averager.is_alive()
+
+    # averaging resumes through the new averager process, 8-bit parts included (it decodes them with the fix)
+    with a.lock, b.lock, torch.no_grad():
+        for peer in (a, b):
+            peer.model[0].weight.add_(torch.randn_like(peer.model[0].weight))
+        perturbed_at = (a.local_step, b.local_step)
+    wait_until(lambda: all(any(r["applied"] and r["step_at_snapshot"] >= step for r in p.records)
+                           for p, step in zip((a, b), perturbed_at, strict=True)), 60,
+               lambda: [p.records[-2:] for p in (a, b)])  # fmt: skip
+    swarm.stop_training()
+    assert (a.model[0].weight - b.model[0].weight).abs().mean() < 0.05  # was ~1.1 after the perturbation
+    assert all(torch.isfinite(t).all() for p in (a, b) for t in averaged_tensors(p))
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_averager_is_restarted_and_shutdown_returns_in_time(swarm: Swarm, caplog):
+    a = swarm.peer(make_model(0.0), averager_timeout=3.0)
+    swarm.train(a)  # alone: its rounds look for a group; the averager is probed every few seconds
+    stopped = a.averager.pid
+    with caplog.at_level(logging.ERROR, logger="decentralized_sgd"):
+        os.kill(stopped, signal.SIGSTOP)
+        wait_until(lambda: a.counters["averager_restarts"] == 1, 60, lambda: a.counters)
+    assert len(errors_from_us(caplog)) == 1 and a.counters["averager_failures"] == 1
+    with pytest.raises(ProcessLookupError):  # the stopped process was killed, not left behind
+        os.kill(stopped, 0)
+
+    os.kill(a.averager.pid, signal.SIGSTOP)  # stopped again: shutdown must not wait for it
+    t0 = time.monotonic()
+    a.shutdown()
+    assert time.monotonic() - t0 <= SHUTDOWN_DEADLINE_S and not a.averager.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_and_a_trigger_never_both_take_effect(swarm: Swarm, monkeypatch):
+    a, b = swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))
+    in_trigger, go_on = threading.Event(), threading.Event()
+    trigger = a._scheduler._trigger
+
+    def paused_trigger(r, buffers):  # A's first round: filled, its trigger about to run
+        if r.index == 0:
+            in_trigger.set()
+            go_on.wait(30)
+        trigger(r, buffers)
+
+    monkeypatch.setattr(a._scheduler, "_trigger", paused_trigger)
+    for peer in (a, b):
+        swarm.train(peer)
+    wait_until(in_trigger.is_set, 60, lambda: a.in_flight_rounds())
+    first = a.round_book.rounds[0]
+    with a.round_book.lock:
+        assert first.cancel("test: cancelled while its trigger runs")  # the cancel wins ...
+    go_on.set()
+    wait_until(lambda: a.records, 30, lambda: a.in_flight_rounds())
+    assert a.records[0]["state"] == "CANCELLED" and a.records[0]["t_triggered"] is None  # ... the trigger is refused
+
+    def triggered() -> list:
+        return [r for r in list(a.round_book.rounds) if r.state.name == "TRIGGERED"]
+
+    wait_until(triggered, 60, lambda: a.in_flight_rounds())
+    later = triggered()[0]
+    with a.round_book.lock:
+        assert not later.cancel("test: cancelled after its trigger")  # refused: hivemind may be in it
+    # no stale or half-written buffers went in: exact averages keep the sum, so the peers meet at (0 + 2) / 2 exactly
+    wait_until(lambda: all_equal_to([a, b], 1.0, atol=0.0), 90, lambda: (a.records[-3:], b.records[-3:]))
+    swarm.stop_training()
+    assert a.counters["rounds_cancelled"] >= 1
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_trainer_joins_at_most_one_group_it_does_not_trigger(swarm: Swarm):
+    """A trainer stuck in its optimizer step (holding dsgd.lock) for 30 s right after its group formed: that round
+    cannot be filled and is cancelled, and no other round starts until the trainer passes a step boundary."""
+    healthy = [swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))]
+    stalled = swarm.peer(make_model(4.0))
+    for peer in healthy:
+        swarm.train(peer)
+    stall: dict = {}
+
+    def stalled_step() -> None:
+        with stalled.lock:
+            if not stall and stalled.counters["rounds_applied"] >= 1:
+                deadline = time.monotonic() + STALL_S
+                formed = lambda: any(r["state"] == "FORMED" for r in stalled.in_flight_rounds())  # noqa: E731
+                while time.monotonic() < deadline and not formed():
+                    time.sleep(0.001)  # inside the optimizer step when the newest group forms
+                stall.update(formed=formed(), failed=[p.counters["rounds_failed"] for p in healthy])
+                time.sleep(max(deadline - time.monotonic(), 0.0))
+                stall["over"] = time.time()
+            stalled.on_step_end()
+
+    swarm.trainers.append(Trainer(stalled_step))
+    swarm.trainers[-1].start()
+    wait_until(lambda: "over" in stall, 120 + STALL_S, lambda: stalled.counters)
+    wait_until(lambda: all(any(r["applied"] and r["t_start"] > stall["over"] for r in p.records)
+                           for p in [*healthy, stalled]), 60, lambda: [p.records[-2:] for p in healthy])  # fmt: skip
+    swarm.stop_training()
+
+    assert stall["formed"], "no group formed while the trainer was inside its step"
+    untriggered = [r for r in stalled.records if r["t_group_formed"] and r["t_triggered"] is None]
+    assert len(untriggered) <= 1 and stalled.counters["rounds_cancelled"] <= 1, untriggered
+    assert all(p.counters["rounds_failed"] - before <= 1 for p, before in zip(healthy, stall["failed"], strict=True))

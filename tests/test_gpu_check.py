@@ -1,0 +1,61 @@
+"""The GPU check without a GPU: one clear line and exit 0; the offline script's errors; what the bundle holds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.gpu_bundle import runtime_closure
+from tests.conftest import REPO, trainer_env
+
+
+def test_without_cuda_the_check_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None:
+    env = {**trainer_env(), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [result.stdout.strip()] and "no CUDA GPU" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing was run, nothing written
+
+
+def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_offline_script_rejects_a_folder_that_is_not_a_bundle(tmp_path: Path) -> None:
+    result = run_script(str(tmp_path), str(tmp_path / "out"))
+    assert result.returncode == 2 and "is not a folder made by make gpu-bundle" in result.stderr
+    assert "usage: bash gpu_check.sh BUNDLE_DIR OUT_DIR" in run_script().stderr
+
+
+def test_offline_script_names_the_python_the_bundle_was_made_for(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "source.tar.gz").write_bytes(b"")
+    (bundle / "python_version").write_text("3.99\n")
+    result = run_script(str(bundle), str(tmp_path / "out"), env={**trainer_env(), "PYTHON": sys.executable})
+    assert result.returncode == 2
+    assert "holds wheels for Python 3.99" in result.stderr and "make gpu-bundle GPU_PYTHON=" in result.stderr
+
+
+def _install(name: str, requires: list[str], wheel_tag: str = "py3-none-any") -> dict:
+    url = f"https://files.example/{name}-1.0-{wheel_tag}.whl"
+    return {"metadata": {"name": name, "version": "1.0", "requires_dist": requires}, "download_info": {"url": url},
+            "requested": name in {"hivemind", "torch", "torchvision"}}
+
+
+def test_bundle_leaves_out_the_torch_stack_and_build_only_dependencies() -> None:
+    compiled = "cp312-cp312-manylinux2014_x86_64"
+    installs = [
+        _install("torch", ["sympy", "typing-extensions", "nvidia-cudnn-cu12; platform_system == 'Linux'"], compiled),
+        _install("torchvision", ["torch", "numpy", "pillow"], compiled),
+        _install("hivemind", ["torch", "numpy", "scipy", "grpcio-tools", "pydantic", "uvloop; sys_platform == 'win'"]),
+        _install("scipy", ["numpy"], compiled), _install("numpy", [], compiled), _install("pillow", [], compiled),
+        _install("grpcio-tools", ["grpcio"], compiled), _install("grpcio", [], compiled),
+        _install("pydantic", ["typing-extensions"]), _install("typing-extensions", []), _install("sympy", []),
+        _install("nvidia-cudnn-cu12", [], compiled), _install("uvloop", [], compiled),
+    ]  # fmt: skip
+    # numpy: compiled and torchvision needs it (the machine has it); typing-extensions: pure Python, kept
+    assert sorted(runtime_closure(installs, "3.12")) == ["hivemind", "pydantic", "scipy", "typing-extensions"]
