@@ -12,6 +12,8 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
+- ``vetting``, ``guard``, ``outliers`` and ``secret``: diverged peers and outsiders (issue 13): the weight summaries
+  a group compares, whom it leaves out of its AllReduce, the update check, the heal, and the swarm secret;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
   an averager restart); ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's);
   ``dht_rejoin``: the DHT re-bootstrap after an outage; both are for whoever owns the DHT

@@ -24,14 +24,16 @@ import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from . import state_transfer
+from . import state_transfer, vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .rounds import RoundBook
 from .rounds import RoundState as S
 from .scheduler import RoundScheduler
+from .secret import SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors, ResultSlots, add_, copy_
+from .vetting import RoundVetting
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ COUNTERS = (
     "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
     "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
     "dht_rejoins", "averager_failures", "averager_restarts",
-)  # fmt: skip
+) + vetting.COUNTERS  # fmt: skip
 
 
 class DecentralizedSGD:
@@ -55,6 +57,11 @@ class DecentralizedSGD:
     A peer whose trainer stalls joins at most one group it does not trigger; its groupmates drop it after
     ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``).
     ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
+
+    Diverged peers and outsiders (``vetting``, ``guard``): each group's members compare weight summaries; a member
+    far from the group's median is left out of the AllReduce (every member reaches the same verdict), and heals by
+    taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
+    (``secret``); one whose secret matches nobody's logs so after ``no_group_patience`` seconds without a group.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -88,6 +95,8 @@ class DecentralizedSGD:
         get_extra_state: Callable[[], dict] | None = None,
         before_allreduce: Callable[[], None] | None = None,
         verbose: bool = False,
+        swarm_secret: SwarmSecret | None = None,
+        no_group_patience: float = 60.0,
         start: bool = True,
     ):
         assert "." not in prefix, "prefix may not contain '.'"
@@ -111,7 +120,11 @@ class DecentralizedSGD:
 
         self.averaged_tensors = AveragedTensors(optimizer, model, average_buffers=average_buffers,
                                                 average_optimizer_state=average_optimizer_state)  # fmt: skip
-        self.prefix = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
+        run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
+        self.prefix = keyed_prefix(run, swarm_secret)  # with a secret, its keyed hash: see secret
+        if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
+            dht.add_validators([SwarmSecretValidator(swarm_secret, exempt_keys=[members_key(run)])])
+        self.vetting = RoundVetting(self, run, swarm_secret, no_group_patience=no_group_patience)
         self.round_book = RoundBook(self.counters, ResultSlots(self.averaged_tensors), records_path, verbose)
         self.records: list[dict] = self.round_book.records
         averager_kwargs = dict(
@@ -120,7 +133,8 @@ class DecentralizedSGD:
             allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression), client_mode=client_mode, state_fn=self._serve_state,
             trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
-            shutdown_timeout=AVERAGER_SHUTDOWN_S,
+            shutdown_timeout=AVERAGER_SHUTDOWN_S, summary_size=self.vetting.sketch.size, secret=swarm_secret,
+            rule=self.vetting.rule, refusals=self.vetting.refusals,
         )  # fmt: skip
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
@@ -172,14 +186,17 @@ class DecentralizedSGD:
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
             self._step_boundary(batch_size)
         self._enforce_staleness_bound()
+        self.vetting.heal_if_asked()
         return loss
 
     def on_step_end(self, batch_size: int | None = None) -> None:
         """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
-        Applies the updates of finished rounds; cheap when nothing finished (no tensor copies)."""
+        Applies the updates of finished rounds (cheap when nothing finished: no tensor copies), or takes the swarm's
+        state when a group found our weights diverged (``vetting``)."""
         with self.lock:
             self._step_boundary(batch_size)
         self._enforce_staleness_bound()
+        self.vetting.heal_if_asked()  # a group found our weights diverged: take the swarm's state (see vetting)
 
     def _step_boundary(self, batch_size: int | None) -> None:
         t0 = time.perf_counter()

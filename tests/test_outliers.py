@@ -1,4 +1,4 @@
-"""The weight summary, the outlier rule and the update check of decentralized_sgd_outliers (pure functions)."""
+"""The weight summary, the outlier rule and the update check of decentralized_sgd.outliers (pure functions)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from decentralized_sgd_outliers import (
+from decentralized_sgd.outliers import (
     OutlierRule,
     Summary,
     UpdateCheck,
@@ -62,6 +62,10 @@ def test_sketch_is_seeded_estimates_distances_and_has_the_exact_norm():
     assert not np.isfinite(sk(a)).all()
     with pytest.raises(ValueError, match="differ"):
         sk(a[:-1])
+    tiny = WeightSketch([12, 3], seed="test_run")  # the tests' models: their own point, distances exact
+    x, y = [torch.randn(12), torch.randn(3)], [torch.randn(12), torch.randn(3)]
+    assert np.linalg.norm(np.array(tiny(x))[:-1] - np.array(tiny(y))[:-1]) == pytest.approx(
+        float((flat(x) - flat(y)).norm()), rel=1e-6)
 
 
 @pytest.mark.timeout(60)
@@ -83,10 +87,24 @@ def test_a_diverged_peer_is_the_outlier_and_healthy_groups_have_none():
 def test_the_floor_separates_a_drift_from_noise():
     rule = OutlierRule()
     base = weights(5)
-    drifted = summaries({"a": base, "b": base, "drift": [t * 1.05 for t in base]})
+    synced = {"a": base, "b": base, "drift": base}  # they averaged together: base is everyone's reference
+    drifted = summaries({"a": base, "b": base, "drift": [t * 1.05 for t in base]}, references=synced)
     assert set(rule.judge(drifted).outliers) == {"drift"}
-    noisy = summaries({"a": base, "b": [t * 1.001 for t in base], "c": [t * 0.999 for t in base]})
+    noisy = summaries({"a": base, "b": [t * 1.001 for t in base], "drift": [t * 0.999 for t in base]},
+                      references=synced)  # fmt: skip
     assert not rule.judge(noisy).outliers  # 0.1%: fp16 rounding and a few local steps are not a divergence
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_never_averaged_is_refused_only_for_a_blow_up():
+    rule = OutlierRule()
+    synced = {"a": weights(value=1.5), "b": weights(value=1.5)}  # a pair that averaged, and a newcomer
+    newcomer = summaries({**synced, "new": weights(value=6.0)}, references=synced)
+    assert not rule.judge(newcomer).outliers  # it started elsewhere: averaging it in is how it catches up
+    blown_up = summaries({**synced, "new": weights(value=1e4)}, references=synced)
+    assert set(rule.judge(blown_up).outliers) == {"new"} and "without a reference" in rule.judge(blown_up).describe()
+    with pytest.raises(ValueError, match="rel_floor <= unsynced_floor"):
+        OutlierRule(rel_floor=0.5, unsynced_floor=0.1)
 
 
 @pytest.mark.timeout(60)
@@ -151,7 +169,8 @@ def test_update_check_refuses_an_update_far_larger_than_expected():
     size = float(flat(weights(value=1.0)).norm())
     assert expected == pytest.approx(0.01 / 3 * size, rel=0.35)
     check = UpdateCheck()
-    assert check.check(1e6, None, size)[0]  # nothing known yet: accepted (first rounds, summaries off)
+    assert check.check(1e6, expected, size)[0]  # no round applied yet: a peer from elsewhere may catch up
+    check.applied(expected)
     ok, line = check.check(0.5 * expected, expected, size)
     assert ok and "<=" in line
     ok, line = check.check(0.2 * size, expected, size)  # a groupmate drifted 60% between round start and fill
@@ -160,6 +179,8 @@ def test_update_check_refuses_an_update_far_larger_than_expected():
     for _ in range(8):  # a swarm whose rounds bring updates of 10% of |w| learns that they are normal
         check.applied(0.1 * size)
     assert check.check(0.2 * size, expected, size)[0]
+    check.reset()  # healed: the old weights' updates say nothing about the new ones
+    assert check.check(1e6, expected, size)[0]
     assert expected_update_norm(group, verdict, "absent") is None
 
 

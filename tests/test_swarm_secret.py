@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import hivemind
 import pytest
 from hivemind.dht.validation import CompositeValidator
 from hivemind.utils import get_dht_time
 
-from decentralized_sgd_secret import (
+from decentralized_sgd.secret import (
     MembershipCheck,
     SwarmSecret,
     SwarmSecretError,
@@ -122,3 +123,36 @@ def test_only_peers_with_the_secret_read_and_write_the_swarm_records():
     finally:
         for node in reversed(dhts):
             node.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environment(tmp_path, monkeypatch):
+    import run_monitor
+    import run_trainer
+    import swarm
+    from swarm_metrics import metrics_validators
+
+    key = tmp_path / "swarm.key"
+    key.write_text("s3cret\n")
+    from_file = run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--swarm_secret_file",
+                                                                   str(key)]))  # fmt: skip
+    inline = run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--swarm_secret", "s3cret"]))
+    assert from_file.secret().keyed_prefix("run") == inline.secret().keyed_prefix("run")
+    config = inline.to_config()  # what VISSL logs and hands to its workers: never the secret itself
+    assert "s3cret" not in repr(config) and "s3cret" not in repr(inline)
+    monkeypatch.setenv(swarm.SECRET_ENV, "s3cret")  # as run_trainer.py sets it for VISSL's spawned workers
+    assert swarm.SwarmSettings.from_config(config).secret().keyed_prefix("run") == inline.secret().keyed_prefix("run")
+    monkeypatch.delenv(swarm.SECRET_ENV)
+    assert swarm.SwarmSettings.from_config(config).secret() is None
+    with pytest.raises(swarm.SwarmError, match="need the improved averager"):
+        run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--averager", "old",
+                                                           "--swarm_secret", "s3cret"]))  # fmt: skip
+    with pytest.raises(swarm.SwarmError, match="cannot read .*missing.key"):
+        run_monitor.settings_from(run_monitor.build_parser().parse_args(["--swarm_secret_file",
+                                                                         str(tmp_path / "missing.key")]))  # fmt: skip
+    monitor = run_monitor.settings_from(run_monitor.build_parser().parse_args(["--swarm_secret_file", str(key)]))
+    assert any(isinstance(v, SwarmSecretValidator) for v in metrics_validators("run", secret=monitor.secret()))
+    dht = SimpleNamespace(get_visible_maddrs=lambda: ["/ip4/203.0.113.5/tcp/31337/p2p/QmPeer"])
+    line = swarm.join_command(dht, from_file)  # the join line asks for the key file, never shows the secret
+    assert "--swarm_secret_file" in line and "s3cret" not in line
+

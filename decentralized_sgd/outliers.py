@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -34,7 +34,8 @@ class WeightSketch:
     run's prefix: every peer of a run draws the same ones), and projected with a Gaussian matrix scaled so that the
     distance between two sketches estimates the L2 distance between the two full weight vectors (Johnson-Lindenstrauss
     on a uniform sample). Reading a few thousand values instead of all of them keeps it cheap for ResNet-50; the exact
-    norm (one pass, memory-bound) catches what a sample can miss, e.g. a few blown-up coordinates.
+    norm (one pass, memory-bound) catches what a sample can miss, e.g. a few blown-up coordinates. A model with at
+    most ``samples`` values is read whole, one with at most ``dims`` values is its own point (the tests' tiny models).
     """
 
     def __init__(self, numels: Sequence[int], seed: str, dims: int = 32, samples: int = 4096):
@@ -43,16 +44,22 @@ class WeightSketch:
         self.dims, self.numels = dims, list(numels)
         total = sum(self.numels)
         generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little"))
-        count = min(samples, total)
-        flat = torch.randint(total, (count,), generator=generator).sort().values if count else torch.zeros(0)
+        if total <= samples:  # a small model: every coordinate, no sampling error
+            flat = torch.arange(total)
+        else:
+            flat = torch.randint(total, (samples,), generator=generator).sort().values
+        count = len(flat)
         starts = np.cumsum([0, *self.numels])
         self._picks: list[tuple[int, torch.Tensor]] = []  # (tensor index, flat indices into that tensor)
         for i, numel in enumerate(self.numels):
             lo, hi = np.searchsorted(flat.numpy(), [starts[i], starts[i] + numel])
             if hi > lo:
                 self._picks.append((i, (flat[lo:hi] - int(starts[i])).long()))
-        scale = math.sqrt(total / count / dims) if count else 0.0
-        self._projection = torch.randn(count, dims, generator=generator, dtype=torch.float64) * scale
+        if total <= dims:  # a tiny model: the values themselves, zero-padded (exact distances)
+            self._projection = torch.eye(count, dims, dtype=torch.float64)
+        else:
+            scale = math.sqrt(total / count / dims) if count else 0.0
+            self._projection = torch.randn(count, dims, generator=generator, dtype=torch.float64) * scale
         self._on_device: dict[torch.device, list[torch.Tensor]] = {}
 
     @property
@@ -122,12 +129,14 @@ class Summary:
 
 @dataclass(frozen=True)
 class Verdict(Generic[K]):
-    """The outcome of :meth:`OutlierRule.judge` for one group; ``outliers`` maps each refused member to why."""
+    """The outcome of :meth:`OutlierRule.judge` for one group; ``outliers`` maps each refused member to why.
+    ``threshold`` is the one for members with a reference, ``unsynced_threshold`` for those without."""
 
     members: tuple[K, ...]
     outliers: dict[K, str] = field(default_factory=dict)
     distances: dict[K, float] = field(default_factory=dict)
     threshold: float = math.inf
+    unsynced_threshold: float = math.inf
     median_distance: float = 0.0
     center: np.ndarray | None = None
 
@@ -145,35 +154,47 @@ class Verdict(Generic[K]):
         """One line with the numbers, for the log."""
         center_norm = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
         refused = "; ".join(f"{member}: {why}" for member, why in self.outliers.items()) or "none"
-        return (f"refused {len(self.outliers)} of {len(self.members)} ({refused}); threshold {self.threshold:.4g}, "
-                f"median distance {self.median_distance:.4g}, median |w| {center_norm}")  # fmt: skip
+        return (f"refused {len(self.outliers)} of {len(self.members)} ({refused}); threshold {self.threshold:.4g} "
+                f"({self.unsynced_threshold:.4g} without a reference), median distance {self.median_distance:.4g}, "
+                f"median |w| {center_norm}")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class OutlierRule:
-    """A member is an outlier when its point is farther from the group's median than ``threshold``:
+    """A member is an outlier when its point is farther from the group's median than its threshold:
 
         center    = coordinate-wise median of the members' points and their references
         D         = median distance of those points to the center
-        threshold = max(multiple * D, rel_floor * |center|, abs_floor)
+        threshold = max(multiple * D, floor * |center|, abs_floor)
+        floor     = rel_floor for a member with a reference, unsynced_floor for one without
 
     ``multiple * D`` scales with the group's own spread (peers from different random inits are far apart, yet none is
-    an outlier); the floor keeps peers that are (nearly) identical from flagging each other over noise, and is the
-    distance, relative to the weights, from which a peer counts as diverged when the others agree (2%: a peer whose
-    weights moved 2% away from a group that agrees to a small fraction of that has not done so by training).
+    an outlier; 6, not less: in a group of three spread peers the farthest one sits at up to ~3 D, e.g. 0, 2 and a
+    random init). The floor keeps peers that are (nearly) identical from flagging each other over noise, and is the
+    distance, relative to the weights, from which a peer counts as diverged when the others agree:
+
+    - 2% for a member that has averaged with the swarm (it has a reference): a peer whose weights moved 2% away from
+      a group that agrees to a small fraction of that has not done so by training (a drift of x1.05 is caught at
+      its first step);
+    - 10x the weights for a member that has not averaged since it started or healed: it may come from anywhere (a
+      peer that started from other values, a restart behind the swarm), and averaging it in is how it catches up;
+      only a blow-up (weights 1e4 against 0 and 1) is refused.
+
     Since at least half of the points lie within D of the center, ``multiple >= 2`` refuses fewer than half of them:
     the rule never lets a minority decide. With two points no member can be told apart (both sit at the same distance
     from their midpoint); references break the tie. Members without a valid summary, or whose point is not finite,
     are refused.
     """
 
-    multiple: float = 4.0
+    multiple: float = 6.0
     rel_floor: float = 0.02
+    unsynced_floor: float = 10.0
     abs_floor: float = 1e-8
 
     def __post_init__(self) -> None:
-        if not (self.multiple >= 2 and self.rel_floor >= 0 and self.abs_floor > 0):
-            raise ValueError(f"OutlierRule needs multiple >= 2, rel_floor >= 0 and abs_floor > 0, got {self}")
+        if not (self.multiple >= 2 and 0 <= self.rel_floor <= self.unsynced_floor and self.abs_floor > 0):
+            raise ValueError("OutlierRule needs multiple >= 2, 0 <= rel_floor <= unsynced_floor and abs_floor > 0, "
+                             f"got {self}")
 
     def judge(self, summaries: Mapping[K, Summary | None]) -> Verdict[K]:
         members = tuple(summaries)
@@ -191,16 +212,18 @@ class OutlierRule:
         stacked = np.stack(points)
         center = np.median(stacked, axis=0)
         all_distances = np.linalg.norm(stacked - center, axis=1)
-        median_distance = float(np.median(all_distances))
-        threshold = max(self.multiple * median_distance, self.rel_floor * float(np.linalg.norm(center)),
-                        self.abs_floor)  # fmt: skip
+        median_distance, center_norm = float(np.median(all_distances)), float(np.linalg.norm(center))
+        spread = max(self.multiple * median_distance, self.abs_floor)
+        threshold = max(spread, self.rel_floor * center_norm)
+        unsynced_threshold = max(spread, self.unsynced_floor * center_norm)
         distances = {member: float(d) for member, d in zip(valid, all_distances, strict=False)}
         for member, distance in distances.items():
-            if distance > threshold:
-                summary = valid[member]
-                outliers[member] = (f"distance {distance:.4g} to the group's median > {threshold:.4g}; "
+            summary = valid[member]
+            limit = threshold if summary.reference is not None else unsynced_threshold
+            if distance > limit:
+                outliers[member] = (f"distance {distance:.4g} to the group's median > {limit:.4g}; "
                                     f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
-        return Verdict(members, outliers, distances, threshold, median_distance, center)
+        return Verdict(members, outliers, distances, threshold, unsynced_threshold, median_distance, center)
 
 
 def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None = None,
@@ -221,7 +244,7 @@ def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None =
     outliers = {member: refused.get(member) or verdict.outliers[member] for member in payloads
                 if member in refused or member in verdict.outliers}  # fmt: skip
     return summaries, Verdict(tuple(payloads), outliers, verdict.distances, verdict.threshold,
-                              verdict.median_distance, verdict.center)  # fmt: skip
+                              verdict.unsynced_threshold, verdict.median_distance, verdict.center)  # fmt: skip
 
 
 def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:
@@ -242,9 +265,11 @@ class UpdateCheck:
 
         limit = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
 
-    The check costs nothing: the norms are those of the finiteness check. Without an expectation and without history
-    (the first rounds, or summaries off) every update is accepted. The floor (1% of the weights) keeps identical peers
-    from refusing each other's rounding noise (fp16 transfers).
+    Only once this peer has applied a round (since it started or healed): before that nothing says what is normal,
+    and a peer that joins from elsewhere must be able to catch up (its first update may be as large as the distance
+    between its weights and the swarm's). The norm costs nothing: it is the finiteness check of the update. The floor
+    (1% of the weights) keeps identical peers from refusing each other's rounding noise (fp16 transfers); it is also
+    how far one accepted round can move a peer that agreed with its group.
     """
 
     def __init__(self, multiple: float = 4.0, rel_floor: float = 0.01, history: int = 8):
@@ -252,10 +277,9 @@ class UpdateCheck:
         self._recent: deque[float] = deque(maxlen=history)
 
     def limit(self, expected: float | None, snapshot_norm: float) -> float:
-        if expected is None and not self._recent:
+        if not self._recent:
             return math.inf
-        recent = float(np.median(self._recent)) if self._recent else 0.0
-        return self.multiple * ((expected or 0.0) + recent) + self.rel_floor * snapshot_norm
+        return self.multiple * ((expected or 0.0) + float(np.median(self._recent))) + self.rel_floor * snapshot_norm
 
     def check(self, update_norm: float, expected: float | None, snapshot_norm: float) -> tuple[bool, str]:
         """(accept?, a log line with the numbers)."""
@@ -269,8 +293,6 @@ class UpdateCheck:
     def applied(self, update_norm: float) -> None:
         self._recent.append(float(update_norm))
 
-
-def global_norm(per_tensor_norms: Iterable[torch.Tensor | float]) -> float:
-    """sqrt(sum of squares) of per-tensor norms (e.g. those torch._foreach_norm gave the finiteness check); inf, not
-    an OverflowError, when it is too large for a float."""
-    return math.hypot(*(float(n) for n in per_tensor_norms))
+    def reset(self) -> None:
+        """After a heal: the updates of the old weights say nothing about the new ones."""
+        self._recent.clear()
