@@ -225,6 +225,7 @@ class DecentralizedSGD:
             for r in finished:
                 r.apply()
             book.retire(self.local_step, self.peer)
+        self.vetting.applied(finished)  # their averages are our reference now (see vetting)
         self._last_sync_step = self.local_step
         if not self.averager.client_mode:  # let late joiners prefer the most trained peer
             self.averager.state_sharing_priority = float(self.local_step)

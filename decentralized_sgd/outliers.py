@@ -92,22 +92,30 @@ class WeightSketch:
 
 @dataclass(frozen=True)
 class Summary:
-    """What one peer tells its group at matchmaking: its point now, and its point right after its last applied round
-    (a point it shared with the swarm: healthy peers' references cluster, which decides groups of two)."""
+    """What one peer tells its group at matchmaking: its point now (at local step ``step``), and its reference, the
+    point of the average it last applied (a point it shared with the swarm), from local step ``reference_step``."""
 
     point: np.ndarray
     step: int
     reference: np.ndarray | None = None
+    reference_step: int | None = None
 
     @property
     def norm(self) -> float:
         return float(self.point[-1])
 
+    def rate(self) -> float | None:
+        """How far it moved per local step since its reference; None without one."""
+        if self.reference is None or self.reference_step is None:
+            return None
+        return float(np.linalg.norm(self.point - self.reference)) / max(1, self.step - self.reference_step)
+
     def to_wire(self) -> dict[str, Any]:
         """msgpack-friendly (hivemind's serializer accepts only exact Python types)."""
         reference = None if self.reference is None else [float(x) for x in self.reference]
+        reference_step = None if self.reference_step is None else int(self.reference_step)
         return {"v": SUMMARY_VERSION, "point": [float(x) for x in self.point], "step": int(self.step),
-                "ref": reference}  # fmt: skip
+                "ref": reference, "ref_step": reference_step}  # fmt: skip
 
     @classmethod
     def from_wire(cls, obj: Any, size: int) -> Summary | None:
@@ -116,27 +124,27 @@ class Summary:
             if not isinstance(obj, dict) or obj.get("v") != SUMMARY_VERSION or not isinstance(obj.get("step"), int):
                 return None
             point = np.asarray(obj["point"], dtype=np.float64)
-            ref = obj.get("ref")
+            ref, ref_step = obj.get("ref"), obj.get("ref_step")
             reference = None if ref is None else np.asarray(ref, dtype=np.float64)
         except (KeyError, TypeError, ValueError):
             return None
         if point.shape != (size,) or (reference is not None and reference.shape != (size,)):
             return None
-        if reference is not None and not np.isfinite(reference).all():
-            reference = None  # a non-finite reference says nothing about the swarm
-        return cls(point, obj["step"], reference)
+        if reference is not None and (not np.isfinite(reference).all() or not isinstance(ref_step, int)):
+            reference = None  # a non-finite reference, or one from no step, says nothing about the swarm
+        return cls(point, obj["step"], reference, None if reference is None else ref_step)
 
 
 @dataclass(frozen=True)
 class Verdict(Generic[K]):
-    """The outcome of :meth:`OutlierRule.judge` for one group; ``outliers`` maps each refused member to why.
-    ``threshold`` is the one for members with a reference, ``unsynced_threshold`` for those without."""
+    """The outcome of :meth:`OutlierRule.judge` for one group; ``outliers`` maps each refused member to why (with the
+    numbers), ``distances`` each valid member's distance to the group's median, ``rates`` its movement per step."""
 
     members: tuple[K, ...]
     outliers: dict[K, str] = field(default_factory=dict)
     distances: dict[K, float] = field(default_factory=dict)
+    rates: dict[K, float] = field(default_factory=dict)
     threshold: float = math.inf
-    unsynced_threshold: float = math.inf
     median_distance: float = 0.0
     center: np.ndarray | None = None
 
@@ -148,52 +156,59 @@ class Verdict(Generic[K]):
         """Why ``member`` was refused, against the group (for the ERROR a peer logs when it is the outlier)."""
         center = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
         why = self.outliers.get(member, "not refused")
-        return f"{why}; the group's median |w| {center}, median distance {self.median_distance:.4g}"
+        rates = ", ".join(f"{rate:.4g}" for rate in self.rates.values()) or "none"
+        return (f"{why}; the group's median |w| {center}, median distance {self.median_distance:.4g}, movements per "
+                f"step {rates}")  # fmt: skip
 
     def describe(self) -> str:
         """One line with the numbers, for the log."""
         center_norm = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
         refused = "; ".join(f"{member}: {why}" for member, why in self.outliers.items()) or "none"
-        return (f"refused {len(self.outliers)} of {len(self.members)} ({refused}); threshold {self.threshold:.4g} "
-                f"({self.unsynced_threshold:.4g} without a reference), median distance {self.median_distance:.4g}, "
-                f"median |w| {center_norm}")  # fmt: skip
+        return (f"refused {len(self.outliers)} of {len(self.members)} ({refused}); distance threshold "
+                f"{self.threshold:.4g}, median distance {self.median_distance:.4g}, median |w| {center_norm}")
 
 
 @dataclass(frozen=True)
 class OutlierRule:
-    """A member is an outlier when its point is farther from the group's median than its threshold:
+    """Two tests; a member that fails either is an outlier.
+
+    **Far from the group** (a blow-up)::
 
         center    = coordinate-wise median of the members' points and their references
         D         = median distance of those points to the center
-        threshold = max(multiple * D, floor * |center|, abs_floor)
-        floor     = rel_floor for a member with a reference, unsynced_floor for one without
+        refused if  distance to center > max(multiple * D, blowup_floor * |center|, abs_floor)
 
-    ``multiple * D`` scales with the group's own spread (peers from different random inits are far apart, yet none is
-    an outlier; 6, not less: in a group of three spread peers the farthest one sits at up to ~3 D, e.g. 0, 2 and a
-    random init). The floor keeps peers that are (nearly) identical from flagging each other over noise, and is the
-    distance, relative to the weights, from which a peer counts as diverged when the others agree:
+    ``multiple * D`` scales with the group's own spread (peers from different random inits are far apart, yet none
+    is an outlier; 6, not less: in a group of three spread peers the farthest one sits at up to ~3 D). The floor,
+    10x the weights, lets in any peer that is merely elsewhere (one that started from other values, a restart behind
+    the swarm: averaging it in is how it catches up) and refuses a blow-up (weights 1e4 against 0 and 1). The
+    references make a group of two decidable (both members sit at the same distance from their midpoint, but the
+    healthy one's reference sits on it).
 
-    - 2% for a member that has averaged with the swarm (it has a reference): a peer whose weights moved 2% away from
-      a group that agrees to a small fraction of that has not done so by training (a drift of x1.05 is caught at
-      its first step);
-    - 10x the weights for a member that has not averaged since it started or healed: it may come from anywhere (a
-      peer that started from other values, a restart behind the swarm), and averaging it in is how it catches up;
-      only a blow-up (weights 1e4 against 0 and 1) is refused.
+    **Moving too fast** (a drift), for a member with a reference::
 
-    Since at least half of the points lie within D of the center, ``multiple >= 2`` refuses fewer than half of them:
-    the rule never lets a minority decide. With two points no member can be told apart (both sit at the same distance
-    from their midpoint); references break the tie. Members without a valid summary, or whose point is not finite,
-    are refused.
+        rate      = |point - reference| / (step - reference step): how far it moved per local step since it last
+                    shared a point with the swarm
+        refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
+
+    Healthy peers move by optimizer steps, at similar rates whatever their speed (a peer 30x slower makes 30x fewer
+    steps) or the time since they last averaged; a diverging one moves faster every step. The floor (1% of the
+    weights per step, far more than an optimizer step of a trained model) keeps peers that hardly move from refusing
+    each other's noise: a drift of x1.05 per step is refused at its first step when the others hold still.
+
+    Since at least half of the points lie within D of the center, ``multiple >= 2`` refuses fewer than half of the
+    members for being far; a member is refused for its rate only against the others' median. Members without a
+    valid summary, or whose point is not finite, are refused.
     """
 
     multiple: float = 6.0
-    rel_floor: float = 0.02
-    unsynced_floor: float = 10.0
+    blowup_floor: float = 10.0
+    rate_floor: float = 0.01
     abs_floor: float = 1e-8
 
     def __post_init__(self) -> None:
-        if not (self.multiple >= 2 and 0 <= self.rel_floor <= self.unsynced_floor and self.abs_floor > 0):
-            raise ValueError("OutlierRule needs multiple >= 2, 0 <= rel_floor <= unsynced_floor and abs_floor > 0, "
+        if not (self.multiple >= 2 and self.blowup_floor >= 0 and self.rate_floor >= 0 and self.abs_floor > 0):
+            raise ValueError("OutlierRule needs multiple >= 2, blowup_floor >= 0, rate_floor >= 0 and abs_floor > 0, "
                              f"got {self}")
 
     def judge(self, summaries: Mapping[K, Summary | None]) -> Verdict[K]:
@@ -212,18 +227,26 @@ class OutlierRule:
         stacked = np.stack(points)
         center = np.median(stacked, axis=0)
         all_distances = np.linalg.norm(stacked - center, axis=1)
-        median_distance, center_norm = float(np.median(all_distances)), float(np.linalg.norm(center))
-        spread = max(self.multiple * median_distance, self.abs_floor)
-        threshold = max(spread, self.rel_floor * center_norm)
-        unsynced_threshold = max(spread, self.unsynced_floor * center_norm)
+        median_distance = float(np.median(all_distances))
+        threshold = max(self.multiple * median_distance, self.blowup_floor * float(np.linalg.norm(center)),
+                        self.abs_floor)  # fmt: skip
         distances = {member: float(d) for member, d in zip(valid, all_distances, strict=False)}
         for member, distance in distances.items():
-            summary = valid[member]
-            limit = threshold if summary.reference is not None else unsynced_threshold
-            if distance > limit:
-                outliers[member] = (f"distance {distance:.4g} to the group's median > {limit:.4g}; "
+            if distance > threshold:
+                summary = valid[member]
+                outliers[member] = (f"distance {distance:.4g} to the group's median > {threshold:.4g}; "
                                     f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
-        return Verdict(members, outliers, distances, threshold, unsynced_threshold, median_distance, center)
+        rates = {member: rate for member, s in valid.items()
+                 if member not in outliers and (rate := s.rate()) is not None}  # fmt: skip
+        for member, rate in rates.items():
+            others = [other_rate for other, other_rate in rates.items() if other != member]
+            limit = max(self.multiple * float(np.median(others)) if others else 0.0,
+                        self.rate_floor * float(np.linalg.norm(valid[member].reference)), self.abs_floor)  # fmt: skip
+            if rate > limit:
+                summary = valid[member]
+                outliers[member] = (f"moved {rate:.4g} per step since step {summary.reference_step} > {limit:.4g}; "
+                                    f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
+        return Verdict(members, outliers, distances, rates, threshold, median_distance, center)
 
 
 def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None = None,
@@ -243,8 +266,8 @@ def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None =
     verdict = rule.judge(summaries)
     outliers = {member: refused.get(member) or verdict.outliers[member] for member in payloads
                 if member in refused or member in verdict.outliers}  # fmt: skip
-    return summaries, Verdict(tuple(payloads), outliers, verdict.distances, verdict.threshold,
-                              verdict.unsynced_threshold, verdict.median_distance, verdict.center)  # fmt: skip
+    return summaries, Verdict(tuple(payloads), outliers, verdict.distances, verdict.rates, verdict.threshold,
+                              verdict.median_distance, verdict.center)  # fmt: skip
 
 
 def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:

@@ -263,6 +263,8 @@ class RoundScheduler(threading.Thread):
             finite = math.isfinite(norm)
             if finite and self.owner.delta_rule:
                 refusal = self.owner.vetting.check_update(r, judgement, norm)
+            if finite and refusal is None:  # before DONE: the trainer may apply it right after
+                self.owner.vetting.accepted(r, reference, norm)
             with self.book.lock:
                 if not finite:
                     r.discard("averaged result not finite", group)
@@ -270,8 +272,6 @@ class RoundScheduler(threading.Thread):
                     r.discard(refusal, group)
                 else:
                     r.finish(group)
-        if finite and refusal is None:
-            self.owner.vetting.accepted(reference, norm)
         if not finite:
             logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
         if r.allreduce_started_at is not None and r.ended_at is not None:

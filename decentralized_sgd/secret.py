@@ -14,7 +14,8 @@ Three layers, because each one alone leaves a gap:
   any record without a valid one, when asked to store it and when it receives it; so nobody outside can forge
   progress records or register as a donor for ``load_state_from_peers``. Only :func:`members_key` is exempt: there
   each peer of a run, whatever its secret, says "I am here" with a tag, so that a peer whose secret matches nobody's
-  can say so instead of waiting silently (:func:`diagnose_members`).
+  can say so instead of waiting silently (:func:`diagnose_members`). A tag is not encryption: code that skips the
+  validator reads the records, finds our leaders and asks them directly; the member tokens turn it away.
 
 HMAC-SHA256 (stdlib). Tags are bound to peer ids, which libp2p authenticates, so a tag seen by others is useless to
 them; a weak secret can still be guessed offline from a tag: use a random one (``secrets.token_hex(16)``).
@@ -189,7 +190,8 @@ class SwarmSecretValidator(RecordValidatorBase):
     _MAGIC = b"[swarm-hmac]"
 
     def __init__(self, secret: SwarmSecret, exempt_keys: Iterable[str] = ()):
-        self._secret = secret
+        self._secret = SwarmSecret.__new__(SwarmSecret)  # a plain copy: it travels to the DHT process (pickled)
+        self._secret._key = secret._key
         self._exempt = {DHTID.generate(source=key).to_bytes() for key in exempt_keys}
 
     def _record_tag(self, record: DHTRecord, value: bytes) -> bytes:

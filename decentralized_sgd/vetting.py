@@ -82,7 +82,12 @@ class RoundVetting:
         self.sketch = WeightSketch([t.numel() for t in owner.averaged_tensors.local()], seed=owner.prefix)
         self.refusals = JoinRefusals()  # counted by every averager process this peer starts
         self.membership = MembershipCheck(owner.dht, run, secret, patience=no_group_patience)
-        self._reference: np.ndarray | None = None  # the point of the last average we applied, or of a heal
+        # the point of the last average we applied (or of a heal) and our local step it stands for: changed with
+        # dsgd.lock held, as the weights they describe are (so a summary's point and reference always agree)
+        self._reference: np.ndarray | None = None
+        self._reference_step: int | None = None
+        self._pending: dict[int, tuple[np.ndarray, int | None]] = {}  # round -> its average's point, until applied
+        self._pending_lock = threading.Lock()  # the scheduler adds, the trainer takes
         self._heal = threading.Event()  # set by the scheduler thread, cleared by the trainer's after the heal
         self._met_member = False  # a round had another member of the swarm since the last membership poll
 
@@ -95,9 +100,10 @@ class RoundVetting:
             return None
         try:
             point, step = self.sketch(owner.averaged_tensors.local()), owner.local_step
+            summary = Summary(np.asarray(point), step, self._reference, self._reference_step)
         finally:
             owner.lock.release()
-        payload: dict[str, Any] = {"summary": Summary(np.asarray(point), step, self._reference).to_wire()}
+        payload: dict[str, Any] = {"summary": summary.to_wire()}
         if self.secret is not None:
             payload["token"] = self.secret.member_token(owner.peer_id.to_bytes())
         return payload
@@ -156,9 +162,11 @@ class RoundVetting:
         """The point of a round's averaged values (holding the averager's buffers), kept if the round is applied."""
         return np.asarray(self.sketch(averaged))
 
-    def accepted(self, reference: np.ndarray, update_norm: float) -> None:
-        """A round's update goes to the trainer: its average is our new reference, its size part of our history."""
-        self._reference = reference
+    def accepted(self, r: Round, reference: np.ndarray, update_norm: float) -> None:
+        """A round's update goes to the trainer: its size joins our history; its average becomes our reference once
+        the trainer applied it (``applied``)."""
+        with self._pending_lock:
+            self._pending[r.index] = (reference, r.step_at_snapshot)
         self.update_check.applied(update_norm)
 
     def _ask_heal(self, r: Round, why: str) -> None:
@@ -172,6 +180,17 @@ class RoundVetting:
         self._heal.set()
 
     # --- trainer thread ---
+    def applied(self, rounds: list[Round]) -> None:
+        """Holding dsgd.lock, right after the trainer added these rounds' updates (oldest first)."""
+        if not rounds:
+            return
+        with self._pending_lock:
+            for r in rounds:
+                if r.index in self._pending:
+                    self._reference, self._reference_step = self._pending[r.index]
+            for index in [index for index in self._pending if index <= rounds[-1].index]:
+                del self._pending[index]  # these, and older ones that were discarded
+
     def heal_if_asked(self) -> None:
         """At a step boundary, outside dsgd.lock: take the swarm's state if a group found us diverged."""
         if not self._heal.is_set():
@@ -192,7 +211,10 @@ class RoundVetting:
         if taken:
             with owner.lock:
                 owner.took_over_state(step, samples)  # the swarm's weights, our own step count
+                with self._pending_lock:
+                    self._pending.clear()
                 self._reference = np.asarray(self.sketch(owner.averaged_tensors.local()))  # shared with the swarm
+                self._reference_step = step
             self.update_check.reset()
             owner.counters["outlier_heals"] += 1
             logger.warning(f"DecentralizedSGD: took the swarm's state in {time.monotonic() - t0:.1f}s; averaging "

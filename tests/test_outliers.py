@@ -32,10 +32,12 @@ def sketch() -> WeightSketch:
 
 
 def summaries(points: dict[str, list[torch.Tensor]], references: dict[str, list[torch.Tensor]] | None = None,
-              ) -> dict[str, Summary]:  # fmt: skip
-    sk, references = sketch(), references or {}
-    return {name: Summary(np.array(sk(tensors)), step=7,
-                          reference=np.array(sk(references[name])) if name in references else None)
+              steps: dict[str, int] | None = None) -> dict[str, Summary]:  # fmt: skip
+    """At step 7 (or `steps`), with references (if any) from step 6."""
+    sk, references, steps = sketch(), references or {}, steps or {}
+    return {name: Summary(np.array(sk(tensors)), step=steps.get(name, 7),
+                          reference=np.array(sk(references[name])) if name in references else None,
+                          reference_step=6 if name in references else None)
             for name, tensors in points.items()}  # fmt: skip
 
 
@@ -87,12 +89,27 @@ def test_a_diverged_peer_is_the_outlier_and_healthy_groups_have_none():
 def test_the_floor_separates_a_drift_from_noise():
     rule = OutlierRule()
     base = weights(5)
-    synced = {"a": base, "b": base, "drift": base}  # they averaged together: base is everyone's reference
+    synced = {"a": base, "b": base, "drift": base}  # they averaged together a step ago: base is their reference
     drifted = summaries({"a": base, "b": base, "drift": [t * 1.05 for t in base]}, references=synced)
-    assert set(rule.judge(drifted).outliers) == {"drift"}
+    assert set(rule.judge(drifted).outliers) == {"drift"} and "per step" in rule.judge(drifted).outliers["drift"]
+    pair = summaries({"a": base, "drift": [t * 1.05 for t in base]}, references=synced)  # two: still decided
+    assert set(rule.judge(pair).outliers) == {"drift"}
     noisy = summaries({"a": base, "b": [t * 1.001 for t in base], "drift": [t * 0.999 for t in base]},
                       references=synced)  # fmt: skip
     assert not rule.judge(noisy).outliers  # 0.1%: fp16 rounding and a few local steps are not a divergence
+
+
+@pytest.mark.timeout(60)
+def test_peers_that_train_at_different_speeds_are_not_outliers():
+    rule, base, step = OutlierRule(), weights(5), [torch.full_like(t, 1e-2) for t in weights(5)]
+    synced = {"fast": base, "slow": base, "mid": base}  # each moved by its own steps since it last averaged
+    moved = {name: [b + count * s for b, s in zip(base, step, strict=True)] for name, count in
+             (("fast", 30), ("slow", 1), ("mid", 10))}  # fmt: skip
+    group = summaries(moved, references=synced, steps={"fast": 36, "slow": 7, "mid": 16})
+    verdict = rule.judge(group)
+    assert not verdict.outliers, verdict.describe()
+    assert max(verdict.rates.values()) == pytest.approx(min(verdict.rates.values()), rel=0.05)  # the same per step
+    assert not rule.judge({"fast": group["fast"], "slow": group["slow"]}).outliers  # also as a pair
 
 
 @pytest.mark.timeout(60)
@@ -102,9 +119,9 @@ def test_a_peer_that_never_averaged_is_refused_only_for_a_blow_up():
     newcomer = summaries({**synced, "new": weights(value=6.0)}, references=synced)
     assert not rule.judge(newcomer).outliers  # it started elsewhere: averaging it in is how it catches up
     blown_up = summaries({**synced, "new": weights(value=1e4)}, references=synced)
-    assert set(rule.judge(blown_up).outliers) == {"new"} and "without a reference" in rule.judge(blown_up).describe()
-    with pytest.raises(ValueError, match="rel_floor <= unsynced_floor"):
-        OutlierRule(rel_floor=0.5, unsynced_floor=0.1)
+    assert set(rule.judge(blown_up).outliers) == {"new"} and "distance" in rule.judge(blown_up).outliers["new"]
+    with pytest.raises(ValueError, match="rate_floor >= 0"):
+        OutlierRule(rate_floor=-0.1)
 
 
 @pytest.mark.timeout(60)
