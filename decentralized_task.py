@@ -131,9 +131,11 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
-        wrapper = DecentralizedSGD
-        if settings.averager == "old":
+        wrapper, options = DecentralizedSGD, {"swarm_secret": settings.secret()}
+        if settings.averager == "old":  # no secret there (run_trainer.py refuses the combination)
             from baseline_averaging import OldDesignAverager as wrapper
+
+            options = {}
         return wrapper(
             torch_optimizer(self),
             self.dht,
@@ -150,6 +152,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             records_path=str(records_path),
             client_mode=settings.client_mode,
             get_extra_state=self.training_progress,
+            **options,
         )
 
     def training_progress(self) -> dict:

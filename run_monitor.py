@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop after this many refreshes; none: run until Ctrl-C")
     parser.add_argument("--json", type=Path, default=None, help="write the latest table here as JSON (replaced "
                                                                 "atomically at every refresh)")
+    swarm.add_secret_arguments(parser)  # the trainers' secret: without it their records cannot be read
     return parser
 
 
@@ -149,7 +150,7 @@ def settings_from(args: argparse.Namespace) -> swarm.SwarmSettings:
         raise swarm.SwarmError(f"--iterations must be at least 1, got {args.iterations}")
     settings = swarm.SwarmSettings(run_id=args.run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                                    announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                                   config_name=args.config)
+                                   config_name=args.config, **swarm.secret_settings(args))
     for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
         swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
     return settings
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 3
     try:
-        dht.add_validators(metrics_validators(args.run_id))  # the same ones every trainer adds
+        dht.add_validators(metrics_validators(args.run_id, secret=settings.secret()))  # the same as every trainer's
         join_line = f"To join this swarm, run on another box:\n  {swarm.join_command(dht, settings)}"
         print(join_line, flush=True)
         monitor(dht, args, join_line)

@@ -12,6 +12,7 @@ Any number of VISSL overrides ``config.SECTION.KEY=VALUE`` may follow the flags.
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -92,6 +93,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
                             "round at a time (the baseline of benchmarks/bench_learning.py)")
     group.add_argument("--isolated", action="store_true",
                        help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline")
+    swarm.add_secret_arguments(group)
 
 
 def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
@@ -110,7 +112,11 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
         compression=args.compression, average_optimizer_state=args.average_optimizer_state,
         load_state_timeout=args.load_state_timeout, averager=args.averager, config_name=args.config,
+        **swarm.secret_settings(args),
     )  # fmt: skip
+    if args.averager == "old" and settings.secret() is not None:
+        raise swarm.SwarmError("--swarm_secret / --swarm_secret_file need the improved averager (--averager old has "
+                               "no swarm secret)")
     for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
         swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
     return settings
@@ -205,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     vissl_compat.fork_start_method()
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"
-    config.SWARM = settings.to_config()
+    config.SWARM = settings.to_config()  # without the secret itself (VISSL logs the config): workers read it here
+    if settings.swarm_secret:
+        os.environ[swarm.SECRET_ENV] = settings.swarm_secret
     if not any(override.startswith("config.SEED_VALUE=") for override in overrides):
         # every peer its own data order (VISSL seeds its sampler with SEED_VALUE, identical in every peer's config)
         config.SEED_VALUE = secrets.randbelow(100_000)  # VISSL multiplies it by num_epochs; numpy needs < 2**32

@@ -6,13 +6,16 @@ the VISSL task can reuse the DHT that run_trainer.py already started in the same
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
+SECRET_ENV = "SWAV_SWARM_SECRET"  # how --swarm_secret reaches VISSL's spawned workers: never in the (logged) config
 
 
 class SwarmError(ValueError):
@@ -42,6 +45,8 @@ class SwarmSettings:
     load_state_timeout: float = 60.0
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
     config_name: str = ""
+    swarm_secret_file: str = ""  # a file holding the swarm secret (see secret())
+    swarm_secret: str = field(default="", repr=False)  # --swarm_secret itself: left out of to_config()
 
     @classmethod
     def from_config(cls, section: Any) -> SwarmSettings:
@@ -49,7 +54,40 @@ class SwarmSettings:
         return cls(**known)
 
     def to_config(self) -> dict:
-        return asdict(self)
+        """Everything but the secret itself: VISSL logs its config and saves it next to the checkpoints. A spawned
+        worker reads the secret from SECRET_ENV instead (run_trainer.py sets it)."""
+        config = asdict(self)
+        config.pop("swarm_secret")
+        return config
+
+    def secret(self) -> Any:
+        """The swarm secret (a ``decentralized_sgd.secret.SwarmSecret``) from --swarm_secret, --swarm_secret_file or
+        else the SWAV_SWARM_SECRET environment variable; None without one. SwarmError for an empty or unreadable one."""
+        from decentralized_sgd.secret import SwarmSecret, SwarmSecretError
+
+        from_environment = None if self.swarm_secret_file else os.environ.get(SECRET_ENV)
+        try:
+            return SwarmSecret.from_args(self.swarm_secret or from_environment or None, self.swarm_secret_file or None)
+        except SwarmSecretError as error:
+            raise SwarmError(str(error)) from None
+
+
+def add_secret_arguments(group: Any) -> None:
+    """--swarm_secret / --swarm_secret_file, the same for the trainer and the monitor (an argparse group/parser)."""
+    group.add_argument("--swarm_secret_file", default="",
+                       help="file with the swarm's secret: only peers with the same secret average together and "
+                            "write the swarm's records (make one with python -c 'import secrets; "
+                            "print(secrets.token_hex(16))' > swarm.key and copy it to every box)")
+    group.add_argument("--swarm_secret", default="",
+                       help="the swarm's secret itself (visible in the process list: prefer --swarm_secret_file; "
+                            f"the {SECRET_ENV} environment variable works too)")
+
+
+def secret_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The SwarmSettings fields of the secret flags, checked now (a SwarmError names the problem)."""
+    fields = {"swarm_secret": args.swarm_secret, "swarm_secret_file": args.swarm_secret_file}
+    SwarmSettings(**fields).secret()
+    return fields
 
 
 def check_multiaddrs(flag: str, addresses: list[str]) -> None:
@@ -79,13 +117,16 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     from hivemind.p2p import P2PDaemonError
 
     from decentralized_sgd import FixedDHT, keep_dht_connected
+    from decentralized_sgd.secret import SwarmSecretValidator
 
     check_multiaddrs("--initial_peers", settings.initial_peers)
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
+    secret = settings.secret()
     try:
         dht = FixedDHT(  # a hivemind.DHT that survives a restarted averager
             start=True,
+            record_validators=[SwarmSecretValidator(secret)] if secret is not None else (),  # every record signed
             initial_peers=settings.initial_peers or None,
             host_maddrs=settings.host_maddrs,
             announce_maddrs=settings.announce_maddrs or None,
@@ -115,10 +156,11 @@ def visible_maddrs(dht: Any) -> list[str]:
 
 
 def join_command(dht: Any, settings: SwarmSettings) -> str:
-    """The exact command another box runs to join this peer's swarm."""
+    """The exact command another box runs to join this peer's swarm (never with the secret itself)."""
     peers = " ".join(visible_maddrs(dht))
+    secret = " --swarm_secret_file <a copy of the swarm's key file>" if settings.secret() is not None else ""
     return (f"python run_trainer.py --config {settings.config_name or '<config>'} --run_id {settings.run_id} "
-            f"--data_path <your ImageFolder dataset> --initial_peers {peers}")
+            f"--data_path <your ImageFolder dataset>{secret} --initial_peers {peers}")
 
 
 def use_shared_dht(dht: Any) -> None:

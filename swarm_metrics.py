@@ -7,7 +7,9 @@ record is validated by each peer that stores it and again by the peer that reads
 - ``RSASignatureValidator``: the subkey of a record is its owner's RSA public key and the value must carry the
   owner's signature, so no peer can overwrite (or fake) another peer's record;
 - ``SchemaValidator``: values under ``<run_id>_metrics`` must be a :class:`PeerMetrics` with exact types, so a
-  buggy or hostile peer cannot put garbage in the monitor's table.
+  buggy or hostile peer cannot put garbage in the monitor's table;
+- with a swarm secret, ``decentralized_sgd.secret.SwarmSecretValidator``: every record carries a keyed hash, so
+  only peers holding the secret can write records at all (and only they can read them: the monitor needs it too).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
+
+from decentralized_sgd.secret import SwarmSecret, SwarmSecretValidator
 
 ADDED_LATER = ("averager_failures",)  # PeerMetrics fields that records of older peers lack
 
@@ -63,14 +67,20 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
-def metrics_validators(run_id: str, private_key: RSAPrivateKey | None = None) -> list[RecordValidatorBase]:
+def metrics_validators(run_id: str, private_key: RSAPrivateKey | None = None,
+                       secret: SwarmSecret | None = None) -> list[RecordValidatorBase]:  # fmt: skip
     """Validators for the metrics key of ``run_id``; add them to every DHT of the run, the monitor's included.
+    ``secret``: the swarm's (``swarm.start_dht`` adds its validator already; adding it again is harmless).
 
     ``private_key`` defaults to hivemind's process-wide key, the one :func:`owner_subkey` names: the DHT signs a
     record only when its subkey holds the public key of the signing validator it was given. Adding these twice to
     one DHT is harmless (hivemind merges a second RSASignatureValidator away and a second schema is the same).
     """
-    return [SchemaValidator(MetricsSchema, prefix=run_id), RSASignatureValidator(private_key)]
+    validators: list[RecordValidatorBase] = [SchemaValidator(MetricsSchema, prefix=run_id),
+                                             RSASignatureValidator(private_key)]  # fmt: skip
+    if secret is not None:
+        validators.append(SwarmSecretValidator(secret))
+    return validators
 
 
 def owner_subkey(private_key: RSAPrivateKey | None = None) -> bytes:

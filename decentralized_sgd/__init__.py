@@ -15,6 +15,8 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
 - ``starvation``: a peer that its own box starves of CPU leaves averaging until it recovers;
+- ``vetting``, ``guard``, ``outliers`` and ``secret``: diverged peers and outsiders (issue 13): the weight summaries
+  a group compares, whom it leaves out of its AllReduce, the update check, the heal, and the swarm secret;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
   an averager restart); ``hivemind_slow_peer_fixes``: those that keep a slow groupmate from slowing the others;
   ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's); ``dht_rejoin``: the DHT

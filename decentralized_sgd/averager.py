@@ -1,8 +1,10 @@
 """The averager process: a ``hivemind.DecentralizedAverager`` with the fixes of ``hivemind_fixes`` and
-``hivemind_slow_peer_fixes``, and one feature.
+``hivemind_slow_peer_fixes``, and two features.
 
 It serves the trainer's *live* state to late joiners (``get_current_state`` asks the optimizer, which copies under
 its lock) instead of hivemind's default, the averager's buffers, which hold whatever the last round left there.
+And it guards its groups (``guard.GroupGuard``): outsiders and recent outliers are refused at matchmaking, a group's
+outliers are left out of its AllReduce.
 
 Why not ``hivemind.optim.TrainingStateAverager(delta_rule_averaging=True)``, which implements the delta rule too:
 it takes over the optimizer (it runs ``optimizer.step()`` in its own executor, where VISSL steps LARC/AMP itself),
@@ -20,6 +22,7 @@ import multiprocessing as mp
 import multiprocessing.sharedctypes
 from collections.abc import Callable
 
+from .guard import GroupGuard
 from .hivemind_fixes import HivemindFixes
 from .hivemind_slow_peer_fixes import SlowPeerFixes
 
@@ -30,8 +33,9 @@ def handler_address_slot() -> multiprocessing.sharedctypes.SynchronizedArray:
     return mp.Array(ctypes.c_char, 1024)
 
 
-class Averager(SlowPeerFixes, HivemindFixes):
-    """Our averager: hivemind's, fixed, serving ``state_fn()`` (``(metadata, tensors, infos)``) to joiners."""
+class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
+    """Our averager: hivemind's, fixed, guarding its groups, serving ``state_fn()`` (``(metadata, tensors, infos)``)
+    to joiners."""
 
     _rpc_handlers = None  # part of the wire protocol: handler names are "<prefix>::Averager.rpc_..."
     _stub_type = None

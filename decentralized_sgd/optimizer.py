@@ -24,17 +24,19 @@ import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from . import state_transfer
+from . import state_transfer, vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .scheduler import RoundScheduler
+from .secret import SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
 from .staging import FlatStaging, StagingCache, StepBoundaryMarks
 from .starvation import STARVATION_COUNTS, StarvationMonitor
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors, ResultSlots
+from .vetting import RoundVetting
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ COUNTERS = (
     "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
     "dht_rejoins", "averager_failures", "averager_restarts", *STARVATION_COUNTS, *SLOW_PEER_COUNTS,
     "fills", "fill_s", "fill_locked_s", "applies", "apply_s",  # the data path's cost: see _count_apply, scheduler
-)  # fmt: skip
+) + vetting.COUNTERS  # fmt: skip
 
 
 class DecentralizedSGD:
@@ -61,6 +63,11 @@ class DecentralizedSGD:
     overloaded groupmate costs the others little, and a peer starved of CPU leaves averaging until it recovers
     (``slow_peer_fixes``; see ``hivemind_slow_peer_fixes`` and ``starvation``).
     ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
+
+    Diverged peers and outsiders (``vetting``, ``guard``): each group's members compare weight summaries; a member
+    far from the group's median is left out of the AllReduce (every member reaches the same verdict), and heals by
+    taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
+    (``secret``); one whose secret matches nobody's logs so after ``no_group_patience`` seconds without a group.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -95,6 +102,8 @@ class DecentralizedSGD:
         get_extra_state: Callable[[], dict] | None = None,
         before_allreduce: Callable[[], None] | None = None,
         verbose: bool = False,
+        swarm_secret: SwarmSecret | None = None,
+        no_group_patience: float = 60.0,
         start: bool = True,
     ):
         assert "." not in prefix, "prefix may not contain '.'"
@@ -124,7 +133,11 @@ class DecentralizedSGD:
 
         self.averaged_tensors = AveragedTensors(optimizer, model, average_buffers=average_buffers,
                                                 average_optimizer_state=average_optimizer_state)  # fmt: skip
-        self.prefix = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
+        run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
+        self.prefix = keyed_prefix(run, swarm_secret)  # with a secret, its keyed hash: see secret
+        if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
+            dht.add_validators([SwarmSecretValidator(swarm_secret, exempt_keys=[members_key(run)])])
+        self.vetting = RoundVetting(self, run, swarm_secret, no_group_patience=no_group_patience)
         # host copies of the tensors, one flat buffer per device (pinned for a GPU): see staging
         self.boundary_marks = StepBoundaryMarks([*self.averaged_tensors.local(), *(model.buffers() if model else ())])
         self.state_staging = StagingCache(self.boundary_marks)  # serving our state, and downloading a donor's
@@ -138,7 +151,8 @@ class DecentralizedSGD:
             compression=make_compression(compression), client_mode=client_mode, state_fn=self._serve_state,
             trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
             shutdown_timeout=AVERAGER_SHUTDOWN_S, slow_peer_fixes=slow_peer_fixes,
-            slow_peer_counts=self.slow_peer_counts,
+            slow_peer_counts=self.slow_peer_counts, summary_size=self.vetting.sketch.size, secret=swarm_secret,
+            rule=self.vetting.rule, refusals=self.vetting.refusals,
         )  # fmt: skip
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
@@ -198,14 +212,17 @@ class DecentralizedSGD:
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
             self._step_boundary(batch_size)
         self._enforce_staleness_bound()
+        self.vetting.heal_if_asked()
         return loss
 
     def on_step_end(self, batch_size: int | None = None) -> None:
         """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
-        Applies the updates of finished rounds; cheap when nothing finished (no tensor copies)."""
+        Applies the updates of finished rounds (cheap when nothing finished: no tensor copies), or takes the swarm's
+        state when a group found our weights diverged (``vetting``)."""
         with self.lock:
             self._step_boundary(batch_size)
         self._enforce_staleness_bound()
+        self.vetting.heal_if_asked()  # a group found our weights diverged: take the swarm's state (see vetting)
 
     def _step_boundary(self, batch_size: int | None) -> None:
         t0 = time.perf_counter()
@@ -237,6 +254,7 @@ class DecentralizedSGD:
             for r in finished:
                 r.apply()
             book.retire(self.local_step, self.peer)
+        self.vetting.applied(finished)  # their averages are our reference now (see vetting)
         self._last_sync_step = self.local_step
         if not self.averager.client_mode:  # let late joiners prefer the most trained peer
             self.averager.state_sharing_priority = float(self.local_step)

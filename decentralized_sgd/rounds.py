@@ -148,8 +148,8 @@ class Round:
 
     def cancel(self, reason: str) -> bool:
         """LOOKING, FORMED or FILLED → CANCELLED, and tell hivemind. Refused (False) once triggered. Scheduler
-        thread (not filled in time, group not accepted, or starved of CPU while LOOKING), or the thread calling
-        shutdown."""
+        thread (not filled in time, group not accepted, or starved of CPU while LOOKING), the trainer thread
+        (healing, see vetting), or the thread calling shutdown."""
         if self.state in (S.TRIGGERED, S.DONE) or not self._move({S.LOOKING, S.FORMED, S.FILLED}, S.CANCELLED):
             return False
         self.error = reason

@@ -28,13 +28,15 @@ Lock order: the averager's buffer lock, then ``dsgd.lock``, then ``RoundBook.loc
 ``averager_timeout`` and count as an averager failure.
 
 Extension points: ``gather_payload()`` (sent to the groupmates with hivemind's gather) and ``accept_group(round)``
-(decides on a formed group).
+(decides on a formed group); both, the verdict on an ended round and the update check are ``vetting``'s (issue 13:
+diverged peers and the swarm secret).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -84,12 +86,13 @@ class RoundScheduler(threading.Thread):
 
     # --- extension points ---
     def gather_payload(self) -> Any:
-        """What this peer sends its groupmates with hivemind's gather (they see it once the round ends)."""
-        return None
+        """What this peer sends its groupmates with hivemind's gather (our weight summary and member token, see
+        ``vetting``); None: start no round now (the next tick asks again)."""
+        return self.owner.vetting.payload()
 
     def accept_group(self, r: Round) -> bool:
         """Called once the group formed; False cancels the round before anything is filled."""
-        return True
+        return self.owner.vetting.accept_group(r)
 
     # --- the loop ---
     def run(self) -> None:
@@ -109,6 +112,7 @@ class RoundScheduler(threading.Thread):
         owner = self.owner
         owner.counters["dht_rejoins"] = rejoin_count(owner.dht)
         self._count_slow_peer_fixes()
+        owner.vetting.on_tick()
         usable = self.supervisor.check()
         if self.supervisor.failures != self._failures_seen:  # rounds of a failed averager never end by themselves
             self._failures_seen = self.supervisor.failures
@@ -253,27 +257,42 @@ class RoundScheduler(threading.Thread):
         """A triggered round ended: fail it, discard it, or turn the averaged buffers into the update to add."""
         r.observe()
         try:
-            group = [str(peer) for peer in r.control.result()]
+            gathered = r.control.result()
         except (Exception, asyncio.CancelledError) as e:
             with self.book.lock:
                 r.fail(repr(e))
             return
+        judgement = self.owner.vetting.judge(r, gathered)  # logged and counted; asks for a heal if we are refused
+        group = judgement.group
         if r.local_nonfinite or r.stale:
             with self.book.lock:
                 r.discard("local snapshot not finite" if r.local_nonfinite else "state reloaded since snapshot", group)
             return
+        if judgement.refusal is not None:
+            with self.book.lock:
+                r.discard(judgement.refusal, group)
+            return
+        refusal = None
         with self.supervisor.averager.buffers(self.owner.averager_timeout) as buffers:
+            reference = self.owner.vetting.reference_of(buffers)
             if self.owner.delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
                 torch._foreach_sub_(r.slot, buffers)  # iff the average is)
                 torch._foreach_neg_(r.slot)
             else:
                 copy_(r.slot, buffers)
-            finite = self.owner.averaged_tensors.all_finite(r.slot)
+            norm = self.owner.averaged_tensors.norm(r.slot)
+            finite = math.isfinite(norm)
+            if finite and self.owner.delta_rule:
+                refusal = self.owner.vetting.check_update(r, judgement, norm)
+            if finite and refusal is None:  # before DONE: the trainer may apply it right after
+                self.owner.vetting.accepted(r, reference, norm)
             with self.book.lock:
-                if finite:
-                    r.finish(group)
-                else:
+                if not finite:
                     r.discard("averaged result not finite", group)
+                elif refusal is not None:
+                    r.discard(refusal, group)
+                else:
+                    r.finish(group)
         if not finite:
             logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
         if r.allreduce_started_at is not None and r.ended_at is not None:
@@ -310,6 +329,9 @@ class RoundScheduler(threading.Thread):
         boundary = owner.boundaries
         if boundary <= self._boundary_at_last_start:
             return  # no step boundary since the previous round started: the trainer may be stalled
+        gather = self.gather_payload()
+        if gather is None:
+            return  # not now (see gather_payload)
         delay = owner.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
         t_start, step, early = time.time(), owner.local_step, None
         if not owner.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts
@@ -322,7 +344,7 @@ class RoundScheduler(threading.Thread):
                 owner.lock.release()
         scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * owner.min_matchmaking_time
         control = self.supervisor.averager.start_step(
-            scheduled_time=scheduled, deadline=scheduled + slack, gather=self.gather_payload(),
+            scheduled_time=scheduled, deadline=scheduled + slack, gather=gather,
             timeout=owner.averager_timeout,
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away

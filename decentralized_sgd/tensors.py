@@ -72,6 +72,15 @@ class AveragedTensors:
             return True
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
 
+    @staticmethod
+    def norm(tensors: Sequence[torch.Tensor]) -> float:
+        """The L2 norm of all of them together, in the same pass and sync as ``all_finite``: inf or nan iff that says
+        not finite (the update check of ``vetting`` needs the size of an update that is checked for finiteness)."""
+        tensors = [t for t in tensors if t.numel() > 0]
+        if not tensors:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)).double()))
+
 
 class ResultSlots:
     """Two preallocated sets of fp32 host tensors (``make()``: a staging for the averaged tensors); a round takes

@@ -11,7 +11,7 @@ from decentralized_task import torch_optimizer
 class AverageOnUpdateHook(ClassyHook):
     """Calls ``DecentralizedSGD.on_step_end`` at the step boundary (where the delta rule may touch the weights).
 
-    On a box with several GPUs only local rank 0 is in the swarm; when it applied a round, it broadcasts its
+    On a box with several GPUs only local rank 0 is in the swarm; when it applied a round (or healed), it broadcasts its
     parameters and buffers (and the optimizer state, when that is averaged too) to the other local ranks in the
     same step, so the replicas never diverge (``local_replicas``: on the device the box's backend serves).
     """
@@ -30,10 +30,10 @@ class AverageOnUpdateHook(ClassyHook):
             return
         optimizer = task.decentralized_sgd
         applied = False
-        if optimizer is not None:
-            before = optimizer.counters["rounds_applied"]
+        if optimizer is not None:  # a round applied, or the swarm's state taken by a peer that diverged (a heal)
+            before = optimizer.counters["rounds_applied"] + optimizer.counters.get("outlier_heals", 0)
             optimizer.on_step_end(batch_size=task.get_batchsize_per_replica())
-            applied = optimizer.counters["rounds_applied"] > before
+            applied = optimizer.counters["rounds_applied"] + optimizer.counters.get("outlier_heals", 0) > before
         if local_replicas.is_box() and local_replicas.broadcast_flag(applied):
             averaged_optimizer = task.swarm_settings.average_optimizer_state
             local_replicas.sync_replicas(task.base_model, torch_optimizer(task) if averaged_optimizer else None)

@@ -20,8 +20,10 @@ from tests.test_recipe import build_task_model
 # 10 batches of 16 real images per epoch, plenty of epochs: the test decides when peers stop
 SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
                    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10", "config.LOG_FREQUENCY=5"]
+SWARM_SECRET = "swarmtest-secret"  # the peers average with a swarm secret (it reaches spawned workers too)
 SWARM_FLAGS = ["--run_id", "swarmtest", "--target_group_size", "3", "--min_matchmaking_time", "2",
-               "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none"]
+               "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none",
+               "--swarm_secret", SWARM_SECRET]
 
 
 def float_tensors(model_state: dict) -> dict[str, torch.Tensor]:
@@ -94,6 +96,8 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
     for peer in peers:
         losses = [entry["loss"] for entry in peer.progress()]
         assert losses and all(math.isfinite(loss) for loss in losses), peer.name
+        assert SWARM_SECRET not in peer.log_text(), f"{peer.name} logged the swarm secret"  # (VISSL logs its config)
+        assert "diverged from the swarm" not in peer.log_text(), peer.name  # healthy peers are never refused
     # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
     for peer in peers:
         errors = [entry["prototypes_norm_error"] for entry in peer.progress()]

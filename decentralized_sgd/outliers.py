@@ -1,0 +1,321 @@
+"""Diverged peers: a cheap summary of a peer's weights, the rule that finds outliers in a group, and the check that
+refuses an update far larger than expected.
+
+Why this shape: hivemind exchanges the ``gather`` payload of ``averager.step(gather=...)`` during matchmaking, so
+every member of a group holds the *same* summaries (of the weights when each member's round started) before the
+AllReduce begins. A rule that is a pure function of them gives every member the same verdict without another
+exchange: the healthy members run the AllReduce without the outliers, and an outlier learns that it is one. The
+summaries are older than the values that enter the AllReduce (those are copied once the group formed), so a second,
+local check looks at the update itself (``averaged - snapshot``) before it is applied.
+
+Plain torch + numpy (no hivemind): the averager process and the trainer run the same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+K = TypeVar("K", bound=Hashable)
+SUMMARY_VERSION = 1
+
+
+class WeightSketch:
+    """A fixed random linear map of all averaged tensors to ``dims`` numbers, followed by their exact L2 norm.
+
+    ``samples`` coordinates are drawn once, uniformly over all tensors, from a generator seeded by ``seed`` (the
+    run's prefix: every peer of a run draws the same ones), and projected with a Gaussian matrix scaled so that the
+    distance between two sketches estimates the L2 distance between the two full weight vectors (Johnson-Lindenstrauss
+    on a uniform sample). Reading a few thousand values instead of all of them keeps it cheap for ResNet-50; the exact
+    norm (one pass, memory-bound) catches what a sample can miss, e.g. a few blown-up coordinates. A model with at
+    most ``samples`` values is read whole, one with at most ``dims`` values is its own point (the tests' tiny models).
+    """
+
+    def __init__(self, numels: Sequence[int], seed: str, dims: int = 32, samples: int = 4096):
+        if dims < 1 or samples < 1:
+            raise ValueError(f"WeightSketch needs dims >= 1 and samples >= 1, got dims={dims}, samples={samples}")
+        self.dims, self.numels = dims, list(numels)
+        total = sum(self.numels)
+        generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little"))
+        if total <= samples:  # a small model: every coordinate, no sampling error
+            flat = torch.arange(total)
+        else:
+            flat = torch.randint(total, (samples,), generator=generator).sort().values
+        count = len(flat)
+        starts = np.cumsum([0, *self.numels])
+        self._picks: list[tuple[int, torch.Tensor]] = []  # (tensor index, flat indices into that tensor)
+        for i, numel in enumerate(self.numels):
+            lo, hi = np.searchsorted(flat.numpy(), [starts[i], starts[i] + numel])
+            if hi > lo:
+                self._picks.append((i, (flat[lo:hi] - int(starts[i])).long()))
+        if total <= dims:  # a tiny model: the values themselves, zero-padded (exact distances)
+            self._projection = torch.eye(count, dims, dtype=torch.float64)
+        else:
+            scale = math.sqrt(total / count / dims) if count else 0.0
+            self._projection = torch.randn(count, dims, generator=generator, dtype=torch.float64) * scale
+        self._on_device: dict[torch.device, list[torch.Tensor]] = {}
+
+    @property
+    def size(self) -> int:
+        """Length of a point: the projection, then the norm."""
+        return self.dims + 1
+
+    @torch.no_grad()
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[float]:
+        """The point of these tensors (same order and sizes as at construction); non-finite if any value is.
+        On a GPU: a few small kernels and one copy of ~4K values to the CPU."""
+        if [t.numel() for t in tensors] != self.numels:
+            raise ValueError("WeightSketch: the tensors differ from the ones it was built for")
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if any(t.device != device for t in tensors):  # unusual: move each picked part and norm separately
+            picked = [tensors[i].detach().reshape(-1)[idx].cpu() for i, idx in self._picks]
+            norms = [torch.linalg.vector_norm(t.detach()).cpu() for t in tensors if t.numel()]
+        else:
+            if device not in self._on_device:
+                self._on_device[device] = [idx.to(device) for _, idx in self._picks]
+            indices = self._on_device[device]
+            picked = [tensors[i].detach().reshape(-1)[idx] for (i, _), idx in zip(self._picks, indices, strict=True)]
+            norms = list(torch._foreach_norm([t.detach() for t in tensors if t.numel()]))
+        values = torch.cat([p.double() for p in picked]) if picked else torch.zeros(0, dtype=torch.float64)
+        norm = torch.stack([n.double() for n in norms]).norm() if norms else torch.zeros((), dtype=torch.float64)
+        both = torch.cat([values, norm.reshape(1)]).cpu()  # the only synchronization
+        projected = both[:-1] @ self._projection
+        return [*projected.tolist(), float(both[-1])]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one peer tells its group at matchmaking: its point now (at local step ``step``), and its reference, the
+    point of the average it last applied (a point it shared with the swarm), from local step ``reference_step``."""
+
+    point: np.ndarray
+    step: int
+    reference: np.ndarray | None = None
+    reference_step: int | None = None
+
+    @property
+    def norm(self) -> float:
+        return float(self.point[-1])
+
+    def rate(self) -> float | None:
+        """How far it moved per local step since its reference; None without one."""
+        if self.reference is None or self.reference_step is None:
+            return None
+        return float(np.linalg.norm(self.point - self.reference)) / max(1, self.step - self.reference_step)
+
+    def to_wire(self) -> dict[str, Any]:
+        """msgpack-friendly (hivemind's serializer accepts only exact Python types)."""
+        reference = None if self.reference is None else [float(x) for x in self.reference]
+        reference_step = None if self.reference_step is None else int(self.reference_step)
+        return {"v": SUMMARY_VERSION, "point": [float(x) for x in self.point], "step": int(self.step),
+                "ref": reference, "ref_step": reference_step}  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, obj: Any, size: int) -> Summary | None:
+        """None for anything malformed (wrong version, length or types): such a member is refused, not trusted."""
+        try:
+            if not isinstance(obj, dict) or obj.get("v") != SUMMARY_VERSION or not isinstance(obj.get("step"), int):
+                return None
+            point = np.asarray(obj["point"], dtype=np.float64)
+            ref, ref_step = obj.get("ref"), obj.get("ref_step")
+            reference = None if ref is None else np.asarray(ref, dtype=np.float64)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if point.shape != (size,) or (reference is not None and reference.shape != (size,)):
+            return None
+        if reference is not None and (not np.isfinite(reference).all() or not isinstance(ref_step, int)):
+            reference = None  # a non-finite reference, or one from no step, says nothing about the swarm
+        return cls(point, obj["step"], reference, None if reference is None else ref_step)
+
+
+@dataclass(frozen=True)
+class Verdict(Generic[K]):
+    """The outcome of :meth:`OutlierRule.judge` for one group; ``outliers`` maps each refused member to why (with the
+    numbers), ``distances`` each valid member's distance to the group's median, ``rates`` its movement per step."""
+
+    members: tuple[K, ...]
+    outliers: dict[K, str] = field(default_factory=dict)
+    distances: dict[K, float] = field(default_factory=dict)
+    rates: dict[K, float] = field(default_factory=dict)
+    threshold: float = math.inf
+    median_distance: float = 0.0
+    center: np.ndarray | None = None
+
+    @property
+    def inliers(self) -> tuple[K, ...]:
+        return tuple(member for member in self.members if member not in self.outliers)
+
+    def explain(self, member: K) -> str:
+        """Why ``member`` was refused, against the group (for the ERROR a peer logs when it is the outlier)."""
+        center = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
+        why = self.outliers.get(member, "not refused")
+        rates = ", ".join(f"{rate:.4g}" for rate in self.rates.values()) or "none"
+        return (f"{why}; the group's median |w| {center}, median distance {self.median_distance:.4g}, movements per "
+                f"step {rates}")  # fmt: skip
+
+    def describe(self) -> str:
+        """One line with the numbers, for the log."""
+        center_norm = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
+        refused = "; ".join(f"{member}: {why}" for member, why in self.outliers.items()) or "none"
+        return (f"refused {len(self.outliers)} of {len(self.members)} ({refused}); distance threshold "
+                f"{self.threshold:.4g}, median distance {self.median_distance:.4g}, median |w| {center_norm}")
+
+
+@dataclass(frozen=True)
+class OutlierRule:
+    """Two tests; a member that fails either is an outlier.
+
+    **Far from the group** (a blow-up)::
+
+        center    = coordinate-wise median of the members' points and their references
+        D         = median distance of those points to the center
+        refused if  distance to center > max(multiple * D, blowup_floor * |center|, abs_floor)
+
+    ``multiple * D`` scales with the group's own spread (peers from different random inits are far apart, yet none
+    is an outlier; 6, not less: in a group of three spread peers the farthest one sits at up to ~3 D). The floor,
+    10x the weights, lets in any peer that is merely elsewhere (one that started from other values, a restart behind
+    the swarm: averaging it in is how it catches up) and refuses a blow-up (weights 1e4 against 0 and 1). The
+    references make a group of two decidable (both members sit at the same distance from their midpoint, but the
+    healthy one's reference sits on it).
+
+    **Moving too fast** (a drift), for a member with a reference::
+
+        rate      = |point - reference| / (step - reference step): how far it moved per local step since it last
+                    shared a point with the swarm
+        refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
+
+    Healthy peers move by optimizer steps, at similar rates whatever their speed (a peer 30x slower makes 30x fewer
+    steps) or the time since they last averaged; a diverging one moves faster every step. The floor (1% of the
+    weights per step, far more than an optimizer step of a trained model) keeps peers that hardly move from refusing
+    each other's noise: a drift of x1.05 per step is refused at its first step when the others hold still.
+
+    Since at least half of the points lie within D of the center, ``multiple >= 2`` refuses fewer than half of the
+    members for being far; a member is refused for its rate only against the others' median. Members without a
+    valid summary, or whose point is not finite, are refused.
+    """
+
+    multiple: float = 6.0
+    blowup_floor: float = 10.0
+    rate_floor: float = 0.01
+    abs_floor: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if not (self.multiple >= 2 and self.blowup_floor >= 0 and self.rate_floor >= 0 and self.abs_floor > 0):
+            raise ValueError("OutlierRule needs multiple >= 2, blowup_floor >= 0, rate_floor >= 0 and abs_floor > 0, "
+                             f"got {self}")
+
+    def judge(self, summaries: Mapping[K, Summary | None]) -> Verdict[K]:
+        members = tuple(summaries)
+        outliers: dict[K, str] = {}
+        for member, summary in summaries.items():
+            if summary is None:
+                outliers[member] = "no valid weight summary"
+            elif not np.isfinite(summary.point).all():
+                outliers[member] = f"weights not finite (|w| {summary.norm:.4g})"
+        valid = {member: s for member, s in summaries.items() if member not in outliers}
+        references = [s.reference for s in valid.values() if s.reference is not None]
+        points = [s.point for s in valid.values()] + references
+        if not points:
+            return Verdict(members, outliers)
+        stacked = np.stack(points)
+        center = np.median(stacked, axis=0)
+        all_distances = np.linalg.norm(stacked - center, axis=1)
+        median_distance = float(np.median(all_distances))
+        threshold = max(self.multiple * median_distance, self.blowup_floor * float(np.linalg.norm(center)),
+                        self.abs_floor)  # fmt: skip
+        distances = {member: float(d) for member, d in zip(valid, all_distances, strict=False)}
+        for member, distance in distances.items():
+            if distance > threshold:
+                summary = valid[member]
+                outliers[member] = (f"distance {distance:.4g} to the group's median > {threshold:.4g}; "
+                                    f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
+        rates = {member: rate for member, s in valid.items()
+                 if member not in outliers and (rate := s.rate()) is not None}  # fmt: skip
+        for member, rate in rates.items():
+            others = [other_rate for other, other_rate in rates.items() if other != member]
+            limit = max(self.multiple * float(np.median(others)) if others else 0.0,
+                        self.rate_floor * float(np.linalg.norm(valid[member].reference)), self.abs_floor)  # fmt: skip
+            if rate > limit:
+                summary = valid[member]
+                outliers[member] = (f"moved {rate:.4g} per step since step {summary.reference_step} > {limit:.4g}; "
+                                    f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
+        return Verdict(members, outliers, distances, rates, threshold, median_distance, center)
+
+
+def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None = None,
+                is_member: Callable[[K, Any], bool] | None = None) -> tuple[dict[K, Summary | None], Verdict[K]]:
+    """The verdict of one group from its gathered payloads ``{"summary": Summary.to_wire(), "token": ...}``, the same
+    at every member (hivemind gives all of them the same gathered data). With ``is_member`` (the swarm secret), a
+    member whose token does not match is refused and its summary ignored. Returns the parsed summaries too."""
+    rule = rule or OutlierRule()
+    refused: dict[K, str] = {}
+    summaries: dict[K, Summary | None] = {}
+    for member, payload in payloads.items():
+        token = payload.get("token") if isinstance(payload, dict) else None
+        if is_member is not None and not is_member(member, token):
+            refused[member] = "no valid swarm token (not a member of this swarm)"
+            continue
+        summaries[member] = Summary.from_wire(payload.get("summary") if isinstance(payload, dict) else None, size)
+    verdict = rule.judge(summaries)
+    outliers = {member: refused.get(member) or verdict.outliers[member] for member in payloads
+                if member in refused or member in verdict.outliers}  # fmt: skip
+    return summaries, Verdict(tuple(payloads), outliers, verdict.distances, verdict.rates, verdict.threshold,
+                              verdict.median_distance, verdict.center)  # fmt: skip
+
+
+def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:
+    """|mean of the inliers' projections - ours|: about the size of the update this round should bring us, from the
+    summaries (the norm coordinate is left out: it does not average linearly). None if we are not an inlier."""
+    if own not in verdict.inliers or summaries.get(own) is None:
+        return None
+    projections = np.stack([summaries[member].point[:-1] for member in verdict.inliers])
+    return float(np.linalg.norm(projections.mean(axis=0) - summaries[own].point[:-1]))
+
+
+class UpdateCheck:
+    """Our side of a round: refuse an update ``averaged - snapshot`` far larger than expected.
+
+    The summaries were taken when the round started; the values that entered the AllReduce were copied later, once
+    the group formed. A peer that diverged in between (or drifts fast) is not refused by the rule, but the update it
+    causes is much larger than both what the summaries predicted and what this peer's recent rounds brought:
+
+        limit = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
+
+    Only once this peer has applied a round (since it started or healed): before that nothing says what is normal,
+    and a peer that joins from elsewhere must be able to catch up (its first update may be as large as the distance
+    between its weights and the swarm's). The norm costs nothing: it is the finiteness check of the update. The floor
+    (1% of the weights) keeps identical peers from refusing each other's rounding noise (fp16 transfers); it is also
+    how far one accepted round can move a peer that agreed with its group.
+    """
+
+    def __init__(self, multiple: float = 4.0, rel_floor: float = 0.01, history: int = 8):
+        self.multiple, self.rel_floor = multiple, rel_floor
+        self._recent: deque[float] = deque(maxlen=history)
+
+    def limit(self, expected: float | None, snapshot_norm: float) -> float:
+        if not self._recent:
+            return math.inf
+        return self.multiple * ((expected or 0.0) + float(np.median(self._recent))) + self.rel_floor * snapshot_norm
+
+    def check(self, update_norm: float, expected: float | None, snapshot_norm: float) -> tuple[bool, str]:
+        """(accept?, a log line with the numbers)."""
+        limit = self.limit(expected, snapshot_norm)
+        recent = f"{np.median(self._recent):.4g}" if self._recent else "none"
+        expected_text = "n/a" if expected is None else f"{expected:.4g}"
+        ok = math.isfinite(update_norm) and update_norm <= limit
+        return ok, (f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g} "
+                    f"(expected {expected_text}, median of recent updates {recent}, |snapshot| {snapshot_norm:.4g})")
+
+    def applied(self, update_norm: float) -> None:
+        self._recent.append(float(update_norm))
+
+    def reset(self) -> None:
+        """After a heal: the updates of the old weights say nothing about the new ones."""
+        self._recent.clear()

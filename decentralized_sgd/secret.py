@@ -1,0 +1,232 @@
+"""The swarm secret: only peers that hold it average together and write the swarm's DHT records.
+
+Three layers, because each one alone leaves a gap:
+
+- **Keyed prefix.** The averaging prefix gets an HMAC of the run's prefix appended, so the DHT keys where groups
+  meet (``<prefix>.0b...``, ``<prefix>.all_averagers``) and the RPC names (hivemind namespaces them by the prefix)
+  cannot be derived from the public run id. A peer with another secret or none looks elsewhere and never meets us.
+  That alone is not authentication: libp2p's identify protocol shows every connected peer the stream protocols we
+  serve, names included.
+- **Member tokens.** Every join request and every member's gathered data carry ``HMAC(secret, peer id)``; leaders
+  refuse a request whose token does not match the libp2p-authenticated id of its sender, and every member refuses
+  to average with a groupmate whose token does not match (a leader without the secret cannot make one for itself).
+- **Signed records.** :class:`SwarmSecretValidator` makes the DHT append an HMAC to every record it stores and drop
+  any record without a valid one, when asked to store it and when it receives it; so nobody outside can forge
+  progress records or register as a donor for ``load_state_from_peers``. Only :func:`members_key` is exempt: there
+  each peer of a run, whatever its secret, says "I am here" with a tag, so that a peer whose secret matches nobody's
+  can say so instead of waiting silently (:func:`diagnose_members`). A tag is not encryption: code that skips the
+  validator reads the records, finds our leaders and asks them directly; the member tokens turn it away.
+
+HMAC-SHA256 (stdlib). Tags are bound to peer ids, which libp2p authenticates, so a tag seen by others is useless to
+them; a weak secret can still be guessed offline from a tag: use a random one (``secrets.token_hex(16)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+TAG_BYTES = 16
+
+
+class SwarmSecretError(ValueError):
+    """A bad --swarm_secret / --swarm_secret_file; the message says what to do."""
+
+
+class SwarmSecret:
+    """A shared secret and the keyed hashes derived from it (one purpose string per use, so tags never mix)."""
+
+    def __init__(self, secret: bytes):
+        if not secret:
+            raise SwarmSecretError("the swarm secret is empty")
+        self._key = hashlib.sha256(b"swav-swarm-secret\0" + secret).digest()
+
+    def __repr__(self) -> str:
+        return "SwarmSecret(<hidden>)"
+
+    @classmethod
+    def from_args(cls, secret: str | None = None, secret_file: str | Path | None = None) -> SwarmSecret | None:
+        """From ``--swarm_secret`` or ``--swarm_secret_file`` (surrounding whitespace stripped); None for neither."""
+        if secret and secret_file:
+            raise SwarmSecretError("pass either --swarm_secret or --swarm_secret_file, not both")
+        if secret_file:
+            path = Path(secret_file).expanduser()
+            try:
+                content = path.read_bytes().strip()
+            except OSError as error:
+                raise SwarmSecretError(f"--swarm_secret_file: cannot read {path}: {error.strerror or error}") from error
+            if not content:
+                raise SwarmSecretError(f"--swarm_secret_file: {path} is empty; put the swarm's secret in it "
+                                       "(e.g. python -c 'import secrets; print(secrets.token_hex(16))' > swarm.key)")
+            return cls(content)
+        if secret is not None and not secret.strip():
+            raise SwarmSecretError("--swarm_secret is empty; leave it out to run without a secret")
+        return cls(secret.strip().encode()) if secret else None
+
+    def tag(self, purpose: str, *parts: bytes) -> bytes:
+        """HMAC over the purpose and length-prefixed parts (so that no two different inputs share a message)."""
+        message = b"".join(len(part).to_bytes(4, "big") + part for part in (purpose.encode(), *parts))
+        return hmac.new(self._key, message, hashlib.sha256).digest()[:TAG_BYTES]
+
+    def verify(self, tag: object, purpose: str, *parts: bytes) -> bool:
+        return isinstance(tag, bytes) and hmac.compare_digest(tag, self.tag(purpose, *parts))
+
+    def keyed_prefix(self, prefix: str) -> str:
+        """The averaging prefix of this swarm: the run's prefix plus a keyed hash (hex, so no '.')."""
+        return f"{prefix}_{self.tag('prefix', prefix.encode()).hex()[:16]}"
+
+    def member_token(self, peer_id: bytes) -> bytes:
+        """Proof of membership for the peer with this id (its join requests and gathered data carry it)."""
+        return self.tag("member", peer_id)
+
+    def is_member(self, peer_id: bytes, token: object) -> bool:
+        return self.verify(token, "member", peer_id)
+
+
+def keyed_prefix(prefix: str, secret: SwarmSecret | None) -> str:
+    """The prefix unchanged without a secret (as before), else the keyed one."""
+    return prefix if secret is None else secret.keyed_prefix(prefix)
+
+
+def members_key(prefix: str) -> str:
+    """The one DHT key every peer of a run writes, with or without a secret (see :func:`diagnose_members`)."""
+    return f"{prefix}_members"
+
+
+def member_tag(secret: SwarmSecret | None, peer_id: bytes) -> bytes:
+    """What a peer writes under :func:`members_key`: a tag of its id, or b"" without a secret."""
+    return b"" if secret is None else secret.tag("members-key", peer_id)
+
+
+def announce_member(dht: Any, prefix: str, secret: SwarmSecret | None, ttl: float = 60.0) -> Any:
+    """Write our entry under :func:`members_key` (expires after ``ttl`` s: call it again well before); returns the
+    DHT's future (True if stored)."""
+    peer_id = dht.peer_id.to_bytes()
+    return dht.store(members_key(prefix), subkey=peer_id, value=member_tag(secret, peer_id),
+                     expiration_time=get_dht_time() + ttl, return_future=True)  # fmt: skip
+
+
+def read_members(dht: Any, prefix: str, timeout: float = 10.0) -> dict[bytes, object]:
+    """{peer id bytes: tag} of the peers of this run that announced themselves; TimeoutError if the DHT is stuck."""
+    return _entries(dht.get(members_key(prefix), latest=True, return_future=True).result(timeout=timeout))
+
+
+def _entries(found: Any) -> dict[bytes, object]:
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {peer: entry.value for peer, entry in found.value.items() if isinstance(peer, bytes)}
+
+
+def diagnose_members(entries: Mapping[bytes, object], own_peer_id: bytes, secret: SwarmSecret | None,
+                     run: str) -> str | None:  # fmt: skip
+    """Why we find no group, if the members' key can tell: None when some other peer shares our secret (or our lack
+    of one) or when no other peer of the run is online; otherwise the line to log."""
+    others = {peer: tag for peer, tag in entries.items() if peer != own_peer_id}
+    if not others:
+        return None
+    if secret is None:
+        same = [peer for peer, tag in others.items() if tag == b""]
+    else:
+        same = [peer for peer, tag in others.items() if isinstance(tag, bytes) and tag and
+                secret.verify(tag, "members-key", peer)]  # fmt: skip
+    if same:
+        return None
+    if secret is None:
+        return (f"no peer of this swarm accepts us: {len(others)} peer(s) of run {run!r} are online, and all of them "
+                "use a swarm secret; start this peer with the same --swarm_secret / --swarm_secret_file")
+    with_secret = sum(1 for tag in others.values() if tag)
+    return (f"no peer of this swarm accepts our secret: {len(others)} peer(s) of run {run!r} are online, "
+            f"{with_secret} with another swarm secret and {len(others) - with_secret} without one; check "
+            "--swarm_secret / --swarm_secret_file (it must be the same on every peer)")
+
+
+class MembershipCheck:
+    """Keeps this peer's entry under :func:`members_key` fresh and, when no group has formed for ``patience`` seconds,
+    reads the others' entries and returns the line that says why (:func:`diagnose_members`), at most once per
+    ``patience``. Never blocks: each call starts or collects a DHT future; meant for a background thread's loop."""
+
+    def __init__(self, dht: Any, run: str, secret: SwarmSecret | None, patience: float = 60.0, ttl: float = 60.0):
+        self.dht, self.run, self.secret, self.patience, self.ttl = dht, run, secret, patience, ttl
+        self._next_announce = 0.0
+        self._quiet_since: float | None = None
+        self._announcing: Any = None
+        self._reading: Any = None
+
+    def poll(self, now: float, group_formed: bool) -> str | None:
+        """``now``: time.monotonic(); ``group_formed``: a group formed since the previous call."""
+        if self._announcing is None or self._announcing.done():
+            if now >= self._next_announce:
+                self._announcing = announce_member(self.dht, self.run, self.secret, self.ttl)
+                self._next_announce = now + self.ttl / 3
+        if group_formed or self._quiet_since is None:
+            self._quiet_since = now
+            return None
+        if self._reading is None and now - self._quiet_since >= self.patience:
+            self._reading = self.dht.get(members_key(self.run), latest=True, return_future=True)
+        if self._reading is None or not self._reading.done():
+            return None
+        reading, self._reading, self._quiet_since = self._reading, None, now
+        if reading.exception() is not None:
+            return None
+        return diagnose_members(_entries(reading.result()), self.dht.peer_id.to_bytes(), self.secret, self.run)
+
+
+class SwarmSecretValidator(RecordValidatorBase):
+    """Every DHT record must end with an HMAC of (key, subkey, value, expiration) under the swarm secret, except under
+    the exempt keys (:func:`members_key`). Add it to every DHT of the swarm, the monitor's included; a DHT without
+    it cannot read the records (they end with the tag).
+
+    Priority 20: it signs last and validates first, so forged records are dropped before the (slower) RSA check and
+    the schema; its tag covers the RSA signature too.
+    """
+
+    _MAGIC = b"[swarm-hmac]"
+
+    def __init__(self, secret: SwarmSecret, exempt_keys: Iterable[str] = ()):
+        self._secret = SwarmSecret.__new__(SwarmSecret)  # a plain copy: it travels to the DHT process (pickled)
+        self._secret._key = secret._key
+        self._exempt = {DHTID.generate(source=key).to_bytes() for key in exempt_keys}
+
+    def _record_tag(self, record: DHTRecord, value: bytes) -> bytes:
+        expiration = repr(float(record.expiration_time)).encode()
+        return self._secret.tag("dht-record", record.key, record.subkey, value, expiration)
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key in self._exempt:
+            return record.value
+        return record.value + self._MAGIC + self._record_tag(record, record.value)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key in self._exempt:
+            return True
+        suffix = len(self._MAGIC) + TAG_BYTES
+        value, tail = record.value[:-suffix], record.value[-suffix:]
+        if len(record.value) < suffix or not tail.startswith(self._MAGIC):
+            return False
+        return hmac.compare_digest(tail[len(self._MAGIC) :], self._record_tag(record, value))
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if record.key in self._exempt:
+            return record.value
+        return record.value[: -(len(self._MAGIC) + TAG_BYTES)]
+
+    @property
+    def priority(self) -> int:
+        return 20
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        """A second validator with the same secret only adds its exempt keys; one with another secret is an error
+        (no record could carry both tags)."""
+        if not isinstance(other, SwarmSecretValidator):
+            return False
+        if other._secret._key != self._secret._key:
+            raise SwarmSecretError("a DHT can serve one swarm secret only")
+        self._exempt |= other._exempt
+        return True

@@ -1,0 +1,226 @@
+"""The trainer's side of issue 13: what a round must pass before its update is applied, and what a peer does when its
+group finds that its weights diverged. The averager process's side is ``guard``; the rules are ``outliers``.
+
+Per round, in the scheduler thread:
+
+1. ``payload()``, when the round starts: our weight summary (a sketch of the averaged tensors, taken under
+   ``dsgd.lock``), the point of the average we last applied (our reference), our step, and, with a swarm secret, our
+   member token. hivemind's gather hands every member the payloads of the whole group.
+2. ``judge(round, gathered)``, when the round ended: the group's verdict, the one our averager process acted on (it
+   ran the AllReduce without the outliers, see ``guard``). Logged with the numbers and counted. If we are the outlier,
+   the round is discarded and a heal is asked for.
+3. ``check_update(...)``: the update ``averaged - snapshot`` against what the summaries and our recent rounds predict
+   (``outliers.UpdateCheck``); a far larger one is discarded and our local weights are kept.
+
+The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock``: no round
+starts (``payload`` says "not now") and none not yet triggered goes on; nobody may download our state; we take a
+donor's state with ``load_state_from_peers`` (keeping our own step count) and continue. The trainer's thread, so
+that VISSL's hooks see the new weights at a step boundary, as they see an applied round (a box with several GPUs
+broadcasts them to its other ranks).
+
+``on_tick()`` (every scheduler tick): the counts of join requests our averager refused, and the membership check of
+``secret`` (a peer whose secret matches nobody's says so instead of waiting silently).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from hivemind.p2p import PeerID
+
+from .guard import JoinRefusals, group_verdict, member_test
+from .outliers import OutlierRule, Summary, UpdateCheck, WeightSketch, expected_update_norm
+from .rounds import Round
+from .rounds import RoundState as S
+from .secret import MembershipCheck, SwarmSecret
+
+if TYPE_CHECKING:
+    from .optimizer import DecentralizedSGD
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = (
+    "rounds_outliers_excluded", "rounds_refused_as_outlier", "rounds_rejected_large_update", "outlier_heals",
+    "outlier_heals_failed", "joins_refused_banned", "joins_refused_token",
+)  # fmt: skip
+LOCK_POLL_S = 0.1  # longest the summary waits for dsgd.lock (then the round starts at a later tick)
+REFUSED = "refused by its group as an outlier"  # discard reasons (the records' "error")
+ALONE = "no groupmate left after refusing outliers"
+TOO_LARGE = "update larger than expected"
+
+
+@dataclass
+class Judgement:
+    """What :meth:`RoundVetting.judge` found about one ended round."""
+
+    group: list[str]  # the members whose values were averaged: the verdict's inliers
+    refusal: str | None = None  # why the result must not be applied; None: go on
+    expected: float | None = None  # the size of the update that the summaries predict
+    own_norm: float = 0.0  # |w| in our summary: the scale of the update check's floor
+
+
+def _token(payload: Any) -> object:
+    return payload.get("token") if isinstance(payload, dict) else None
+
+
+class RoundVetting:
+    """One DecentralizedSGD's summaries, verdicts, update check, heal and membership check. ``run``: the averaging
+    prefix without the secret's keyed hash (the key of the membership check, shared by every secret)."""
+
+    def __init__(self, owner: DecentralizedSGD, run: str, secret: SwarmSecret | None, *,
+                 no_group_patience: float = 60.0, rule: OutlierRule | None = None,
+                 update_check: UpdateCheck | None = None):  # fmt: skip
+        self.owner, self.secret = owner, secret
+        self.rule, self.update_check = rule or OutlierRule(), update_check or UpdateCheck()
+        self.sketch = WeightSketch([t.numel() for t in owner.averaged_tensors.local()], seed=owner.prefix)
+        self.refusals = JoinRefusals()  # counted by every averager process this peer starts
+        self.membership = MembershipCheck(owner.dht, run, secret, patience=no_group_patience)
+        # the point of the last average we applied (or of a heal) and our local step it stands for: changed with
+        # dsgd.lock held, as the weights they describe are (so a summary's point and reference always agree)
+        self._reference: np.ndarray | None = None
+        self._reference_step: int | None = None
+        self._pending: dict[int, tuple[np.ndarray, int | None]] = {}  # round -> its average's point, until applied
+        self._pending_lock = threading.Lock()  # the scheduler adds, the trainer takes
+        self._heal = threading.Event()  # set by the scheduler thread, cleared by the trainer's after the heal
+        self._met_member = False  # a round had another member of the swarm since the last membership poll
+
+    # --- scheduler thread ---
+    def payload(self) -> dict[str, Any] | None:
+        """What we gather when a round starts; None: start no round now (we are healing, or the trainer holds
+        dsgd.lock: the next tick asks again)."""
+        owner = self.owner
+        if self._heal.is_set() or not owner.lock.acquire(timeout=LOCK_POLL_S):
+            return None
+        try:
+            point, step = self.sketch(owner.averaged_tensors.local()), owner.local_step
+            summary = Summary(np.asarray(point), step, self._reference, self._reference_step)
+        finally:
+            owner.lock.release()
+        payload: dict[str, Any] = {"summary": summary.to_wire()}
+        if self.secret is not None:
+            payload["token"] = self.secret.member_token(owner.peer_id.to_bytes())
+        return payload
+
+    def accept_group(self, r: Round) -> bool:
+        """A group formed: not while a heal is pending (our weights would only pull the others)."""
+        return not self._heal.is_set()
+
+    def on_tick(self) -> None:
+        counters = self.owner.counters
+        counters["joins_refused_banned"] = self.refusals.banned.value
+        counters["joins_refused_token"] = self.refusals.token.value
+        line = self.membership.poll(time.monotonic(), group_formed=self._met_member)
+        self._met_member = False
+        if line is not None:
+            logger.error(f"DecentralizedSGD: {line}")
+
+    def judge(self, r: Round, gathered: Mapping[PeerID, Any]) -> Judgement:
+        """A triggered round ended with hivemind's gathered payloads: the verdict our averager process reached too."""
+        owner, own = self.owner, self.owner.peer_id
+        summaries, verdict = group_verdict(gathered, self.sketch.size, self.rule, self.secret)
+        is_member = member_test(self.secret)
+        if any(peer != own and (is_member is None or is_member(peer, _token(payload)))
+               for peer, payload in gathered.items()):  # fmt: skip
+            self._met_member = True
+        group = [str(peer) for peer in verdict.inliers]
+        r.extra["outliers"] = [str(peer) for peer in verdict.outliers]
+        if own in verdict.outliers:
+            owner.counters["rounds_refused_as_outlier"] += 1
+            if not r.stale:  # a round that started before a heal says nothing about the healed weights
+                self._ask_heal(r, verdict.explain(own))
+            return Judgement(group, REFUSED)
+        if verdict.outliers:
+            owner.counters["rounds_outliers_excluded"] += 1
+            if len(verdict.inliers) < 2:
+                logger.warning(f"Round {r.index}: no groupmate left after refusing outliers, keeping local weights: "
+                               f"{verdict.describe()}")
+                return Judgement(group, ALONE)
+            logger.warning(f"Round {r.index}: averaged without {len(verdict.outliers)} member(s) of the group: "
+                           f"{verdict.describe()}")
+        own_summary = summaries.get(own)
+        return Judgement(group, None, expected_update_norm(summaries, verdict, own),
+                         0.0 if own_summary is None else own_summary.norm)  # fmt: skip
+
+    def check_update(self, r: Round, judgement: Judgement, update_norm: float) -> str | None:
+        """The update of a round the verdict kept (finite): None to apply it, else why not."""
+        r.extra["update_norm"] = update_norm
+        ok, line = self.update_check.check(update_norm, judgement.expected, judgement.own_norm)
+        if ok:
+            return None
+        self.owner.counters["rounds_rejected_large_update"] += 1
+        logger.warning(f"Round {r.index}: the update is far larger than expected, keeping local weights: {line}")
+        return TOO_LARGE
+
+    def reference_of(self, averaged: Sequence[torch.Tensor]) -> np.ndarray:
+        """The point of a round's averaged values (holding the averager's buffers), kept if the round is applied."""
+        return np.asarray(self.sketch(averaged))
+
+    def accepted(self, r: Round, reference: np.ndarray, update_norm: float) -> None:
+        """A round's update goes to the trainer: its size joins our history; its average becomes our reference once
+        the trainer applied it (``applied``)."""
+        with self._pending_lock:
+            self._pending[r.index] = (reference, r.step_at_snapshot)
+        self.update_check.applied(update_norm)
+
+    def _ask_heal(self, r: Round, why: str) -> None:
+        if self._heal.is_set():
+            return
+        logger.error(
+            f"DecentralizedSGD: this peer's weights diverged from the swarm's (round {r.index}: {why}). It takes the "
+            "swarm's state now (load_state_from_peers) and does not average until then; look for what made it "
+            "diverge (the learning rate, the data, the hardware)"
+        )
+        self._heal.set()
+
+    # --- trainer thread ---
+    def applied(self, rounds: list[Round]) -> None:
+        """Holding dsgd.lock, right after the trainer added these rounds' updates (oldest first)."""
+        if not rounds:
+            return
+        with self._pending_lock:
+            for r in rounds:
+                if r.index in self._pending:
+                    self._reference, self._reference_step = self._pending[r.index]
+            for index in [index for index in self._pending if index <= rounds[-1].index]:
+                del self._pending[index]  # these, and older ones that were discarded
+
+    def heal_if_asked(self) -> None:
+        """At a step boundary, outside dsgd.lock: take the swarm's state if a group found us diverged."""
+        if not self._heal.is_set():
+            return
+        owner, t0 = self.owner, time.monotonic()
+        averager = owner.averager
+        sharing = averager.allow_state_sharing
+        averager.allow_state_sharing = False  # nobody downloads our diverged weights meanwhile
+        with owner.round_book.lock:  # hivemind owns the triggered ones; their results are discarded (stale)
+            for r in owner.round_book.rounds:
+                if r.state in (S.LOOKING, S.FORMED, S.FILLED):
+                    r.cancel("healing")
+        step, samples = owner.local_step, owner.samples
+        try:
+            taken = owner.load_state_from_peers(timeout=owner.allreduce_timeout) is not None
+        finally:
+            averager.allow_state_sharing = sharing
+        if taken:
+            with owner.lock:
+                owner.took_over_state(step, samples)  # the swarm's weights, our own step count
+                with self._pending_lock:
+                    self._pending.clear()
+                self._reference = np.asarray(self.sketch(owner.averaged_tensors.local()))  # shared with the swarm
+                self._reference_step = step
+            self.update_check.reset()
+            owner.counters["outlier_heals"] += 1
+            logger.warning(f"DecentralizedSGD: took the swarm's state in {time.monotonic() - t0:.1f}s; averaging "
+                           "resumes")
+        else:
+            owner.counters["outlier_heals_failed"] += 1
+            logger.error("DecentralizedSGD: could not take the swarm's state (no peer shared it in time); this peer "
+                         "keeps training and tries again when a group refuses it next")
+        self._heal.clear()
