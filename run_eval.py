@@ -3,11 +3,17 @@
 
     python run_eval.py --checkpoint checkpoints/peer0 --data_path data/digits
     python run_eval.py --random_init --data_path data/digits          # the baseline: an untrained trunk
+    python run_eval.py --random_init --adapt_bn --data_path data/digits   # the honest floor (see below)
 
 Features are the trunk's own final output (global-pooled by its avgpool + flatten) on DATA_PATH/train and
 DATA_PATH/val, resized to the config's first crop size and normalized like the training data. Each val image
 votes among its k most cosine-similar train images, each vote weighted exp(similarity / T), T = VISSL's
 ``NEAREST_NEIGHBOR.SIGMA`` (0.1): the rule of VISSL's nearest_neighbor benchmark and of DINO's kNN.
+
+``--adapt_bn`` first recomputes the trunk's BatchNorm running statistics on DATA_PATH/train (no gradient, no
+labels). An untrained trunk's statistics are mean 0 / variance 1, not its activations' on the digits; any
+training adapts them, whether or not it learns anything. The random-init trunk with adapted statistics is the floor
+a trained trunk must beat for "it learned".
 
 Why not VISSL's own benchmark engine: the vissl 0.1.6 wheel ships neither the benchmark configs
 (configs/config/benchmark/nearest_neighbor) nor the kNN (tools/nearest_neighbor_test.py), both only in its source
@@ -61,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="labelled ImageFolder dataset: DATA_PATH/train/<class>/<image> and DATA_PATH/val/...")
     parser.add_argument("--config", default="swav_tiny",
                         help=f"the config the trunk was trained with (available: {', '.join(available_configs())})")
+    parser.add_argument("--adapt_bn", action="store_true",
+                        help="recompute the trunk's BatchNorm statistics on DATA_PATH/train before extracting")
     parser.add_argument("--k", type=int, default=20, help="number of neighbours that vote")
     parser.add_argument("--batch_size", type=int, default=256, help="images per forward pass of the trunk")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here as JSON")
@@ -169,13 +177,38 @@ def build_trunk(config_name: str, trunk_state: dict[str, Any] | None, source: Pa
     return trunk.eval(), config
 
 
-def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int) -> tuple[Any, Any]:
-    """L2-normalized trunk features and labels of one ImageFolder split."""
+def image_loader(folder: Path, transform: Any, batch_size: int, shuffle_seed: int | None = None) -> Any:
+    """Batches of one ImageFolder split, in file order or shuffled with a seeded generator."""
     import torch
     from torchvision.datasets import ImageFolder
 
     dataset = ImageFolder(str(folder), transform=transform)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
+    generator = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle_seed is not None,
+                                       generator=generator, num_workers=0)
+
+
+def adapt_batchnorm(trunk: Any, folder: Path, transform: Any, batch_size: int) -> Any:
+    """The trunk with every BatchNorm's running mean and variance recomputed over the images of ``folder``: a
+    forward pass in train mode without gradients, momentum None (torch's cumulative average over all batches)."""
+    import torch
+
+    norms = [module for module in trunk.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    trunk.train()
+    with torch.no_grad():  # shuffled: the folder is sorted by class, and a batch of one class has skewed statistics
+        for images, _ in image_loader(folder, transform, batch_size, shuffle_seed=0):
+            trunk(images)
+    return trunk.eval()
+
+
+def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int) -> tuple[Any, Any]:
+    """L2-normalized trunk features and labels of one ImageFolder split."""
+    import torch
+
+    loader = image_loader(folder, transform, batch_size)
     features, labels = [], []
     with torch.no_grad():
         for images, targets in loader:
@@ -198,7 +231,7 @@ def knn_top1(train_features: Any, train_labels: Any, val_features: Any, val_labe
 
 
 def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20,
-             batch_size: int = 256) -> KnnResult:
+             batch_size: int = 256, adapt_bn: bool = False) -> KnnResult:
     if k < 1:
         raise EvalError(f"--k must be at least 1, got {k}")
     try:
@@ -210,6 +243,8 @@ def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny"
     trunk_state = load_trunk_state(resolved) if resolved is not None else None  # before VISSL: fail fast
     trunk, vissl_config = build_trunk(config, trunk_state, resolved)
     transform = eval_transform(vissl_config)
+    if adapt_bn:
+        adapt_batchnorm(trunk, data_path / "train", transform, batch_size)
     train = extract_features(trunk, data_path / "train", transform, batch_size)
     val = extract_features(trunk, data_path / "val", transform, batch_size)
     temperature = float(vissl_config.NEAREST_NEIGHBOR.SIGMA)
@@ -219,20 +254,23 @@ def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny"
                      config=config)
 
 
-def knn_accuracy(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20) -> float:
-    """kNN top-1 accuracy in [0, 1] on DATA_PATH/val; ``checkpoint=None``: the random-init trunk."""
-    return evaluate(checkpoint, data_path, config, k).top1
+def knn_accuracy(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20,
+                 adapt_bn: bool = False) -> float:
+    """kNN top-1 accuracy in [0, 1] on DATA_PATH/val; ``checkpoint=None``: the random-init trunk; ``adapt_bn``:
+    after recomputing its BatchNorm statistics on DATA_PATH/train."""
+    return evaluate(checkpoint, data_path, config, k, adapt_bn=adapt_bn).top1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = evaluate(None if args.random_init else args.checkpoint, args.data_path, args.config, args.k,
-                          args.batch_size)
+                          args.batch_size, args.adapt_bn)
     except EvalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     trunk = result.checkpoint or f"random init (seed of {result.config})"
+    trunk += ", BatchNorm statistics of the train split" if args.adapt_bn else ""
     print(f"kNN top-1 on {args.data_path / 'val'}: {result.top1:.4f} (k={result.k}, T={result.temperature}, "
           f"{result.num_val} val / {result.num_train} train images, {result.feature_dim}-dim features; "
           f"trunk: {trunk})")

@@ -5,7 +5,10 @@
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
 
 Modes (``swav_tiny`` on the exported digits, 3 peers at batch 16 each):
-  random_init  the run's initial model, untrained: the floor
+  random_init  the run's initial model, untrained, with its BatchNorm statistics recomputed on the training split:
+               the floor. Any training adapts those statistics (an untrained trunk's are mean 0 / variance 1),
+               which alone lifts the kNN accuracy; a mode learned only if it beats this. The row
+               ``random_init_stock_bn`` is the same model with its initial statistics, the step-0 point of the curves
   isolated     3 peers, each training alone with VISSL's stock task (no averaging)
   old          3 peers averaging with hivemind's TrainingAverager driven one round at a time (``--averager old``)
   improved     3 peers averaging with this example's DecentralizedSGD
@@ -48,6 +51,8 @@ from run_eval import IMAGE_SUFFIXES, load_trunk_state  # noqa: E402
 
 CONFIG = "swav_tiny"
 MODES = ("random_init", "isolated", "old", "improved", "ddp")
+# the rows of mode random_init: the floor and the untrained model as is, with their line styles in the plot
+FLOOR_ROWS = {"random_init": "--", "random_init_stock_bn": ":"}
 SWARM_MODES = {"old": ["--averager", "old"], "improved": ["--averager", "improved"]}
 # Rough cost of one run on the 2-core machine when quiet (steps of 60-100 ms with 3 peers on the 2 cores, from
 # VISSL's "Average train batch time"; a busy machine makes them 2-3x slower): start-up of the processes, seconds per
@@ -72,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", type=int, default=3, help="peers per run (ddp: local processes)")
     parser.add_argument("--curve_points", type=int, default=8, help="checkpoints evaluated along each run")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"a Hydra override of {CONFIG} for every process and the initial model, e.g. "
+                             "config.LOSS.swav_loss.epsilon=0.03 (repeat for more); to compare recipes")
     parser.add_argument("--out", type=Path, default=None,
                         help="checkpoints and logs, a new or empty folder; default: benchmarks/out/learning/<time>")
     parser.add_argument("--json", type=Path, default=None, help="write settings, runs and summary here")
@@ -127,10 +135,13 @@ def count_train_images(data_path: Path) -> int:
     return sum(1 for path in folder.glob("*/*") if path.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def batch_per_peer() -> int:
-    from config_loading import compose_config
+def batch_per_peer(overrides: list[str]) -> int:
+    from config_loading import ConfigError, compose_config
 
-    config, _ = compose_config(CONFIG, [], has_gpu=False)
+    try:
+        config, _ = compose_config(CONFIG, overrides, has_gpu=False)
+    except ConfigError as error:
+        raise BenchError(f"--override: {error}") from error
     return int(config.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
 
 
@@ -147,7 +158,7 @@ def fresh_out_dir(out: Path | None) -> Path:
 
 def estimated_seconds(mode: str, schedule: Schedule, curve_points: int) -> float:
     if mode == "random_init":
-        return EVAL_S + 5.0
+        return 3 * EVAL_S + 5.0
     trunks = 1 if mode == "ddp" else schedule.peers
     return STARTUP_S[mode] + schedule.steps * SECONDS_PER_STEP[mode] + trunks * curve_points * EVAL_S
 
@@ -157,18 +168,20 @@ def estimated_seconds(mode: str, schedule: Schedule, curve_points: int) -> float
 
 @dataclass(frozen=True)
 class InitialModel:
-    """What every process of one seed's runs starts from, in every mode, and its kNN accuracy (the floor)."""
+    """What every process of one seed's runs starts from, in every mode, and its kNN accuracy as it is (the curves'
+    step 0) and with BatchNorm statistics of the training split (the floor)."""
 
     path: Path
     trunk_fingerprint: str
     accuracy: float
+    accuracy_adapted_bn: float
 
 
 def run_id(seed: int) -> str:
     return f"learn{seed}"
 
 
-def write_initial_model(seed: int, folder: Path, data_path: Path) -> InitialModel:
+def write_initial_model(seed: int, folder: Path, data_path: Path, overrides: list[str]) -> InitialModel:
     """The model the swarm peers of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id),
     saved as VISSL weights. The stock-task modes (isolated, ddp) load it with MODEL.WEIGHTS_INIT, VISSL's own
     start-from-weights option: VISSL would otherwise initialise each of their processes from its SEED_VALUE."""
@@ -182,7 +195,7 @@ def write_initial_model(seed: int, folder: Path, data_path: Path) -> InitialMode
     from initial_model import initial_model_seed, weights_fingerprint
     from run_eval import knn_accuracy
 
-    config, _ = compose_config(CONFIG, [], has_gpu=False)
+    config, _ = compose_config(CONFIG, overrides, has_gpu=False)
     init_seed = initial_model_seed(run_id(seed), CONFIG)
     config.MODEL._MODEL_INIT_SEED = init_seed  # as the task does: VISSL seeds the heads with it
     with set_torch_seed(init_seed):
@@ -190,7 +203,8 @@ def write_initial_model(seed: int, folder: Path, data_path: Path) -> InitialMode
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{run_id(seed)}.torch"
     torch.save({"classy_state_dict": {"base_model": model.get_classy_state()}}, path)
-    return InitialModel(path, weights_fingerprint(model.trunk), knn_accuracy(path, data_path, CONFIG))
+    return InitialModel(path, weights_fingerprint(model.trunk), knn_accuracy(path, data_path, CONFIG),
+                        knn_accuracy(path, data_path, CONFIG, adapt_bn=True))
 
 
 def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bool:
@@ -212,10 +226,12 @@ def make_peers(mode: str, seed: int, out: Path, schedule: Schedule) -> list[Loca
     return [LocalPeer(f"peer{index}", run_dir, config=CONFIG) for index in range(schedule.peers)]
 
 
-def trainer_arguments(mode: str, seed: int, schedule: Schedule, initial: InitialModel) -> tuple[list[str], list[str]]:
-    """(flags, overrides) of every process of a run; the peer's own SEED_VALUE is added per peer."""
+def trainer_arguments(mode: str, seed: int, schedule: Schedule, initial: InitialModel,
+                      recipe: list[str]) -> tuple[list[str], list[str]]:
+    """(flags, overrides) of every process of a run, ``recipe`` (--override) first; the peer's own SEED_VALUE is
+    added per peer."""
     flags = ["--run_id", run_id(seed)]
-    overrides = [f"config.OPTIMIZER.num_epochs={schedule.epochs_of(mode)}",
+    overrides = [*recipe, f"config.OPTIMIZER.num_epochs={schedule.epochs_of(mode)}",
                  f"config.DATA.TRAIN.DATA_LIMIT={schedule.data_limit}",
                  f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={schedule.checkpoint_every}",
                  "config.CHECKPOINT.CHECKPOINT_FREQUENCY=1000000", "config.LOG_FREQUENCY=20"]
@@ -238,7 +254,7 @@ def peer_seed(seed: int, index: int) -> list[str]:
 def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace, schedule: Schedule,
           initial: InitialModel) -> float:
     """Start the run's processes, wait until all exited, return the wall-clock seconds; BenchError if one failed."""
-    flags, overrides = trainer_arguments(mode, seed, schedule, initial)
+    flags, overrides = trainer_arguments(mode, seed, schedule, initial, args.override)
     deadline_s = 4 * estimated_seconds(mode, schedule, args.curve_points) + 600
     started = time.monotonic()
     try:
@@ -336,10 +352,17 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def run_one(mode: str, seed: int, args: argparse.Namespace, schedule: Schedule, initial: InitialModel) -> dict:
-    if mode == "random_init":  # the run's initial model, untrained
-        return {"mode": mode, "seed": seed, "wall_s": 0.0, "accuracy": round(initial.accuracy, 4),
-                "peer_distance": None, "steps_per_peer": [0], "rounds_per_peer": [0], "curve": []}
+def floor_runs(seed: int, initial: InitialModel) -> list[dict]:
+    """The run's initial model, untrained: with BatchNorm statistics of the training split (the floor) and as is."""
+    return [{"mode": mode, "seed": seed, "wall_s": 0.0, "accuracy": round(accuracy, 4), "peer_distance": None,
+             "steps_per_peer": [0], "rounds_per_peer": [0], "curve": []}
+            for mode, accuracy in (("random_init", initial.accuracy_adapted_bn),
+                                   ("random_init_stock_bn", initial.accuracy))]
+
+
+def run_one(mode: str, seed: int, args: argparse.Namespace, schedule: Schedule, initial: InitialModel) -> list[dict]:
+    if mode == "random_init":
+        return floor_runs(seed, initial)
     peers = make_peers(mode, seed, args.out, schedule)
     wall_s = train(mode, seed, peers, args, schedule, initial)
     result = evaluate_run(mode, seed, peers, args.data_path, wall_s, initial)
@@ -347,7 +370,7 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, schedule: Schedule, 
         print(f"warning: {mode} seed {seed}: not every process logged starting from {initial.path} (trunk "
               f"{initial.trunk_fingerprint}); the modes of this seed may not share their start. Logs: "
               f"{peers[0].out_dir}", file=sys.stderr, flush=True)
-    return result
+    return [result]
 
 
 # ----------------------------------------------------------------------------------------------------- reports
@@ -398,7 +421,7 @@ def markdown(summaries: list[dict], batch: int) -> str:
             "peer distance": cell(summary["peer_distance_mean"], 3),
             "steps per peer": f"{steps:g}", "samples per peer": f"{steps * batch:g}",
             "rounds per peer": f"{summary['rounds_per_peer_mean']:g}",
-            "wall-clock per run (s)": f"{summary['wall_s_mean']:.0f}" if summary["mode"] != "random_init" else "—",
+            "wall-clock per run (s)": "—" if summary["mode"] in FLOOR_ROWS else f"{summary['wall_s_mean']:.0f}",
         })  # fmt: skip
     return markdown_table(rows)
 
@@ -413,8 +436,9 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     for summary in summaries:
         if not summary["seeds"]:
             continue
-        if summary["mode"] == "random_init":
-            axis.axhline(summary["accuracy_mean"], color="gray", linestyle="--", label="random_init")
+        if summary["mode"] in FLOOR_ROWS:
+            axis.axhline(summary["accuracy_mean"], color="gray", linestyle=FLOOR_ROWS[summary["mode"]],
+                         label=summary["mode"])
             continue
         samples = [point[0] for point in summary["curve"]]
         means = [point[1] for point in summary["curve"]]
@@ -434,8 +458,9 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
 
 
 def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict], schedule: Schedule) -> list[dict]:
+    modes = [row for mode in args.modes for row in (FLOOR_ROWS if mode == "random_init" else [mode])]
     summaries = [summarize(mode, [run for run in runs if run["mode"] == mode], schedule.batch)
-                 for mode in args.modes if any(run["mode"] == mode for run in runs)]
+                 for mode in modes if any(run["mode"] == mode for run in runs)]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": settings, "summary": summaries, "runs": runs}, indent=1) + "\n")
@@ -448,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.seeds < 1:
             raise BenchError(f"--seeds must be at least 1, got {args.seeds}")
         args.out = fresh_out_dir(args.out)
-        batch = batch_per_peer()
+        batch = batch_per_peer(args.override)
         schedule = plan_schedule(args.steps, count_train_images(args.data_path), batch, args.peers,
                                  args.curve_points)
     except BenchError as error:
@@ -457,23 +482,26 @@ def main(argv: list[str] | None = None) -> int:
     # one thread for the kNN evaluations: with two, a busy machine makes each 10x slower (OpenMP threads spinning)
     torch.set_num_threads(1)
     seeds = list(range(args.seeds))
-    settings = {"config": CONFIG, "peers": args.peers, "seeds": seeds, "steps_requested": args.steps,
-                **asdict(schedule), "steps_per_peer": schedule.steps,
+    settings = {"config": CONFIG, "overrides": args.override, "peers": args.peers, "seeds": seeds,
+                "steps_requested": args.steps, **asdict(schedule), "steps_per_peer": schedule.steps,
                 "epochs_per_mode": {mode: schedule.epochs_of(mode) for mode in args.modes}, "out": str(args.out)}
     expected = sum(estimated_seconds(mode, schedule, args.curve_points) for mode in args.modes) * len(seeds)
     print(f"{len(args.modes)} modes x {len(seeds)} seeds, {schedule.steps} steps per peer at batch {batch} "
           f"({schedule.epochs} epochs of {schedule.steps_per_epoch} steps; ddp {schedule.epochs_of('ddp')} of "
           f"{schedule.steps_per_epoch // args.peers}), into {args.out}; expected about {expected / 60:.0f} min "
           "on a quiet 2-core machine", flush=True)
-    initials = {seed: write_initial_model(seed, args.out / "initial", args.data_path) for seed in seeds}
+    initials = {seed: write_initial_model(seed, args.out / "initial", args.data_path, args.override) for seed in seeds}
     runs: list[dict] = []
     for mode, seed in itertools.product(args.modes, seeds):
         try:
-            runs.append(run_one(mode, seed, args, schedule, initials[seed]))
+            new = run_one(mode, seed, args, schedule, initials[seed])
         except BenchError as error:  # e.g. one mode crashing: report it, keep measuring the others
             print(f"error: {error}", file=sys.stderr, flush=True)
-            runs.append({"mode": mode, "seed": seed, "error": str(error)})
-        print(f"{mode} seed {seed}: {json.dumps({k: v for k, v in runs[-1].items() if k != 'curve'})}", flush=True)
+            new = [{"mode": mode, "seed": seed, "error": str(error)}]
+        runs += new
+        for run in new:
+            print(f"{run['mode']} seed {seed}: {json.dumps({k: v for k, v in run.items() if k != 'curve'})}",
+                  flush=True)
         write_outputs(args, settings, runs, schedule)  # partial results survive an interrupted benchmark
     summaries = write_outputs(args, settings, runs, schedule)
     table = markdown(summaries, batch)
