@@ -77,10 +77,12 @@ class GroupGuard(hivemind.DecentralizedAverager):
     _rpc_handlers = None  # hivemind caches handlers per class: collect ours
     _stub_type = None
 
-    def __init__(self, *args, summary_size: int, secret: SwarmSecret | None, rule: OutlierRule,
-                 refusals: JoinRefusals, ban_s: float = BAN_S, **kwargs):  # fmt: skip
-        self.summary_size, self.secret, self.rule, self.ban_s = summary_size, secret, rule, ban_s
-        self.refusals = refusals
+    def __init__(self, *args, summary_size: int = 0, secret: SwarmSecret | None = None, rule: OutlierRule | None = None,
+                 refusals: JoinRefusals | None = None, ban_s: float = BAN_S, **kwargs):  # fmt: skip
+        """Defaults (no summaries, no secret): an averager on its own, as hivemind's, whose groups nobody vets."""
+        self.summary_size, self.secret, self.ban_s = summary_size, secret, ban_s
+        self.rule = rule if rule is not None else OutlierRule()
+        self.refusals = refusals if refusals is not None else JoinRefusals()
         self._banned_until: dict[PeerID, float] = {}  # averager process only
         self._logged_outsiders: set[PeerID] = set()
         super().__init__(*args, **kwargs)

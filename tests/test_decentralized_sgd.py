@@ -333,10 +333,12 @@ def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_val
         skipped = [r for r in bad.records if r["error"] == "local snapshot not finite"]  # before it healed
         assert skipped and all(r["weight"] == 0.0 for r in skipped)
     else:  # its summary gives it away: the good peers leave it out before the AllReduce
-        wait_until(lambda: sum(p.counters["rounds_outliers_excluded"] for p in good) >= 1, 120,
-                   lambda: [p.records for p in good])  # fmt: skip
-        excluded = [r for p in good for r in p.records if str(bad.peer_id) in (r.get("outliers") or [])]
-        assert excluded and not any(str(bad.peer_id) in r["group"] for r in excluded)
+        def excluded() -> list[dict]:  # records of rounds that left it out (a record is written when retired)
+            return [r for p in good for r in p.records if str(bad.peer_id) in (r.get("outliers") or [])]
+
+        wait_until(lambda: excluded(), 120, lambda: [p.records for p in good])
+        assert sum(p.counters["rounds_outliers_excluded"] for p in good) >= 1
+        assert not any(str(bad.peer_id) in r["group"] for r in excluded())
     swarm.stop_training()
     assert all(torch.isfinite(t).all() for p in good for t in averaged_tensors(p))
 
