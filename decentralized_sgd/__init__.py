@@ -9,6 +9,7 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``optimizer``: ``DecentralizedSGD``, what the training loop calls (the lock contract, the step boundary, SSP);
 - ``rounds``: one round's states and transitions (which thread, which lock), and the book of rounds and records;
 - ``scheduler``: the background thread that moves rounds through their states, fills when the group forms;
+- ``exchange``: a round's tensor work (fill, trigger, the update from the average, the apply), apart from when;
 - ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
 - ``staging``: the host copies that fills, applies and state transfer go through (flat; on a GPU pinned, copied on
   a side stream without stalling the trainer), and what "a step boundary's values" means for BatchNorm;

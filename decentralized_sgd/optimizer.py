@@ -28,7 +28,7 @@ from . import state_transfer, vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
-from .rounds import Round, RoundBook
+from .rounds import RoundBook
 from .rounds import RoundState as S
 from .scheduler import RoundScheduler
 from .secret import SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
@@ -51,7 +51,37 @@ COUNTERS = (
 ) + vetting.COUNTERS  # fmt: skip
 
 
-class DecentralizedSGD:
+class TorchOptimizerFacade:
+    """What a trainer expects of a ``torch.optim.Optimizer``, passed through to the wrapped one (``self.optimizer``);
+    loading a state dict holds ``self.lock`` like every other change of the local state."""
+
+    optimizer: torch.optim.Optimizer
+    lock: threading.RLock
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        with self.lock:
+            self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        logger.warning("Parameters added after DecentralizedSGD was created are trained locally but not averaged")
+        self.optimizer.add_param_group(param_group)
+
+
+class DecentralizedSGD(TorchOptimizerFacade):
     """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time.
 
     Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step.
@@ -161,29 +191,6 @@ class DecentralizedSGD:
         if start:
             self.start()
 
-    # --- torch.optim.Optimizer passthrough ---
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        with self.lock:
-            self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict) -> None:
-        logger.warning("Parameters added after DecentralizedSGD was created are trained locally but not averaged")
-        self.optimizer.add_param_group(param_group)
-
     @property
     def peer_id(self) -> PeerID:
         return self.dht.peer_id
@@ -236,37 +243,16 @@ class DecentralizedSGD:
         self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
 
     def _apply_finished_rounds(self) -> int:
-        """Trainer thread, holding self.lock, at a step boundary: add the updates of DONE rounds, oldest first
-        (they wait in result slots, which only this thread reads once DONE; see tensors.ResultSlots). Returns how
-        many it applied."""
-        book = self.round_book
-        with book.lock:
-            finished = [r for r in book.rounds if r.state is S.DONE]
-        if not finished or self._closed:
+        """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds (``exchange``).
+        Returns how many it applied."""
+        finished = [] if self._closed else self._scheduler.exchange.apply_finished()
+        if not finished:
             return 0
-        started, local = time.perf_counter(), self.averaged_tensors.local()
-        with torch.no_grad():
-            for r in finished:  # host → device without waiting on a GPU (see staging)
-                staging = book.slots.staging(r.slot)
-                (staging.add_to_ if self.delta_rule else staging.copy_to_)(local)
-        self._count_apply(finished, time.perf_counter() - started)
-        with book.lock:
-            for r in finished:
-                r.apply()
-            book.retire(self.local_step, self.peer)
         self.vetting.applied(finished)  # their averages are our reference now (see vetting)
         self._last_sync_step = self.local_step
         if not self.averager.client_mode:  # let late joiners prefer the most trained peer
             self.averager.state_sharing_priority = float(self.local_step)
         return len(finished)
-
-    def _count_apply(self, finished: list[Round], seconds: float) -> None:
-        """Trainer thread: what the apply cost this thread (on a GPU: queueing the copies and adds, not waiting for
-        them); ``apply_ms`` in each applied round's record."""
-        self.counters["applies"] += 1
-        self.counters["apply_s"] += seconds
-        for r in finished:
-            r.extra["apply_ms"] = 1000 * seconds
 
     def take_samples_since_fill(self) -> int:
         """Scheduler thread, holding self.lock: the samples seen since the previous fill (weight_by_samples)."""

@@ -27,6 +27,8 @@ Lock order: the averager's buffer lock, then ``dsgd.lock``, then ``RoundBook.loc
 ``dsgd.lock`` is tried for ``LOCK_POLL_S`` (then the next tick tries again), hivemind calls time out after
 ``averager_timeout`` and count as an averager failure.
 
+The tensor work of steps 2-4 and of the trainer's apply is ``exchange``'s; this module decides when.
+
 Extension points: ``gather_payload()`` (sent to the groupmates with hivemind's gather) and ``accept_group(round)``
 (decides on a formed group); both, the verdict on an ended round and the update check are ``vetting``'s (issue 13:
 diverged peers and the swarm secret).
@@ -34,9 +36,7 @@ diverged peers and the swarm secret).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -46,11 +46,12 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from .dht_rejoin import rejoin_count
+from .exchange import LOCK_POLL_S, RoundExchange, fail_from_control
 from .hivemind_fixes import AveragerUnresponsive
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .supervisor import AveragerSupervisor
-from .tensors import ResultSlots, add_, copy_
+from .tensors import ResultSlots
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedSGD
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.02
-LOCK_POLL_S = 0.1  # longest a tick waits for dsgd.lock (the trainer is inside its optimizer step or apply)
 MIN_PIPELINED_MATCHMAKING = 0.5  # seconds: shortest matchmaking scheduled for a round started during an AllReduce
 MATCHMAKING_SLACK = 2.0  # a round finds no group if none formed this many min_matchmaking_time after its schedule
 _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
@@ -74,6 +74,7 @@ class RoundScheduler(threading.Thread):
         self._boundary_at_last_start = self._failures_seen = 0
         self._allreduce_ema: float | None = None
         self._errors_seen: set[str] = set()
+        self.exchange = RoundExchange(owner, supervisor, book)  # the rounds' tensor work (fill, trigger, finish)
 
     def wake(self) -> None:
         self._wake.set()
@@ -139,7 +140,7 @@ class RoundScheduler(threading.Thread):
         self._check_hivemind_progress(r)
         if r.state is S.LOOKING:
             if r.control.done():
-                self._fail(r)
+                fail_from_control(r, self.book)
             elif r.control.stage in _FORMED_STAGES or r.control.began_allreduce:
                 prev_running = bool(older) and not older[-1].control.done()
                 with self.book.lock:
@@ -149,13 +150,13 @@ class RoundScheduler(threading.Thread):
                         r.cancel("group not accepted")
         if r.state is S.FORMED:
             if r.control.done():
-                self._fail(r)
+                fail_from_control(r, self.book)
             elif time.monotonic() - r.formed_at > self.owner.next_chunk_timeout:
                 with self.book.lock:  # its groupmates have dropped us by now; triggering would only stall us
                     r.cancel(f"not filled within next_chunk_timeout ({self.owner.next_chunk_timeout}s)")
                 self._boundary_at_last_start = self.owner.boundaries  # maybe stalled: start again after a boundary
             elif self._may_fill(r, older):
-                self._fill_and_trigger(r)
+                self.exchange.fill_and_trigger(r)
         if r.state is S.TRIGGERED and r.control.done():
             self._finish(r)
 
@@ -168,14 +169,6 @@ class RoundScheduler(threading.Thread):
         if r.state is S.TRIGGERED and not r.control.done() and now - r.triggered_at > allreduce_limit:
             raise AveragerUnresponsive(f"did not end the AllReduce of round {r.index} within allreduce_timeout")
 
-    def _fail(self, r: Round) -> None:
-        try:
-            error = repr(r.control.exception())
-        except (Exception, asyncio.CancelledError) as e:  # cancelled by hivemind
-            error = repr(e)
-        with self.book.lock:
-            r.fail(error)
-
     def _may_fill(self, r: Round, older: list[Round]) -> bool:
         older = [o for o in older if not o.state.resolved]
         if any(o.state in (S.FILLED, S.TRIGGERED) for o in older):
@@ -184,117 +177,8 @@ class RoundScheduler(threading.Thread):
             return not older and self.owner.boundaries > r.boundary_at_formed
         return self.book.slots.free() > 0
 
-    def _fill_and_trigger(self, r: Round) -> bool:
-        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers (held first: see the lock order).
-        False if the round could not be filled now (the trainer holds its lock: the next tick tries again)."""
-        owner = self.owner
-        with self.supervisor.averager.buffers(owner.averager_timeout) as buffers:
-            if not owner.lock.acquire(timeout=LOCK_POLL_S):
-                return False
-            started, filled = time.perf_counter(), False
-            try:
-                if owner.before_allreduce is not None:
-                    owner.before_allreduce()
-                with self.book.lock:
-                    pending = [o for o in self.book.rounds if o.state is S.DONE]
-                    slot = self.book.slots.take()
-                try:
-                    included = self._fill_slot(slot, r, pending)
-                    step, samples = owner.local_step, owner.take_samples_since_fill()
-                    with self.book.lock:
-                        filled = r.fill(step, samples, slot, included)
-                finally:
-                    if not filled:
-                        with self.book.lock:
-                            self.book.slots.give_back(slot)
-            finally:
-                owner.lock.release()
-            if not filled:
-                return False
-            locked = time.perf_counter() - started
-            self._trigger(r, buffers)
-        self._count_fill(r, locked, time.perf_counter() - started)
-        return True
-
-    def _fill_slot(self, slot: list[torch.Tensor], r: Round, pending: list[Round]) -> int:
-        """Holding dsgd.lock: the values this round averages, into its slot (the snapshot): the params as they will
-        be once `pending` updates are applied. Returns how many pending updates went in."""
-        staging = self.book.slots.staging(slot)
-        if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
-            staging.write_(r.early_snapshot)
-            return 0
-        if pending and not self.owner.delta_rule:  # overwriting: the params will be the newest pending average
-            staging.write_(pending[-1].slot)
-            return len(pending)
-        staging.download_(self.owner.averaged_tensors.local())  # from a GPU: one wait, in this thread (staging)
-        for o in pending:
-            add_(slot, o.slot)
-        return len(pending)
-
-    def _count_fill(self, r: Round, locked_s: float, seconds: float) -> None:
-        """What the fill cost: ``fill_locked_s`` is how long it held dsgd.lock (all a trainer can wait for),
-        ``fill_s`` the whole fill and trigger; ``fill_ms`` in the round's record."""
-        counters = self.owner.counters
-        counters["fills"] += 1
-        counters["fill_s"] += seconds
-        counters["fill_locked_s"] += locked_s
-        r.extra["fill_ms"] = 1000 * seconds
-
-    def _trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
-        if r.control.done():  # the group broke up meanwhile
-            self._fail(r)
-            return
-        finite = self.owner.averaged_tensors.all_finite(r.slot)  # checked on the host copies: no GPU syncs
-        if not finite:  # contribute zeros with weight 0 rather than poison the group
-            logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
-            torch._foreach_zero_(r.slot)
-        copy_(buffers, r.slot)  # the snapshot is exactly what goes into the AllReduce
-        weight = float(max(r.samples, 1) if self.owner.weight_by_samples else 1) if finite else 0.0
-        with self.book.lock:
-            r.trigger(weight, local_nonfinite=not finite)
-
     def _finish(self, r: Round) -> None:
-        """A triggered round ended: fail it, discard it, or turn the averaged buffers into the update to add."""
-        r.observe()
-        try:
-            gathered = r.control.result()
-        except (Exception, asyncio.CancelledError) as e:
-            with self.book.lock:
-                r.fail(repr(e))
-            return
-        judgement = self.owner.vetting.judge(r, gathered)  # logged and counted; asks for a heal if we are refused
-        group = judgement.group
-        if r.local_nonfinite or r.stale:
-            with self.book.lock:
-                r.discard("local snapshot not finite" if r.local_nonfinite else "state reloaded since snapshot", group)
-            return
-        if judgement.refusal is not None:
-            with self.book.lock:
-                r.discard(judgement.refusal, group)
-            return
-        refusal = None
-        with self.supervisor.averager.buffers(self.owner.averager_timeout) as buffers:
-            reference = self.owner.vetting.reference_of(buffers)
-            if self.owner.delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
-                torch._foreach_sub_(r.slot, buffers)  # iff the average is)
-                torch._foreach_neg_(r.slot)
-            else:
-                copy_(r.slot, buffers)
-            norm = self.owner.averaged_tensors.norm(r.slot)
-            finite = math.isfinite(norm)
-            if finite and self.owner.delta_rule:
-                refusal = self.owner.vetting.check_update(r, judgement, norm)
-            if finite and refusal is None:  # before DONE: the trainer may apply it right after
-                self.owner.vetting.accepted(r, reference, norm)
-            with self.book.lock:
-                if not finite:
-                    r.discard("averaged result not finite", group)
-                elif refusal is not None:
-                    r.discard(refusal, group)
-                else:
-                    r.finish(group)
-        if not finite:
-            logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
+        self.exchange.finish(r)
         if r.allreduce_started_at is not None and r.ended_at is not None:
             new, ema = r.ended_at - r.allreduce_started_at, self._allreduce_ema
             self._allreduce_ema = new if ema is None else 0.7 * ema + 0.3 * new

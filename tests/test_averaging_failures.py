@@ -77,7 +77,7 @@ def test_a_stopped_averager_is_restarted_and_shutdown_returns_in_time(swarm: Swa
 def test_a_cancel_and_a_trigger_never_both_take_effect(swarm: Swarm, monkeypatch):
     a, b = swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))
     in_trigger, go_on = threading.Event(), threading.Event()
-    trigger = a._scheduler._trigger
+    trigger = a._scheduler.exchange.trigger
 
     def paused_trigger(r, buffers):  # A's first round: filled, its trigger about to run
         if r.index == 0:
@@ -85,7 +85,7 @@ def test_a_cancel_and_a_trigger_never_both_take_effect(swarm: Swarm, monkeypatch
             go_on.wait(30)
         trigger(r, buffers)
 
-    monkeypatch.setattr(a._scheduler, "_trigger", paused_trigger)
+    monkeypatch.setattr(a._scheduler.exchange, "trigger", paused_trigger)
     for peer in (a, b):
         swarm.train(peer)
     wait_until(in_trigger.is_set, 60, lambda: a.in_flight_rounds())

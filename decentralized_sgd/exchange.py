@@ -1,0 +1,196 @@
+"""The tensor work of a round, apart from its scheduling (``scheduler``): fill the snapshot, trigger the AllReduce,
+turn the average into an update, and add finished updates to the trainer's tensors.
+
+Who runs what, holding which lock (lock order: the averager's buffer lock, then ``dsgd.lock``, then
+``RoundBook.lock``):
+- ``fill_and_trigger``: scheduler thread; the averager's buffers, then ``dsgd.lock`` (tried for ``LOCK_POLL_S``)
+  for the fill only, ``RoundBook.lock`` around each state change (FORMED → FILLED → TRIGGERED);
+- ``finish``: scheduler thread; the averager's buffers while it reads them (TRIGGERED → DONE or discarded);
+- ``apply_finished``: trainer thread, holding ``dsgd.lock``, at a step boundary (DONE → applied).
+The values travel through ``staging`` (flat host buffers; from a GPU one non-blocking copy, one wait in the
+scheduler thread and none in the trainer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .rounds import Round, RoundBook
+from .rounds import RoundState as S
+from .supervisor import AveragerSupervisor
+from .tensors import add_, copy_
+
+if TYPE_CHECKING:
+    from .optimizer import DecentralizedSGD
+
+logger = logging.getLogger(__name__)
+
+LOCK_POLL_S = 0.1  # longest a fill waits for dsgd.lock (the trainer is inside its optimizer step or apply)
+
+
+def fail_from_control(r: Round, book: RoundBook) -> None:
+    """A round whose hivemind step ended without an AllReduce for us: record hivemind's reason."""
+    try:
+        error = repr(r.control.exception())
+    except (Exception, asyncio.CancelledError) as e:  # cancelled by hivemind
+        error = repr(e)
+    with book.lock:
+        r.fail(error)
+
+
+class RoundExchange:
+    """Moves one DecentralizedSGD's tensors in and out of its rounds (whose settings it reads from ``owner``)."""
+
+    def __init__(self, owner: DecentralizedSGD, supervisor: AveragerSupervisor, book: RoundBook):
+        self.owner, self.supervisor, self.book = owner, supervisor, book
+
+    # --- scheduler thread ---
+    def fill_and_trigger(self, r: Round) -> bool:
+        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers (held first: see the lock order).
+        False if the round could not be filled now (the trainer holds its lock: the next tick tries again)."""
+        owner = self.owner
+        with self.supervisor.averager.buffers(owner.averager_timeout) as buffers:
+            if not owner.lock.acquire(timeout=LOCK_POLL_S):
+                return False
+            started, filled = time.perf_counter(), False
+            try:
+                if owner.before_allreduce is not None:
+                    owner.before_allreduce()
+                with self.book.lock:
+                    pending = [o for o in self.book.rounds if o.state is S.DONE]
+                    slot = self.book.slots.take()
+                try:
+                    included = self._fill_slot(slot, r, pending)
+                    step, samples = owner.local_step, owner.take_samples_since_fill()
+                    with self.book.lock:
+                        filled = r.fill(step, samples, slot, included)
+                finally:
+                    if not filled:
+                        with self.book.lock:
+                            self.book.slots.give_back(slot)
+            finally:
+                owner.lock.release()
+            if not filled:
+                return False
+            locked = time.perf_counter() - started
+            self.trigger(r, buffers)
+        self._count_fill(r, locked, time.perf_counter() - started)
+        return True
+
+    def _fill_slot(self, slot: list[torch.Tensor], r: Round, pending: list[Round]) -> int:
+        """Holding dsgd.lock: the values this round averages, into its slot (the snapshot): the params as they will
+        be once `pending` updates are applied. Returns how many pending updates went in."""
+        staging = self.book.slots.staging(slot)
+        if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
+            staging.write_(r.early_snapshot)
+            return 0
+        if pending and not self.owner.delta_rule:  # overwriting: the params will be the newest pending average
+            staging.write_(pending[-1].slot)
+            return len(pending)
+        staging.download_(self.owner.averaged_tensors.local())  # from a GPU: one wait, in this thread (staging)
+        for o in pending:
+            add_(slot, o.slot)
+        return len(pending)
+
+    def _count_fill(self, r: Round, locked_s: float, seconds: float) -> None:
+        """What the fill cost: ``fill_locked_s`` is how long it held dsgd.lock (all a trainer can wait for),
+        ``fill_s`` the whole fill and trigger; ``fill_ms`` in the round's record."""
+        counters = self.owner.counters
+        counters["fills"] += 1
+        counters["fill_s"] += seconds
+        counters["fill_locked_s"] += locked_s
+        r.extra["fill_ms"] = 1000 * seconds
+
+    def trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
+        """Holding the averager's buffers: the snapshot (finite, or zeros with weight 0) into them, then go."""
+        if r.control.done():  # the group broke up meanwhile
+            fail_from_control(r, self.book)
+            return
+        finite = self.owner.averaged_tensors.all_finite(r.slot)  # checked on the host copies: no GPU syncs
+        if not finite:  # contribute zeros with weight 0 rather than poison the group
+            logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
+            torch._foreach_zero_(r.slot)
+        copy_(buffers, r.slot)  # the snapshot is exactly what goes into the AllReduce
+        weight = float(max(r.samples, 1) if self.owner.weight_by_samples else 1) if finite else 0.0
+        with self.book.lock:
+            r.trigger(weight, local_nonfinite=not finite)
+
+    def finish(self, r: Round) -> None:
+        """A triggered round ended: fail it, discard it, or turn the averaged buffers into the update to add."""
+        r.observe()
+        try:
+            gathered = r.control.result()
+        except (Exception, asyncio.CancelledError) as e:
+            with self.book.lock:
+                r.fail(repr(e))
+            return
+        vetting = self.owner.vetting
+        judgement = vetting.judge(r, gathered)  # logged and counted; asks for a heal if we are refused
+        group = judgement.group
+        if r.local_nonfinite or r.stale:
+            with self.book.lock:
+                r.discard("local snapshot not finite" if r.local_nonfinite else "state reloaded since snapshot", group)
+            return
+        if judgement.refusal is not None:
+            with self.book.lock:
+                r.discard(judgement.refusal, group)
+            return
+        refusal = None
+        with self.supervisor.averager.buffers(self.owner.averager_timeout) as buffers:
+            reference = vetting.reference_of(buffers)
+            if self.owner.delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
+                torch._foreach_sub_(r.slot, buffers)  # iff the average is)
+                torch._foreach_neg_(r.slot)
+            else:
+                copy_(r.slot, buffers)
+            norm = self.owner.averaged_tensors.norm(r.slot)
+            finite = math.isfinite(norm)
+            if finite and self.owner.delta_rule:
+                refusal = vetting.check_update(r, judgement, norm)
+            if finite and refusal is None:  # before DONE: the trainer may apply it right after
+                vetting.accepted(r, reference, norm)
+            with self.book.lock:
+                if not finite:
+                    r.discard("averaged result not finite", group)
+                elif refusal is not None:
+                    r.discard(refusal, group)
+                else:
+                    r.finish(group)
+        if not finite:
+            logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
+
+    # --- trainer thread ---
+    def apply_finished(self) -> list[Round]:
+        """Holding dsgd.lock, at a step boundary: add the updates of DONE rounds, oldest first (they wait in result
+        slots, which only this thread reads once DONE; see tensors.ResultSlots). Returns the rounds applied."""
+        book = self.book
+        with book.lock:
+            finished = [r for r in book.rounds if r.state is S.DONE]
+        if not finished:
+            return []
+        started, local = time.perf_counter(), self.owner.averaged_tensors.local()
+        with torch.no_grad():
+            for r in finished:  # host → device without waiting on a GPU (see staging)
+                staging = book.slots.staging(r.slot)
+                (staging.add_to_ if self.owner.delta_rule else staging.copy_to_)(local)
+        self._count_apply(finished, time.perf_counter() - started)
+        with book.lock:
+            for r in finished:
+                r.apply()
+            book.retire(self.owner.local_step, self.owner.peer)
+        return finished
+
+    def _count_apply(self, finished: list[Round], seconds: float) -> None:
+        """What the apply cost the trainer's thread (on a GPU: queueing the copies and adds, not waiting for them);
+        ``apply_ms`` in each applied round's record."""
+        counters = self.owner.counters
+        counters["applies"] += 1
+        counters["apply_s"] += seconds
+        for r in finished:
+            r.extra["apply_ms"] = 1000 * seconds
