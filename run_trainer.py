@@ -12,7 +12,6 @@ Any number of VISSL overrides ``config.SECTION.KEY=VALUE`` may follow the flags.
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 from pathlib import Path
@@ -211,9 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     vissl_compat.fork_start_method()
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"
-    config.SWARM = settings.to_config()  # without the secret itself (VISSL logs the config): workers read it here
-    if settings.swarm_secret:
-        os.environ[swarm.SECRET_ENV] = settings.swarm_secret
+    settings = swarm.hide_secret(settings)  # VISSL logs its config and environment: the secret goes in a file
+    config.SWARM = settings.to_config()
     if not any(override.startswith("config.SEED_VALUE=") for override in overrides):
         # every peer its own data order (VISSL seeds its sampler with SEED_VALUE, identical in every peer's config)
         config.SEED_VALUE = secrets.randbelow(100_000)  # VISSL multiplies it by num_epochs; numpy needs < 2**32

@@ -15,7 +15,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
-SECRET_ENV = "SWAV_SWARM_SECRET"  # how --swarm_secret reaches VISSL's spawned workers: never in the (logged) config
+SECRET_ENV = "SWAV_SWARM_SECRET"  # a secret from the environment (run_trainer.py moves it into a file: hide_secret)
 
 
 class SwarmError(ValueError):
@@ -54,8 +54,8 @@ class SwarmSettings:
         return cls(**known)
 
     def to_config(self) -> dict:
-        """Everything but the secret itself: VISSL logs its config and saves it next to the checkpoints. A spawned
-        worker reads the secret from SECRET_ENV instead (run_trainer.py sets it)."""
+        """Everything but the secret itself: VISSL logs its config and saves it next to the checkpoints (the trainer
+        passes a secret given as text through a private file instead, see hide_secret)."""
         config = asdict(self)
         config.pop("swarm_secret")
         return config
@@ -70,6 +70,26 @@ class SwarmSettings:
             return SwarmSecret.from_args(self.swarm_secret or from_environment or None, self.swarm_secret_file or None)
         except SwarmSecretError as error:
             raise SwarmError(str(error)) from None
+
+
+def hide_secret(settings: SwarmSettings) -> SwarmSettings:
+    """The same settings with a secret given as text (--swarm_secret or SWAV_SWARM_SECRET) moved into a private file
+    (mode 0600, removed at exit) that ``swarm_secret_file`` names, and SWAV_SWARM_SECRET taken out of this process's
+    environment: VISSL logs every environment variable and its whole config, and its workers (forked or spawned)
+    read the secret from the file."""
+    import atexit
+    import tempfile
+    from dataclasses import replace
+
+    text = settings.swarm_secret or ("" if settings.swarm_secret_file else os.environ.get(SECRET_ENV, ""))
+    os.environ.pop(SECRET_ENV, None)
+    if not text:
+        return settings
+    descriptor, path = tempfile.mkstemp(prefix="swarm-secret-")  # readable by this user only
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+    atexit.register(lambda: os.path.exists(path) and os.remove(path))
+    return replace(settings, swarm_secret="", swarm_secret_file=path)
 
 
 def add_secret_arguments(group: Any) -> None:

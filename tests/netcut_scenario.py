@@ -41,6 +41,12 @@ def start_victim(out: Path, initial_peers: list[str]) -> subprocess.Popen:
     log = open(out / "log.txt", "w")  # the process outlives this function
     victim = subprocess.Popen(["unshare", "-n", "sh", "-c", configure, *command], stdout=log, stderr=log,
                               start_new_session=True)  # its own group: the daemons it starts die with it
+    # move v1 only once the child is in its own namespace: moved earlier (unshare(2) not called yet, as on a busy
+    # machine), v1 stays in ours and the victim waits for it forever
+    ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 30
+    while os.readlink(f"/proc/{victim.pid}/ns/net") == ours:
+        assert victim.poll() is None and time.monotonic() < deadline, "the victim's network namespace did not appear"
+        time.sleep(0.01)
     ip("link", "set", "v1", "netns", str(victim.pid))
     return victim
 

@@ -148,10 +148,12 @@ def test_every_member_reaches_the_same_verdict_whatever_the_order():
 @pytest.mark.timeout(60)
 def test_missing_or_malformed_summaries_and_non_finite_points_are_refused():
     sk = sketch()
-    good = Summary(np.array(sk(weights(1))), step=3, reference=np.array(sk(weights(1))))
+    good = Summary(np.array(sk(weights(1))), step=3, reference=np.array(sk(weights(1))), reference_step=1)
     again = Summary.from_wire(good.to_wire(), sk.size)
     assert np.array_equal(again.point, good.point) and np.array_equal(again.reference, good.reference)
-    assert again.step == good.step
+    assert (again.step, again.reference_step) == (good.step, good.reference_step)
+    without_step = Summary.from_wire({**good.to_wire(), "ref_step": None}, sk.size)  # a reference from no step
+    assert without_step is not None and without_step.reference is None
     for bad in (None, "x", {"v": 99, "point": good.to_wire()["point"], "step": 1},
                 {**good.to_wire(), "point": [1.0, 2.0]}, {**good.to_wire(), "step": "3"},
                 {**good.to_wire(), "point": ["a"] * sk.size}):  # fmt: skip

@@ -195,6 +195,7 @@ def test_vissl_data_loader_workers_run_at_lower_priority_and_keep_vissl_seeding(
                                              "config.DATA.NUM_DATALOADER_WORKERS=2"], has_gpu=False)  # fmt: skip
     config.SWARM = swarm.SwarmSettings(run_id="nice", config_name="swav_tiny").to_config()
     task = DecentralizedSelfSupervisionTask(config)
+    task.set_available_splits()
     task.datasets, _ = task.build_datasets()
     worker_init = task.build_dataloaders(pin_memory=False)["train"].worker_init_fn  # what VISSL's workers run
 
