@@ -174,6 +174,27 @@ def test_starvation_monitor_needs_a_full_window_and_hysteresis() -> None:
     assert recovered_at == 121.5 and monitor.starved_s > 0 and monitor.episodes == 1
 
 
+def test_a_starvation_episode_ends_after_max_starved_s_and_needs_a_new_window() -> None:
+    """A box that never gets calm again (an oversubscribed one) does not keep its peer out of the swarm for good."""
+    monitor = StarvationMonitor(period=0.1, window_s=5.0, max_starved_s=30.0, start=False)  # the defaults' shares
+    for second in range(100, 106):
+        monitor.observe(float(second), 0.6)  # 60% lost: an oversubscribed box, below enter_share
+    assert not monitor.starved
+    starved_at = None
+    for second in range(106, 200):  # 80% lost: a stopped process group, from now on
+        monitor.observe(float(second), 0.8)
+        if starved_at is None and monitor.starved:
+            starved_at = second
+        if starved_at is not None and not monitor.starved:
+            break
+    tried_again = second
+    assert starved_at is not None and monitor.episodes == 1
+    assert tried_again == starved_at + 30  # never calm, but back after max_starved_s
+    left_again = next(second for second in range(tried_again + 1, tried_again + 20)
+                      if monitor.observe(float(second), 0.8) is None and monitor.starved)  # fmt: skip
+    assert left_again - tried_again >= 5 and monitor.episodes == 2  # only after a new full window
+
+
 class WorkerFacts(torch.utils.data.Dataset):
     """What a data-loader worker sees: its niceness, and one draw from its NumPy generator."""
 
