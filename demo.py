@@ -119,11 +119,13 @@ def empty_out_dir(out: Path) -> None:
     (out / MARKER).write_text("demo.py empties this folder at the start of every demo\n")
 
 
-def check_running(peers: list[LocalPeer]) -> None:
-    """DemoError naming the first peer that exited: during the demo every peer runs until it is stopped."""
+def check_running(peers: list[LocalPeer]) -> bool:
+    """True while some peer still trains; False once every one has finished its epochs (exit code 0: on a fast
+    machine that comes before --minutes are up). DemoError naming the first peer that exited otherwise."""
     for peer in peers:
-        if not peer.is_running():
+        if not peer.is_running() and peer.process is not None and peer.process.returncode != 0:
             raise DemoError(f"{peer.exit_message()} before the end of the demo")
+    return any(peer.is_running() for peer in peers)
 
 
 def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
@@ -146,8 +148,11 @@ def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.minutes * 60.0
     while time.monotonic() < deadline:
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-        check_running(peers)
+        still_training = check_running(peers)
         show_progress(peers, shown)
+        if not still_training:
+            print("every peer finished its epochs before the end of --minutes", flush=True)
+            break
 
 
 def report(peers: list[LocalPeer], out: Path) -> list[dict]:
