@@ -8,16 +8,26 @@ up (time in which nothing of this process ran) is a direct measure of starvation
 merely busy: the kernel wakes a thread that slept promptly even then. That kind of overload is met at its source:
 ``run_trainer.py``'s data-loader workers run at a lower CPU priority, see ``decentralized_task``.)
 
-``StarvationMonitor`` runs that thread; ``starved`` turns True when, over the last `window_s`, more than
-`enter_share` of the time was lost to late wake-ups, and False again only after `recover_s` seconds in a row with
-less than `exit_share` lost (hysteresis: no flapping in and out of the swarm). DecentralizedSGD's scheduler asks
-``starved`` before it starts a round: a starved peer leaves the groups it is still looking for, starts no round
-(it neither leads nor joins) and keeps training locally; ``starvation_episodes`` and ``starved_s`` count it.
+That thread lives in a small process of its own (this file run as a script, standard library only, in the peer's
+process group): a thread of the trainer's own process also wakes late whenever the process's other work holds the
+interpreter (seen in the test suite: three VISSL peers on 2 cores lost 50-63% of such wake-ups for minutes, and left
+averaging, while a process next to them lost at most 11%). What a separate process measures is whether the box
+runs this peer's processes at all, which is what a swarm waits on.
+
+``StarvationMonitor`` starts that process and reads its wake-ups; ``starved`` turns True when, over the last
+`window_s`, more than `enter_share` of the time was lost to late wake-ups, and False again only after `recover_s`
+seconds in a row with less than `exit_share` lost (hysteresis: no flapping in and out of the swarm).
+DecentralizedSGD's scheduler asks ``starved`` before it starts a round: a starved peer leaves the groups it is still
+looking for, starts no round (it neither leads nor joins) and keeps training locally; ``starvation_episodes`` and
+``starved_s`` count it.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -34,11 +44,7 @@ class StarvationMonitor:
                  exit_share: float = 0.1, recover_s: float = 5.0, max_starved_s: float = 60.0,
                  start: bool = True):  # fmt: skip
         """``max_starved_s`` bounds an episode: after that long the peer tries averaging again, and leaves again only
-        after another full window above ``enter_share``, so a peer never drops out of the swarm for good. (Seen in
-        the test suite: the three VISSL peers of a swarm on 2 cores lost 53% of their wake-ups for minutes and never
-        had 5 calm seconds, while 4 CPU-bound torch processes alone cost a thread's wake-ups under 1%: the losses
-        come from within the process, e.g. work that holds the GIL.) 0.7 instead of 0.5 would keep such a peer in,
-        but also the straggler regime's stopped peer (measured: 0.43x instead of 1.04x for the others)."""
+        after another full window above ``enter_share``, so a peer never drops out of the swarm for good."""
         self.period, self.window_s, self.recover_s, self.max_starved_s = period, window_s, recover_s, max_starved_s
         self.enter_share, self.exit_share = enter_share, exit_share
         self._samples: deque[tuple[float, float]] = deque()  # (wake-up time, seconds lost), monitor thread only
@@ -50,16 +56,31 @@ class StarvationMonitor:
         self.episodes = 0  # times it turned starved
         self.starved_s = 0.0  # seconds spent starved (updated when it recovers, and live by starved_seconds())
         self._starved_at: float | None = None
-        self._thread = threading.Thread(target=self._run, name="starvation-monitor", daemon=True)
+        self._sampler: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._read_samples, name="starvation-monitor", daemon=True)
         if start:
-            self._thread.start()
+            self._start_sampler()
 
-    def _run(self) -> None:
-        expected = time.monotonic() + self.period
-        while not self._stop.wait(max(0.0, expected - time.monotonic())):
-            now = time.monotonic()
-            self.observe(now, max(0.0, now - expected))
-            expected = now + self.period
+    def _start_sampler(self) -> None:
+        """Starts the wake-up sampler process (this file as a script) and the thread that reads it (caller's thread)."""
+        try:
+            self._sampler = subprocess.Popen([sys.executable, "-I", __file__, repr(self.period)], text=True,
+                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # fmt: skip
+        except OSError as error:
+            logger.warning(f"The starvation monitor could not start its sampler process ({error}): this peer will "
+                           "not notice when its box starves it of CPU")  # fmt: skip
+            return
+        self._thread.start()
+
+    def _read_samples(self) -> None:
+        """One line "<monotonic time> <seconds late>" per wake-up of the sampler (monitor thread)."""
+        assert self._sampler is not None and self._sampler.stdout is not None
+        for line in self._sampler.stdout:
+            now, lost = (float(field) for field in line.split())
+            self.observe(now, lost)
+        if not self._stop.is_set():
+            logger.warning(f"The starvation monitor's sampler process ended (exit code {self._sampler.wait()}): "
+                           "this peer will not notice when its box starves it of CPU")  # fmt: skip
 
     def observe(self, now: float, lost: float) -> None:
         """One wake-up `lost` seconds late at monotonic time `now`; updates `starved` (monitor thread)."""
@@ -114,5 +135,30 @@ class StarvationMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._sampler is not None and self._sampler.poll() is None:
+            self._sampler.terminate()
+            try:
+                self._sampler.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:  # stopped by a SIGSTOP of the process group, say
+                self._sampler.kill()
         if self._thread.is_alive():
             self._thread.join(timeout=1.0)
+
+
+def sample_wakeups(period: float) -> None:
+    """The sampler process: sleep `period`, print how late it woke up; ends when its reader is gone (EPIPE) or
+    terminates it (Ctrl-C in a terminal reaches the whole process group: the reader decides, not this process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    expected = time.monotonic() + period
+    try:
+        while True:
+            time.sleep(max(0.0, expected - time.monotonic()))
+            now = time.monotonic()
+            print(f"{now:.6f} {max(0.0, now - expected):.6f}", flush=True)
+            expected = now + period
+    except BrokenPipeError:
+        sys.stderr.close()  # no "Exception ignored" noise at exit
+
+
+if __name__ == "__main__":
+    sample_wakeups(float(sys.argv[1]))
