@@ -135,6 +135,30 @@ def unscale_before_clipping() -> None:
     GradClipHook.on_backward = on_backward
 
 
+WRAPPING_UP = "Wrapping up, caught exception: "
+VISSL_ROOT_LOGGERS = ("vissl.utils.distributed_launcher", "vissl.engines.train")  # what setup_logging makes root
+
+
+class _FormatWrappingUp(logging.Filter):
+    """VISSL's ``launch_distributed`` ends a run stopped with Ctrl-C by ``logging.error("Wrapping up, caught
+    exception: ", e)``: an argument without a placeholder, so logging prints "--- Logging error ---" and two
+    tracebacks instead of the line (vissl/utils/distributed_launcher.py, 0.1.6 and VISSL's main branch; VISSL is
+    unmaintained). Give the argument its placeholder."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == WRAPPING_UP and record.args:
+            record.msg, record.args = WRAPPING_UP + "%r", record.args[:1]
+        return True
+
+
+def format_wrapping_up_message() -> None:
+    """On the loggers that VISSL's ``setup_logging`` turns into ``logging.root`` (``logging.error`` goes there)."""
+    for name in VISSL_ROOT_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _FormatWrappingUp) for f in target.filters):
+            target.addFilter(_FormatWrappingUp())
+
+
 def apply() -> None:
     """Apply the import-level patches once; safe to call many times."""
     global _applied
@@ -146,6 +170,7 @@ def apply() -> None:
     make_checkpoints_atomic()
     skip_unreadable_images()
     unscale_before_clipping()
+    format_wrapping_up_message()
     _applied = True
 
 

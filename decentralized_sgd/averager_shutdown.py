@@ -19,6 +19,10 @@ this example use it, through their subclass.
 2. **``_shutdown`` crashes on a running AllReduce.** hivemind 1.1.12 calls ``.finalize()`` on the asyncio
    Futures of ``_running_groups`` instead of on the AllReduce runners they hold (``AttributeError`` and a
    traceback in the averager process). Fix: finalize the runners.
+3. **``_shutdown`` crashes when the p2p daemon is gone.** Ctrl-C in a terminal reaches the whole process group,
+   the DHT's p2p daemon included, which exits at once; hivemind's ``remove_p2p_handlers`` then cannot reach its
+   control socket (``FileNotFoundError`` and a traceback, ``hivemind/p2p/p2p_daemon_bindings/control.py``). With
+   the daemon gone there is nothing to remove: say so at debug level.
 
 What hivemind still prints, harmless: a peer that leaves during an AllReduce makes hivemind log, at WARN and
 without a traceback, ``Reducer: received 51.0% of input tensors`` / ``Averaging: received 47.7% results``
@@ -29,12 +33,16 @@ without a traceback, ``Reducer: received 51.0% of input tensors`` / ``Averaging:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Collection
 from typing import Any
 
 from hivemind.averaging.control import StepControl
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.mpfuture import MPFuture
+
+logger = logging.getLogger(__name__)
 
 LEAVE_POLL_S = 0.01
 
@@ -81,7 +89,10 @@ async def shut_down_averager(averager: Any, timeout: float | None, steps: Collec
     one of them, for the same reason as 1: each must reach the DHT while this process lives."""
     deadline = time.monotonic() + 0.8 * (timeout if timeout is not None else averager.shutdown_timeout)
     if not averager.client_mode:
-        await averager.remove_p2p_handlers(averager._p2p, namespace=averager.prefix)
+        try:
+            await averager.remove_p2p_handlers(averager._p2p, namespace=averager.prefix)
+        except (OSError, P2PDaemonError) as error:  # 3: the daemon exited first (Ctrl-C), its handlers with it
+            logger.debug(f"p2p daemon gone before the averager's handlers were removed: {error!r}")
     while True:
         for control in list(steps):
             cancel_step(control)

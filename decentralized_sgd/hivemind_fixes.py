@@ -2,10 +2,12 @@
 
 Nothing here is applied at import. ``HivemindFixes`` is a ``DecentralizedAverager`` mixin: its overrides act on our
 own averager only, in the trainer's process or in the forked averager process (each method says which).
-``fixed_8bit_decoding`` is the one process-wide patch, and only inside the averager process (``HivemindFixes.run``):
-hivemind decodes every received part through a global registry keyed by the wire type
-(``compression/serialization.py``), not through the averager's compression object, so no narrower scope exists.
-The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``).
+``fixed_8bit_decoding`` and ``fixed_part_reducer`` are the process-wide patches, and only inside the averager
+process (``HivemindFixes.run``): hivemind decodes every received part through a global registry keyed by the wire
+type (``compression/serialization.py``), not through the averager's compression object, and creates its part
+reducers inside ``AllReduceRunner``, so no narrower scope exists.
+The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``) and logs a
+departed groupmate in one line instead of a traceback (``_DepartureIsOneLine``).
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
@@ -32,8 +34,10 @@ import hivemind
 import numpy as np
 import torch
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.compression.quantization import Quantization
 from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, anext, as_aiter
@@ -80,12 +84,56 @@ def fixed_8bit_decoding() -> Iterator[None]:
         Quantization.extract = original
 
 
+def _check_current_part_finished(self: TensorPartReducer) -> None:
+    """hivemind 1.1.12's TensorPartReducer.check_current_part_finished with one fix: every sender of a part awaits
+    the same future (``accumulate_part``, not shielded), so a sender's task cancelled at shutdown cancels it for all,
+    and the next sender that fails then sets a result on a cancelled future: ``InvalidStateError`` in a task that
+    nobody awaits ("Task exception was never retrieved" and two tracebacks when a peer is stopped)."""
+    assert self.current_part_accumulated_from <= self.num_current_senders
+    if self.current_part_accumulated_from == self.num_current_senders:
+        if not self.current_part_future.done():
+            self.current_part_future.set_result(self.accumulator.div_(self.denominator))
+        self.reset_accumulators()
+
+
+@contextlib.contextmanager
+def fixed_part_reducer() -> Iterator[None]:
+    """Finish parts with the fix above while the block runs (process-wide, in the averager process only)."""
+    original = TensorPartReducer.check_current_part_finished
+    TensorPartReducer.check_current_part_finished = _check_current_part_finished
+    try:
+        yield
+    finally:
+        TensorPartReducer.check_current_part_finished = original
+
+
 class _NoGroupIsNoError(logging.Filter):
     """hivemind logs a round that found no group as an ERROR with a traceback (averager.py, _step). With a
     matchmaking deadline (see start_step) that is an expected outcome, counted as ``rounds_no_group``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "could not find a group" not in record.getMessage()
+
+
+# where hivemind logs a groupmate's or its own p2p daemon's departure with a traceback: (logger, function)
+_DEPARTURE_LOG_SITES = {("hivemind.averaging.averager", "_aggregate_with_group"),  # logger.exception(e)
+                        ("hivemind.p2p.p2p_daemon", "_handle_stream")}  # "Exception while receiving requests:"
+_DEPARTURE_ERRORS = (AllreduceException, ConnectionError, asyncio.IncompleteReadError, P2PDaemonError)
+
+
+class _DepartureIsOneLine(logging.Filter):
+    """hivemind logs an AllReduce that a leaving peer broke off (``averager.py``, ``_aggregate_with_group``) and a
+    stream its p2p daemon closed (``p2p_daemon.py``, ``_handle_stream``) with a full traceback: on every groupmate
+    of a peer that leaves mid-round, and on a peer stopped with Ctrl-C (which reaches its p2p daemon first). The
+    round's failure is recorded and counted (``rounds_failed``); say it in one line. Other errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if (record.name, record.funcName) in _DEPARTURE_LOG_SITES and isinstance(error, _DEPARTURE_ERRORS):
+            message = record.getMessage().rstrip(":")
+            record.msg = message if message == str(error) else f"{message}: {error!r}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
 
 
 class LockedConnection:
@@ -166,10 +214,13 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     def run(self) -> None:
         """Averager process. Ignore SIGINT here rather than in the parent (hivemind's run_in_background does the
         latter, so that the child inherits it): Ctrl-C reaches the whole process group, and the trainer shuts us
-        down in order. Decode 8-bit parts with the NumPy 2 fix; do not log rounds without a group as errors."""
+        down in order. Decode 8-bit parts with the NumPy 2 fix, finish parts without the cancelled-future error;
+        do not log rounds without a group as errors, nor a departed groupmate with a traceback."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
-        with fixed_8bit_decoding():
+        for name in {name for name, _ in _DEPARTURE_LOG_SITES}:
+            logging.getLogger(name).addFilter(_DepartureIsOneLine())
+        with fixed_8bit_decoding(), fixed_part_reducer():
             super().run()
 
     async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None,

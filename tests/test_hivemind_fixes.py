@@ -9,10 +9,12 @@ SIGINT in the averager process by test_ctrl_c_still_stops_the_trainer_after_the_
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -30,8 +32,10 @@ from decentralized_sgd.hivemind_fixes import (
     AveragerUnresponsive,
     FixedDHT,
     LockedConnection,
+    _DepartureIsOneLine,
     _NoGroupIsNoError,
     fixed_8bit_decoding,
+    fixed_part_reducer,
     keep_ctrl_c,
 )
 
@@ -51,6 +55,32 @@ def test_8bit_decoding_fix_applies_only_where_asked():
     assert Quantization.extract is HIVEMIND_EXTRACT
 
 
+async def _a_part_whose_first_sender_is_cancelled() -> None:
+    """Three senders of one part; the first sender's task is cancelled (as at shutdown) while it awaits the part,
+    then the other two fail: the reducer finishes the part, on a future the cancel already ended."""
+    from hivemind.averaging.partition import TensorPartReducer
+
+    reducer = TensorPartReducer(part_shapes=[(4,)], num_senders=3)
+    first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(4)))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    reducer.on_sender_failed(1)
+    reducer.on_sender_failed(2)  # the last sender of the part: finishes it
+    reducer.finalize()
+
+
+def test_a_part_finished_after_a_sender_was_cancelled_raises_nothing_with_the_fix():
+    from hivemind.averaging.partition import TensorPartReducer
+
+    hivemind_check = TensorPartReducer.check_current_part_finished
+    with pytest.raises(asyncio.InvalidStateError):  # hivemind 1.1.12: set_result on the cancelled future
+        asyncio.run(_a_part_whose_first_sender_is_cancelled())
+    with fixed_part_reducer():
+        asyncio.run(_a_part_whose_first_sender_is_cancelled())
+    assert TensorPartReducer.check_current_part_finished is hivemind_check
+
+
 def test_rounds_without_a_group_are_not_logged_as_errors_by_the_averager_process():
     from hivemind.averaging.averager import AllreduceException
 
@@ -59,6 +89,29 @@ def test_rounds_without_a_group_are_not_logged_as_errors_by_the_averager_process
     assert not _NoGroupIsNoError().filter(record)  # what hivemind's _step logs, with a traceback, for every such round
     record.msg = AllreduceException("Averaging step failed: something else")
     assert _NoGroupIsNoError().filter(record)
+
+
+def _record(logger_name: str, function: str, message: object, error: BaseException) -> logging.LogRecord:
+    try:
+        raise error
+    except BaseException:
+        return logging.LogRecord(logger_name, logging.ERROR, __file__, 0, message, (), sys.exc_info(), func=function)
+
+
+def test_a_departed_groupmate_is_one_line_and_other_errors_keep_their_traceback():
+    from hivemind.averaging.partition import AllreduceException
+
+    broken_off = AllreduceException("All-reduce was terminated during iteration")
+    record = _record("hivemind.averaging.averager", "_aggregate_with_group", broken_off, broken_off)
+    assert _DepartureIsOneLine().filter(record)  # kept, as one line
+    assert record.exc_info is None and record.getMessage() == "All-reduce was terminated during iteration"
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    record = _record("hivemind.p2p.p2p_daemon", "_handle_stream", "Exception while receiving requests:", reset)
+    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    assert record.getMessage() == f"Exception while receiving requests: {reset!r}"
+    bug = KeyError("a bug")
+    record = _record("hivemind.averaging.averager", "_aggregate_with_group", bug, bug)
+    assert _DepartureIsOneLine().filter(record) and record.exc_info is not None  # not a departure: full traceback
 
 
 def test_locked_connection_keeps_concurrent_messages_whole():

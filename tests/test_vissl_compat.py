@@ -97,3 +97,26 @@ def test_gradient_clipping_under_torch_amp_clips_the_unscaled_gradient() -> None
     scaler.update()
     for param, want in zip(model.parameters(), expected, strict=True):
         assert torch.allclose(param.detach(), want, atol=1e-5)
+
+
+CTRL_C_SCRIPT = """
+import sys, vissl_compat
+vissl_compat.apply()
+from config_loading import compose_config
+from vissl.utils.distributed_launcher import launch_distributed
+
+def ctrl_c(cfg):  # VISSL calls the hook generator inside its training engine, after its logging is set up
+    raise KeyboardInterrupt
+
+config, _ = compose_config("swav_tiny", [f"config.CHECKPOINT.DIR={sys.argv[1]}"], has_gpu=False)
+launch_distributed(config, node_id=0, engine_name="train", hook_generator=ctrl_c)
+"""
+
+
+def test_a_run_stopped_with_ctrl_c_ends_with_vissls_line_not_a_logging_error(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path)], env=trainer_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]  # VISSL swallows the KeyboardInterrupt and wraps up
+    assert "Wrapping up, caught exception: KeyboardInterrupt()" in output, output[-3000:]
+    assert "Logging error" not in output and "Traceback" not in output, output[-3000:]
