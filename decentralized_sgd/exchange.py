@@ -24,7 +24,7 @@ import torch
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .supervisor import AveragerSupervisor
-from .tensors import add_, copy_
+from .tensors import add_, averaged_minus_, copy_
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedSGD
@@ -145,8 +145,7 @@ class RoundExchange:
         with self.supervisor.averager.buffers(self.owner.averager_timeout) as buffers:
             reference = vetting.reference_of(buffers)
             if self.owner.delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
-                torch._foreach_sub_(r.slot, buffers)  # iff the average is)
-                torch._foreach_neg_(r.slot)
+                averaged_minus_(r.slot, buffers)  # iff the average is)
             else:
                 copy_(r.slot, buffers)
             norm = self.owner.averaged_tensors.norm(r.slot)

@@ -116,6 +116,13 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             a.copy_(b)
 
 
+def averaged_minus_(slot: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> None:
+    """slot <- averaged − slot (the delta rule's update from the snapshot in slot), in one pass over each tensor."""
+    assert len(slot) == len(averaged)
+    for mine, theirs in zip(slot, averaged, strict=True):
+        torch.sub(theirs, mine, out=mine)
+
+
 def add_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """dst += src (src: fp32 CPU), one fused op when dst is fp32 CPU too."""
     assert len(dst) == len(src)
