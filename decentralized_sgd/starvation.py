@@ -25,6 +25,7 @@ looking for, starts no round (it neither leads nor joins) and keeps training loc
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -146,12 +147,14 @@ class StarvationMonitor:
 
 
 def sample_wakeups(period: float) -> None:
-    """The sampler process: sleep `period`, print how late it woke up; ends when its reader is gone (EPIPE) or
-    terminates it (Ctrl-C in a terminal reaches the whole process group: the reader decides, not this process)."""
+    """The sampler process: sleep `period`, print how late it woke up; ends when its reader terminates it (Ctrl-C
+    in a terminal reaches the whole process group: the reader decides, not this process), when its reader is gone
+    (EPIPE), or when its parent died (processes forked from the trainer may still hold the pipe open)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
     expected = time.monotonic() + period
     try:
-        while True:
+        while os.getppid() == parent:
             time.sleep(max(0.0, expected - time.monotonic()))
             now = time.monotonic()
             print(f"{now:.6f} {max(0.0, now - expected):.6f}", flush=True)
