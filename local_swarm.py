@@ -89,7 +89,9 @@ class LocalPeer:
 
     def exit_message(self) -> str:
         """Why the process ended, for an error message: its exit code and the last error line of its log (VISSL
-        logs more after an error), else its last line."""
+        logs more after an error), else its last line; a process that exited with 0 finished its training."""
+        if self.process is not None and self.process.returncode == 0:
+            return f"{self.name} finished its training (exit code 0; see {self.log_path})"
         lines = [line.strip() for line in self.log_text().splitlines() if line.strip()]
         errors = [line for line in lines if "Error" in line or "error:" in line]
         last = (errors or lines or ["(empty log)"])[-1][:300]
