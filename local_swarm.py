@@ -129,11 +129,13 @@ class LocalPeer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ctrl-C (the peer leaves the swarm cleanly), then SIGKILL if it does not exit in time."""
+    def stop(self, timeout: float = 30.0, interrupt: bool = True) -> None:
+        """Ctrl-C (the peer leaves the swarm cleanly; `interrupt=False`: it was sent already), then SIGKILL if it
+        does not exit in time."""
         if not self.is_running():
             return
-        os.killpg(self.process.pid, signal.SIGINT)
+        if interrupt:
+            os.killpg(self.process.pid, signal.SIGINT)
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -188,8 +190,9 @@ def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[st
 
 
 def stop_all(peers: list[LocalPeer]) -> None:
+    """One Ctrl-C each, all at once (a second one would stop a peer at once instead of after its step)."""
     for peer in peers:
         if peer.is_running():
             os.killpg(peer.process.pid, signal.SIGINT)
     for peer in peers:
-        peer.stop()
+        peer.stop(interrupt=False)

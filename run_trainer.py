@@ -19,6 +19,7 @@ from pathlib import Path
 import swarm
 import vissl_compat
 from config_loading import ConfigError, available_configs, check_overrides, config_path
+from ctrl_c import ctrl_c
 
 # at import: VISSL's multi-GPU workers are spawned processes that re-import this module before unpickling VISSL's
 # worker function, which imports classy_vision (see vissl_compat)
@@ -225,12 +226,18 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         dht.add_validators(metrics_validators(settings.run_id))  # signed progress records (run_monitor.py)
         swarm.use_shared_dht(dht)
+    if config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:  # VISSL trains in this process: Ctrl-C stops at a step boundary
+        ctrl_c.install()
     try:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
     finally:
-        leave_swarm()  # the averager first (it still talks to the DHT while it stops), then the DHT and its p2pd
-        if dht is not None:
-            dht.shutdown()
+        try:
+            leave_swarm()  # the averager first (it still talks to the DHT while it stops), then the DHT and its p2pd
+            if dht is not None:
+                dht.shutdown()
+        except KeyboardInterrupt:  # Ctrl-C again while leaving: the averager and DHT processes end with this one
+            print("Ctrl-C again: stopping without waiting for the averager to leave its group", file=sys.stderr)
+            return 130
     return 0
 
 

@@ -6,8 +6,9 @@ own averager only, in the trainer's process or in the forked averager process (e
 process (``HivemindFixes.run``): hivemind decodes every received part through a global registry keyed by the wire
 type (``compression/serialization.py``), not through the averager's compression object, and creates its part
 reducers inside ``AllReduceRunner``, so no narrower scope exists.
-The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``) and logs a
-departed groupmate in one line instead of a traceback (``_DepartureIsOneLine``).
+The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``); it and the DHT
+process log a departure (a groupmate's, or of our p2p daemon that Ctrl-C ended) in one line instead of a traceback
+(``_DepartureIsOneLine``).
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
@@ -41,6 +42,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, anext, as_aiter
+from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from decentralized_sgd.averager_shutdown import shut_down_averager
@@ -115,25 +117,38 @@ class _NoGroupIsNoError(logging.Filter):
         return "could not find a group" not in record.getMessage()
 
 
-# where hivemind logs a groupmate's or its own p2p daemon's departure with a traceback: (logger, function)
-_DEPARTURE_LOG_SITES = {("hivemind.averaging.averager", "_aggregate_with_group"),  # logger.exception(e)
-                        ("hivemind.p2p.p2p_daemon", "_handle_stream")}  # "Exception while receiving requests:"
-_DEPARTURE_ERRORS = (AllreduceException, ConnectionError, asyncio.IncompleteReadError, P2PDaemonError)
+# what a departure raises in hivemind: a groupmate that left mid-round, or our own p2p daemon gone (Ctrl-C reaches
+# the whole process group and ends the daemon first: its control socket is missing, FileNotFoundError)
+_DEPARTURE_ERRORS = (AllreduceException, ConnectionError, FileNotFoundError, asyncio.IncompleteReadError,
+                     P2PDaemonError)  # fmt: skip
 
 
 class _DepartureIsOneLine(logging.Filter):
-    """hivemind logs an AllReduce that a leaving peer broke off (``averager.py``, ``_aggregate_with_group``) and a
-    stream its p2p daemon closed (``p2p_daemon.py``, ``_handle_stream``) with a full traceback: on every groupmate
-    of a peer that leaves mid-round, and on a peer stopped with Ctrl-C (which reaches its p2p daemon first). The
-    round's failure is recorded and counted (``rounds_failed``); say it in one line. Other errors keep theirs."""
+    """hivemind logs a departure with a full traceback, wherever the request in flight was: an AllReduce broken off
+    by a leaving groupmate (``averager.py``, ``_aggregate_with_group``), a stream its p2p daemon closed
+    (``p2p_daemon.py``, ``_handle_stream``), a join request or DHT call on a p2p daemon that Ctrl-C already ended
+    (``utils/asyncio.py``, ``await_cancelled``; ``FileNotFoundError`` on the daemon's socket), ... On the groupmates of
+    a peer that leaves mid-round and on a peer stopped with Ctrl-C. The round's failure is recorded and counted
+    (``rounds_failed``): say it in one line. So is whatever a task raised that hivemind cancelled on purpose and
+    then awaited (``await_cancelled``: e.g. matchmaking's ``assert not self.assembled_group.done()`` when a
+    round is cancelled at shutdown while a leader answers). Other errors keep their traceback. On the handlers of
+    hivemind's package logger (every hivemind logger writes through them)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if (record.name, record.funcName) in _DEPARTURE_LOG_SITES and isinstance(error, _DEPARTURE_ERRORS):
+        abandoned = (record.name, record.funcName) == ("hivemind.utils.asyncio", "await_cancelled")
+        if record.name.startswith("hivemind") and (isinstance(error, _DEPARTURE_ERRORS) or abandoned and error):
             message = record.getMessage().rstrip(":")
             record.msg = message if message == str(error) else f"{message}: {error!r}"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
+
+
+def log_departures_in_one_line() -> None:
+    """In this process (the DHT's or the averager's, at their start): hivemind's handler gets the filter above."""
+    for handler in get_logger("hivemind").handlers:  # get_logger: hivemind's handler exists from here on
+        if not any(isinstance(f, _DepartureIsOneLine) for f in handler.filters):
+            handler.addFilter(_DepartureIsOneLine())
 
 
 class LockedConnection:
@@ -190,8 +205,9 @@ class FixedDHT(hivemind.DHT):
     owners create this instead (swarm.start_dht does); an averager restart on a plain hivemind.DHT can kill it."""
 
     def run(self) -> None:
-        """DHT process."""
+        """DHT process. Departures are one log line here too (see _DepartureIsOneLine)."""
         self._inner_pipe = _RequestsOfTheDead(self._inner_pipe)
+        log_departures_in_one_line()
         super().run()
 
 
@@ -218,8 +234,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         do not log rounds without a group as errors, nor a departed groupmate with a traceback."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
-        for name in {name for name, _ in _DEPARTURE_LOG_SITES}:
-            logging.getLogger(name).addFilter(_DepartureIsOneLine())
+        log_departures_in_one_line()
         with fixed_8bit_decoding(), fixed_part_reducer():
             super().run()
 
@@ -240,11 +255,18 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         """Averager process. hivemind creates this task without keeping a reference to it (averager.py, _run), and
         the trigger it awaits is an MPFuture that hivemind holds only by weak reference: while a round awaits its
         trigger, the garbage collector may destroy the whole chain ("Task was destroyed but it is pending!") and the
-        round never ends, for us and for our groupmates. Keep the task alive until it finishes."""
+        round never ends, for us and for our groupmates. Keep the task alive until it finishes.
+        A step cancelled while its AllReduce ran (our shutdown cancels every step) has nowhere to put the result:
+        hivemind's ``step.set_result`` then raises ``InvalidStateError`` in this task, which nobody awaits ("Task
+        exception was never retrieved" and a traceback on a peer stopped with Ctrl-C). Nothing is lost: say so."""
         task = asyncio.current_task()
         self._live_steps.add(task)
         try:
             await super()._step(**kwargs)
+        except concurrent.futures.InvalidStateError:
+            if not kwargs["step"].cancelled():
+                raise
+            logger.debug("An averaging step was cancelled while its AllReduce ran; its result is dropped")
         finally:
             self._live_steps.discard(task)
 

@@ -20,9 +20,10 @@ from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
 from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
 from hooks.normalize_prototypes_on_update_hook import NormalizePrototypesOnUpdateHook  # noqa: E402
 from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
+from hooks.stop_on_step_hook import StopOnStepHook  # noqa: E402
 
 __all__ = ["AverageOnUpdateHook", "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
-           "NormalizePrototypesOnUpdateHook", "PublishProgressOnStepHook", "swarm_hook_generator"]
+           "NormalizePrototypesOnUpdateHook", "PublishProgressOnStepHook", "StopOnStepHook", "swarm_hook_generator"]
 
 
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
@@ -32,7 +33,8 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
     is still held since backward): AverageOnUpdateHook applies a finished round, the prototypes are normalised
     (VISSL's hook, which would run before the averaging, is replaced by ours after it), and only then does
     HoldParamsDuringUpdateHook release the lock: averaging never copies prototypes off the unit sphere. The
-    progress hooks come last so that they log the step's final weights.
+    progress hooks come after them so that they log the step's final weights, and a Ctrl-C pressed during the step
+    stops the run after all of that (StopOnStepHook, see ``ctrl_c``).
     """
     log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
     vissl_hooks = default_hook_generator(cfg)
@@ -45,4 +47,5 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
         LogProgressOnStepHook(log_every=log_every),
         PublishProgressOnStepHook(publish_every=log_every),
         LeaveSwarmOnEndHook(),
+        StopOnStepHook(),
     ]

@@ -98,7 +98,7 @@ def _record(logger_name: str, function: str, message: object, error: BaseExcepti
         return logging.LogRecord(logger_name, logging.ERROR, __file__, 0, message, (), sys.exc_info(), func=function)
 
 
-def test_a_departed_groupmate_is_one_line_and_other_errors_keep_their_traceback():
+def test_a_departure_is_one_line_and_other_errors_keep_their_traceback():
     from hivemind.averaging.partition import AllreduceException
 
     broken_off = AllreduceException("All-reduce was terminated during iteration")
@@ -109,9 +109,17 @@ def test_a_departed_groupmate_is_one_line_and_other_errors_keep_their_traceback(
     record = _record("hivemind.p2p.p2p_daemon", "_handle_stream", "Exception while receiving requests:", reset)
     assert _DepartureIsOneLine().filter(record) and record.exc_info is None
     assert record.getMessage() == f"Exception while receiving requests: {reset!r}"
+    daemon_gone = FileNotFoundError(2, "No such file or directory")  # Ctrl-C ended our p2p daemon first
+    record = _record("hivemind.utils.asyncio", "await_cancelled", "Exception in <Task ...>:", daemon_gone)
+    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
     bug = KeyError("a bug")
     record = _record("hivemind.averaging.averager", "_aggregate_with_group", bug, bug)
     assert _DepartureIsOneLine().filter(record) and record.exc_info is not None  # not a departure: full traceback
+    race = AssertionError()  # what a task that hivemind cancelled raised meanwhile: its work was abandoned anyway
+    record = _record("hivemind.utils.asyncio", "await_cancelled", "Exception in <Task ...>:", race)
+    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    ours = _record("decentralized_sgd.scheduler", "_tick", "unexpected", daemon_gone)
+    assert _DepartureIsOneLine().filter(ours) and ours.exc_info is not None  # only hivemind's own records
 
 
 def test_locked_connection_keeps_concurrent_messages_whole():

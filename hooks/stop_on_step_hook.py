@@ -1,0 +1,29 @@
+"""Stop at the end of a step when Ctrl-C was pressed during it (see ``ctrl_c``)."""
+
+from __future__ import annotations
+
+from classy_vision.hooks import ClassyHook
+
+from ctrl_c import ctrl_c
+
+
+class StopOnStepHook(ClassyHook):
+    """Raises the deferred KeyboardInterrupt in ``on_step``, after the step's averaging and progress hooks ran."""
+
+    on_phase_start = ClassyHook._noop
+    on_forward = ClassyHook._noop
+    on_loss_and_meter = ClassyHook._noop
+    on_backward = ClassyHook._noop
+    on_update = ClassyHook._noop
+    on_phase_end = ClassyHook._noop
+
+    def on_start(self, task) -> None:
+        ctrl_c.training = True
+
+    def on_step(self, task) -> None:
+        ctrl_c.stop_if_requested()
+
+    def on_end(self, task) -> None:
+        ctrl_c.training = False
+
+    on_exception = on_end
