@@ -192,9 +192,12 @@ class OutlierRule:
         refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
 
     Healthy peers move by optimizer steps, at similar rates whatever their speed (a peer 30x slower makes 30x fewer
-    steps) or the time since they last averaged; a diverging one moves faster every step. The floor (1% of the
+    steps) or the time since they last averaged; a diverging one moves faster every step. The floor (3% of the
     weights per step, far more than an optimizer step of a trained model) keeps peers that hardly move from refusing
-    each other's noise: a drift of x1.05 per step is refused at its first step when the others hold still.
+    each other's noise, and keeps a young swarm from refusing a healthy peer: swav_tiny's first steps at its LR 0.55
+    move ~2% of |w| per step (seen in the VISSL swarm test: a peer at step 7 refused at 1.9% per step against the
+    others' 0.15-0.4%, when the floor was 1%). A drift of x1.05 per step is still refused at its first step when the
+    others hold still.
 
     Since at least half of the points lie within D of the center, ``multiple >= 2`` refuses fewer than half of the
     members for being far; a member is refused for its rate only against the others' median. Members without a
@@ -203,7 +206,7 @@ class OutlierRule:
 
     multiple: float = 6.0
     blowup_floor: float = 10.0
-    rate_floor: float = 0.01
+    rate_floor: float = 0.03
     abs_floor: float = 1e-8
 
     def __post_init__(self) -> None:
