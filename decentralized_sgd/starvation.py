@@ -36,6 +36,7 @@ from collections import deque
 logger = logging.getLogger(__name__)
 
 STARVATION_COUNTS = ("starvation_episodes", "starved_s")  # times this peer left averaging starved; seconds starved
+_BLIND = "this peer will not notice when its box starves it of CPU"  # said when the sampler cannot run
 
 
 class StarvationMonitor:
@@ -68,8 +69,7 @@ class StarvationMonitor:
             self._sampler = subprocess.Popen([sys.executable, "-I", __file__, repr(self.period)], text=True,
                                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # fmt: skip
         except OSError as error:
-            logger.warning(f"The starvation monitor could not start its sampler process ({error}): this peer will "
-                           "not notice when its box starves it of CPU")  # fmt: skip
+            logger.warning(f"The starvation monitor could not start its sampler process ({error}): {_BLIND}")
             return
         self._thread.start()
 
@@ -81,7 +81,7 @@ class StarvationMonitor:
             self.observe(now, lost)
         if not self._stop.is_set():
             logger.warning(f"The starvation monitor's sampler process ended (exit code {self._sampler.wait()}): "
-                           "this peer will not notice when its box starves it of CPU")  # fmt: skip
+                           f"{_BLIND}")  # fmt: skip
 
     def observe(self, now: float, lost: float) -> None:
         """One wake-up `lost` seconds late at monotonic time `now`; updates `starved` (monitor thread)."""
