@@ -1,6 +1,10 @@
 """The averager process: a ``hivemind.DecentralizedAverager`` with the fixes of ``hivemind_fixes`` and
 ``hivemind_slow_peer_fixes``, and two features.
 
+It stamps when its AllReduce began and ended (``allreduce_stamps``), in shared memory the trainer's process reads:
+the scheduler sees hivemind's stage only at its next tick, so its own times would shorten every AllReduce by up to
+a tick and add that to our overhead in the staleness (issue 11).
+
 It serves the trainer's *live* state to late joiners (``get_current_state`` asks the optimizer, which copies under
 its lock) instead of hivemind's default, the averager's buffers, which hold whatever the last round left there.
 And it guards its groups (``guard.GroupGuard``): outsiders and recent outliers are refused at matchmaking, a group's
@@ -20,7 +24,11 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import multiprocessing.sharedctypes
+import time
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from .guard import GroupGuard
 from .hivemind_fixes import HivemindFixes
@@ -42,7 +50,21 @@ class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
 
     def __init__(self, *args, state_fn: Callable[[], tuple], **kwargs):
         self.state_fn = state_fn
+        self._allreduce_stamps = torch.zeros(2, dtype=torch.float64).share_memory_()  # began, ended (time.time())
         super().__init__(*args, **kwargs)
+
+    def allreduce_stamps(self) -> tuple[float, float]:
+        """Trainer's process: (began, ended) of the latest AllReduce; ended < began while it runs."""
+        began, ended = self._allreduce_stamps.tolist()
+        return began, ended
+
+    async def _aggregate_with_group(self, *args: Any, **kwargs: Any) -> Any:
+        """Averager process: hivemind calls this right after it set the stage to RUNNING_ALLREDUCE."""
+        self._allreduce_stamps[0] = time.time()
+        try:
+            return await super()._aggregate_with_group(*args, **kwargs)
+        finally:
+            self._allreduce_stamps[1] = time.time()
 
     def get_current_state(self) -> tuple:
         """Runs in hivemind's state-fetching thread of the trainer's process, when a peer downloads our state."""

@@ -4,7 +4,8 @@ turn the average into an update, and add finished updates to the trainer's tenso
 Who runs what, holding which lock (lock order: the averager's buffer lock, then ``dsgd.lock``, then
 ``RoundBook.lock``):
 - ``fill_and_trigger``: scheduler thread; the averager's buffers, then ``dsgd.lock`` (tried for ``LOCK_POLL_S``)
-  for the fill only, ``RoundBook.lock`` around each state change (FORMED → FILLED → TRIGGERED);
+  while it reads the trainer's tensors only, ``RoundBook.lock`` around each state change (FORMED → FILLED →
+  TRIGGERED); the snapshot goes into the buffers after the trigger, before their lock is released;
 - ``finish``: scheduler thread; the averager's buffers while it reads them (TRIGGERED → DONE or discarded);
 - ``apply_finished``: trainer thread, holding ``dsgd.lock``, at a step boundary (DONE → applied).
 The values travel through ``staging`` (flat host buffers; from a GPU one non-blocking copy, one wait in the
@@ -53,7 +54,11 @@ class RoundExchange:
     # --- scheduler thread ---
     def fill_and_trigger(self, r: Round) -> bool:
         """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers (held first: see the lock order).
-        False if the round could not be filled now (the trainer holds its lock: the next tick tries again)."""
+        ``dsgd.lock`` is held only while the trainer's tensors are read. The trigger goes out before the snapshot is
+        copied into the buffers: hivemind's AllReduce reads them only under their lock, which this hold keeps until
+        the copy is done, so what hivemind does first (our trigger reaching its process, its load balancing) runs
+        while we copy. False if the round could not be filled now (the trainer holds its lock: the next tick tries
+        again)."""
         owner = self.owner
         with self.supervisor.averager.buffers(owner.averager_timeout) as buffers:
             if not owner.lock.acquire(timeout=LOCK_POLL_S):
@@ -63,10 +68,10 @@ class RoundExchange:
                 if owner.before_allreduce is not None:
                     owner.before_allreduce()
                 with self.book.lock:
-                    pending = [o for o in self.book.rounds if o.state is S.DONE]
+                    pending = [o.slot for o in self.book.rounds if o.state is S.DONE]
                     slot = self.book.slots.take()
                 try:
-                    included = self._fill_slot(slot, r, pending)
+                    to_add, included = self._read_snapshot(slot, r, pending)
                     step, samples = owner.local_step, owner.take_samples_since_fill()
                     with self.book.lock:
                         filled = r.fill(step, samples, slot, included)
@@ -79,24 +84,26 @@ class RoundExchange:
             if not filled:
                 return False
             locked = time.perf_counter() - started
+            for update in to_add:  # outside dsgd.lock: a pending update the trainer adds meanwhile stays unchanged
+                add_(slot, update)
             self.trigger(r, buffers)
         self._count_fill(r, locked, time.perf_counter() - started)
         return True
 
-    def _fill_slot(self, slot: list[torch.Tensor], r: Round, pending: list[Round]) -> int:
-        """Holding dsgd.lock: the values this round averages, into its slot (the snapshot): the params as they will
-        be once `pending` updates are applied. Returns how many pending updates went in."""
+    def _read_snapshot(self, slot: list[torch.Tensor], r: Round, pending: list[list[torch.Tensor]]
+                       ) -> tuple[list[list[torch.Tensor]], int]:  # fmt: skip
+        """Holding dsgd.lock: the trainer's values into the round's slot. The round averages the params as they will
+        be once the ``pending`` updates (of DONE rounds) are applied. Returns the updates still to add to the slot
+        (that needs no lock) and how many pending updates the snapshot includes."""
         staging = self.book.slots.staging(slot)
         if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
             staging.write_(r.early_snapshot)
-            return 0
+            return [], 0
         if pending and not self.owner.delta_rule:  # overwriting: the params will be the newest pending average
-            staging.write_(pending[-1].slot)
-            return len(pending)
+            staging.write_(pending[-1])
+            return [], len(pending)
         staging.download_(self.owner.averaged_tensors.local())  # from a GPU: one wait, in this thread (staging)
-        for o in pending:
-            add_(slot, o.slot)
-        return len(pending)
+        return pending, len(pending)
 
     def _count_fill(self, r: Round, locked_s: float, seconds: float) -> None:
         """What the fill cost: ``fill_locked_s`` is how long it held dsgd.lock (all a trainer can wait for),
@@ -108,7 +115,8 @@ class RoundExchange:
         r.extra["fill_ms"] = 1000 * seconds
 
     def trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
-        """Holding the averager's buffers: the snapshot (finite, or zeros with weight 0) into them, then go."""
+        """Holding the averager's buffers: go, then put the snapshot (finite, or zeros with weight 0) into them;
+        hivemind's AllReduce waits for their lock (see fill_and_trigger)."""
         if r.control.done():  # the group broke up meanwhile
             fail_from_control(r, self.book)
             return
@@ -116,14 +124,15 @@ class RoundExchange:
         if not finite:  # contribute zeros with weight 0 rather than poison the group
             logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
             torch._foreach_zero_(r.slot)
-        copy_(buffers, r.slot)  # the snapshot is exactly what goes into the AllReduce
         weight = float(max(r.samples, 1) if self.owner.weight_by_samples else 1) if finite else 0.0
         with self.book.lock:
-            r.trigger(weight, local_nonfinite=not finite)
+            triggered = r.trigger(weight, local_nonfinite=not finite)
+        if triggered:
+            copy_(buffers, r.slot)  # the snapshot is exactly what goes into the AllReduce
 
     def finish(self, r: Round) -> None:
         """A triggered round ended: fail it, discard it, or turn the averaged buffers into the update to add."""
-        r.observe()
+        r.observe(self.supervisor.averager.allreduce_stamps())
         try:
             gathered = r.control.result()
         except (Exception, asyncio.CancelledError) as e:

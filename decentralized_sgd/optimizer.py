@@ -51,6 +51,30 @@ COUNTERS = (
 ) + vetting.COUNTERS  # fmt: skip
 
 
+class StepClock:
+    """When the trainer's step boundaries come: the last one and an average of the time between two (trainer thread
+    writes at each boundary, the scheduler thread reads; a float each, no lock needed)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.last: float | None = None  # time.monotonic() of the last boundary
+        self.step_s: float | None = None
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.last is not None:
+            interval = now - self.last
+            self.step_s = interval if self.step_s is None else self.step_s + self.smoothing * (interval - self.step_s)
+        self.last = now
+
+    def next_due_in(self) -> float | None:
+        """Seconds until the next boundary is due if the trainer keeps its pace; None if unknown or overdue."""
+        if self.last is None or self.step_s is None:
+            return None
+        due_in = self.last + self.step_s - time.monotonic()
+        return due_in if due_in > 0 else None
+
+
 class TorchOptimizerFacade:
     """What a trainer expects of a ``torch.optim.Optimizer``, passed through to the wrapped one (``self.optimizer``);
     loading a state dict holds ``self.lock`` like every other change of the local state."""
@@ -125,6 +149,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         refresh_before_allreduce: bool = True,
         pipeline: bool = True,
         fill_when_formed: bool = True,
+        boundary_wait_share: float = 0.05,
         slow_peer_fixes: bool = True,
         averager_timeout: float = 30.0,
         records_path: str | None = None,
@@ -144,6 +169,10 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self.weight_by_samples, self.delta_rule = weight_by_samples, delta_rule
         self.refresh_before_allreduce, self.pipeline = refresh_before_allreduce, pipeline
         self.fill_when_formed = fill_when_formed  # False: the ablation of issue 11, see scheduler
+        if not 0.0 <= boundary_wait_share < 1.0:
+            raise ValueError(f"boundary_wait_share must be in [0, 1) (a share of an AllReduce's time; 0: never wait "
+                             f"for a step boundary before a fill), got {boundary_wait_share}")
+        self.boundary_wait_share = boundary_wait_share  # see scheduler, step 2
         self.slow_peer_fixes = slow_peer_fixes  # False: hivemind's behaviour with a slow groupmate (an ablation)
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
         self.starvation: StarvationMonitor | None = None  # started with the averager (if slow_peer_fixes)
@@ -156,6 +185,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self._round_applied = threading.Condition(self.lock)
         self.local_step = self.samples = 0
         self.boundaries = 0  # step boundaries passed: one per step, and one per poll while waiting for SSP
+        self.step_clock = StepClock()  # when the trainer's next step boundary is due (see scheduler, step 2)
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.peer = str(dht.peer_id)
         self._last_sync_step = self._samples_since_fill = 0
@@ -237,6 +267,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self.samples += batch_size or 1
         self._samples_since_fill += batch_size or 1
         self.boundaries += 1
+        self.step_clock.tick()
         self._apply_finished_rounds()
         self.boundary_marks.record()  # a fill copies this boundary's values (see staging)
         self._scheduler.wake()

@@ -10,8 +10,9 @@ held (its docstring names the thread that calls it and the other locks it holds)
        └───────────┴──────────┴────────────┴──────► FAILED   (hivemind reported an error, or the averager died)
 
 - LOOKING: hivemind's matchmaking runs. FORMED: the group formed, hivemind awaits our trigger. FILLED: our values
-  are in the averager's buffers. TRIGGERED: hivemind runs the AllReduce and owns the buffers. DONE: the update
-  (averaged − snapshot) waits in a result slot for the trainer's next step boundary.
+  are in the round's slot (its snapshot). TRIGGERED: hivemind runs the AllReduce and owns the averager's buffers
+  (the snapshot is copied into them right after the trigger, under their lock, which hivemind's AllReduce waits
+  for). DONE: the update (averaged − snapshot) waits in the slot for the trainer's next step boundary.
 - A round is never cancelled once triggered: hivemind may already have committed to the AllReduce and would write
   the buffers after the next round filled them. Trigger and cancel both change the state under the book's lock,
   and the hivemind call (``allow_allreduce`` / ``cancel``) happens inside the transition, so they cannot race.
@@ -78,6 +79,7 @@ class Round:
     triggered_at: float | None = None
     formed_at: float | None = None
     boundary_at_formed: int | None = None  # the trainer's step-boundary count when the group formed
+    boundary_wait: tuple[float, float, int] | None = None  # (from, until, boundary count): see scheduler, step 2
     allreduce_started_at: float | None = None
     ended_at: float | None = None
     formed_during_prev_allreduce: bool = False
@@ -85,6 +87,8 @@ class Round:
     t_triggered: float | None = None
     t_allreduce_start: float | None = None
     t_end: float | None = None
+    t_snapshot: float | None = None  # when the values that go into the AllReduce were read (the fill)
+    t_update_ready: float | None = None  # when the update was ready for the trainer (DONE)
     step_at_group_formed: int | None = None
     step_at_snapshot: int | None = None
     extra: dict = field(default_factory=dict)  # further record fields (e.g. from extensions)
@@ -113,12 +117,13 @@ class Round:
         if not self._move({S.FORMED}, S.FILLED):
             return False
         self.samples, self.slot, self.results_included = samples, slot, results_included
+        self.t_snapshot = time.time()
         self.step_at_snapshot = self.step_at_start if self.early_snapshot is not None else step
         return True
 
     def trigger(self, weight: float, local_nonfinite: bool) -> bool:
         """FILLED → TRIGGERED, and let hivemind start the AllReduce. Scheduler thread, holding the averager's buffer
-        lock (the slot already holds the snapshot)."""
+        lock (the slot holds the snapshot; it goes into the buffers before that lock is released)."""
         if not self._move({S.FILLED}, S.TRIGGERED):
             return False
         self.weight, self.local_nonfinite = weight, local_nonfinite
@@ -131,7 +136,7 @@ class Round:
         """TRIGGERED → DONE: the slot holds the update. Scheduler thread, holding the averager's buffer lock."""
         if not self._move({S.TRIGGERED}, S.DONE):
             return False
-        self.group = group
+        self.group, self.t_update_ready = group, time.time()
         return True
 
     def apply(self) -> bool:
@@ -168,11 +173,16 @@ class Round:
         return True
 
     # --- observations of hivemind's progress (scheduler thread; timestamps only) ---
-    def observe(self) -> None:
+    def observe(self, stamps: tuple[float, float] = (0.0, 0.0)) -> None:
+        """``stamps``: (began, ended) of the averager's latest AllReduce, as its process wrote them (wall clock,
+        exact; ours lag by up to a tick): they are this round's if they began after its trigger."""
         if self.t_allreduce_start is None and self.control.began_allreduce:
             self.t_allreduce_start, self.allreduce_started_at = time.time(), time.monotonic()
         if self.t_end is None and self.control.done():
             self.t_end, self.ended_at = time.time(), time.monotonic()
+            began, ended = stamps
+            if self.t_triggered is not None and self.t_triggered <= began <= ended:
+                self.t_allreduce_start, self.t_end = began, ended
 
     def record(self, step_at_apply: int | None, peer: str) -> dict:
         """One JSON-able dict; t_applied/step_at_apply: when the round was resolved for good (None in flight)."""
@@ -188,7 +198,8 @@ class Round:
             awaiting_trigger_s=span(self.t_group_formed, self.t_triggered),
             allreduce_s=span(self.t_allreduce_start, self.t_end), t_start=self.t_start,
             t_group_formed=self.t_group_formed, t_triggered=self.t_triggered, t_allreduce_start=self.t_allreduce_start,
-            t_end=self.t_end, t_applied=time.time() if resolved else None, step_at_start=self.step_at_start,
+            t_end=self.t_end, t_snapshot=self.t_snapshot, t_update_ready=self.t_update_ready,
+            t_applied=time.time() if resolved else None, step_at_start=self.step_at_start,
             step_at_group_formed=self.step_at_group_formed, step_at_snapshot=self.step_at_snapshot,
             step_at_apply=step_at_apply, results_included=self.results_included,
             staleness_steps=None if self.step_at_snapshot is None or not resolved

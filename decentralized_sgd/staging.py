@@ -119,6 +119,8 @@ class FlatStaging:
                 raise ValueError(f"a tensor on {device}, whose stream the trainer does not mark (only {marks.devices})")
             sizes = [like[i].numel() for i in indices]
             flat = torch.zeros(sum(sizes), dtype=host_dtype, pin_memory=device.type == "cuda")
+            if device.type != "cuda":  # shared: a fork (an averager process, data-loader workers) leaves it writable
+                flat.share_memory_()  # at full speed (private pages turn copy-on-write: 168 ms for 100 MB, not 5)
             views = [part.view(like[i].shape) for part, i in zip(flat.split(sizes), indices, strict=True)]
             for i, view in zip(indices, views, strict=True):
                 self.views[i] = view

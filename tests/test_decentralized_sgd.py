@@ -32,12 +32,33 @@ from hivemind.compression import (
 
 from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
 from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+from decentralized_sgd.optimizer import StepClock
 
 RECORD_FIELDS = {
     "round", "group_size", "matchmaking_s", "awaiting_trigger_s", "allreduce_s", "staleness_steps", "applied",
     "error", "t_start", "t_end", "step_at_snapshot", "step_at_apply", "t_group_formed", "t_triggered",
     "t_allreduce_start",
 }  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+def test_the_step_clock_says_when_the_next_boundary_is_due():
+    clock = StepClock(smoothing=1.0)
+    assert clock.next_due_in() is None  # no pace yet
+    clock.tick()
+    time.sleep(0.2)
+    clock.tick()  # one step of ~0.2 s
+    assert 0.2 <= clock.step_s < 1.0
+    due_in = clock.next_due_in()
+    assert due_in is not None and 0.0 < due_in <= clock.step_s
+    time.sleep(clock.step_s + 0.05)
+    assert clock.next_due_in() is None  # overdue: the trainer's pace says nothing now
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_boundary_wait_share_is_a_clear_error(swarm):
+    with pytest.raises(ValueError, match="boundary_wait_share must be in"):
+        swarm.peer(make_model(0.0), boundary_wait_share=1.5)
 
 
 @pytest.mark.timeout(30)
@@ -162,6 +183,11 @@ def test_next_group_forms_while_the_previous_allreduce_runs(swarm, monkeypatch):
         # ... but ran only after it ended, with its result in: applied by then, or added to the fill (issue 11)
         assert nxt["t_triggered"] >= prev["t_end"]
         assert nxt["t_triggered"] >= prev["t_applied"] or nxt["results_included"] == 1
+        # the round's times, in order; its AllReduce as the averager process stamped it (it holds the slow network)
+        times = [nxt[key] for key in ("t_snapshot", "t_triggered", "t_allreduce_start", "t_end", "t_update_ready",
+                                      "t_applied")]  # fmt: skip
+        assert times == sorted(times), nxt
+        assert nxt["allreduce_s"] >= 2.5
 
 
 VICTIM = r"""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,6 +41,21 @@ def test_views_are_laid_out_flat_per_group_and_round_trip() -> None:
     slot.add_to_(targets)  # targets = 2 x tensors, each in its own dtype
     assert all(a.dtype == t.dtype and torch.allclose(a.double(), 2 * t.double(), atol=1e-2)
                for a, t in zip(targets, tensors, strict=True))  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+def test_host_buffers_are_shared_so_a_fork_does_not_make_them_copy_on_write() -> None:
+    """The averager process is a fork of the trainer's (so are data-loader workers): private pages turn
+    copy-on-write, and the first fill into a 100 MB slot after a fork took 168 ms instead of 5. Shared pages do not."""
+    tensors = mixed_tensors()
+    slot = FlatStaging(tensors, StepBoundaryMarks(tensors), torch.float32)
+    assert all(view.is_shared() for view in slot.views)
+    child = os.fork()
+    if child == 0:  # the child writes into the buffer too: the parent must see it (the same pages, not a copy)
+        slot.views[0].fill_(42.0)
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert torch.equal(slot.views[0], torch.full_like(slot.views[0], 42.0))
 
 
 @pytest.mark.timeout(30)
