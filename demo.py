@@ -119,12 +119,15 @@ def empty_out_dir(out: Path) -> None:
     (out / MARKER).write_text("demo.py empties this folder at the start of every demo\n")
 
 
-def check_running(peers: list[LocalPeer]) -> bool:
-    """True while some peer still trains; False once every one has finished its epochs (exit code 0: on a fast
-    machine that comes before --minutes are up). DemoError naming the first peer that exited otherwise."""
+def raise_if_a_peer_failed(peers: list[LocalPeer]) -> None:
+    """DemoError naming the first peer that exited with an error (exit code 0 is a peer that finished its epochs:
+    on a fast machine that comes before --minutes are up)."""
     for peer in peers:
         if not peer.is_running() and peer.process is not None and peer.process.returncode != 0:
             raise DemoError(f"{peer.exit_message()} before the end of the demo")
+
+
+def any_training(peers: list[LocalPeer]) -> bool:
     return any(peer.is_running() for peer in peers)
 
 
@@ -140,7 +143,7 @@ def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
     shown = [0] * len(peers)
 
     def all_training() -> bool:
-        check_running(peers)
+        raise_if_a_peer_failed(peers)
         show_progress(peers, shown)
         return all(peer.progress() for peer in peers)
 
@@ -148,9 +151,9 @@ def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.minutes * 60.0
     while time.monotonic() < deadline:
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-        still_training = check_running(peers)
+        raise_if_a_peer_failed(peers)
         show_progress(peers, shown)
-        if not still_training:
+        if not any_training(peers):
             print("every peer finished its epochs before the end of --minutes", flush=True)
             break
 

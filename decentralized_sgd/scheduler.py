@@ -16,8 +16,8 @@ Every tick (20 ms, or at once when a round ends or the trainer steps) it:
    half a step on average for the boundary that applies it, so a round's mean staleness is (snapshot to update
    ready) / step + 1; the wait wins back about (wait budget / step) steps of it for at most the budget per round
    (benchmarks: ``fill_at_once``);
-3. triggers a filled round (finite check of the snapshot, which then goes into the averager's buffers,
-   ``allow_allreduce``);
+3. triggers a filled round (finite check of the snapshot, ``allow_allreduce``, then the snapshot into the averager's
+   buffers, whose lock hivemind's AllReduce waits for);
 4. turns a finished AllReduce into the update ``averaged − snapshot`` in the slot (the trainer adds it at its next
    step boundary: an in-place change between forward and backward would break autograd);
 5. starts the next matchmaking, only once the newest round is triggered, and only if the trainer passed a step
