@@ -132,7 +132,7 @@ class RoundExchange:
 
     def finish(self, r: Round) -> None:
         """A triggered round ended: fail it, discard it, or turn the averaged buffers into the update to add."""
-        r.observe(self.supervisor.averager.allreduce_stamps())
+        r.observe(self.supervisor.averager.allreduce_stamps)
         try:
             gathered = r.control.result()
         except (Exception, asyncio.CancelledError) as e:

@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -173,14 +174,15 @@ class Round:
         return True
 
     # --- observations of hivemind's progress (scheduler thread; timestamps only) ---
-    def observe(self, stamps: tuple[float, float] = (0.0, 0.0)) -> None:
-        """``stamps``: (began, ended) of the averager's latest AllReduce, as its process wrote them (wall clock,
-        exact; ours lag by up to a tick): they are this round's if they began after its trigger."""
+    def observe(self, stamps: Callable[[], tuple[float, float]] | None = None) -> None:
+        """``stamps()``: (began, ended) of the averager's latest AllReduce, as its process wrote them (wall clock,
+        exact; ours lag by up to a tick), read once this round ended: they are its own if they began after its
+        trigger."""
         if self.t_allreduce_start is None and self.control.began_allreduce:
             self.t_allreduce_start, self.allreduce_started_at = time.time(), time.monotonic()
         if self.t_end is None and self.control.done():
             self.t_end, self.ended_at = time.time(), time.monotonic()
-            began, ended = stamps
+            began, ended = stamps() if stamps is not None else (0.0, 0.0)
             if self.t_triggered is not None and self.t_triggered <= began <= ended:
                 self.t_allreduce_start, self.t_end = began, ended
 

@@ -142,7 +142,7 @@ class RoundScheduler(threading.Thread):
                     r.fail(reason)
 
     def _advance(self, r: Round, older: list[Round]) -> None:
-        r.observe(self.supervisor.averager.allreduce_stamps())
+        r.observe(self.supervisor.averager.allreduce_stamps)
         self._check_hivemind_progress(r)
         if r.state is S.LOOKING:
             if r.control.done():
