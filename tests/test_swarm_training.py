@@ -63,7 +63,9 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
             wait_until(lambda peer=peer: len([r for r in peer.applied_rounds() if r["group_size"] >= 2]) >= 2,
                        300, f"two averaging rounds on {peer.name}")
 
-        # 2. one peer is killed mid-training; the other two keep averaging with each other
+        # 2. one peer is killed mid-training, once it has a checkpoint to resume (a peer killed before its first
+        #    checkpoint rejoins as a late joiner, step 4); the other two keep averaging with each other
+        wait_until(lambda: (peers[2].checkpoint_dir / "checkpoint.torch").is_file(), 120, "peer2's first checkpoint")
         peers[2].kill()
         killed_at = time.time()
         for peer in peers[:2]:
