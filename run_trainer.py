@@ -14,12 +14,17 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import swarm
 import vissl_compat
 from config_loading import ConfigError, available_configs, check_overrides, config_path
 from ctrl_c import ctrl_c
+
+if TYPE_CHECKING:
+    from hivemind import DHT
 
 # at import: VISSL's multi-GPU workers are spawned processes that re-import this module before unpickling VISSL's
 # worker function, which imports classy_vision (see vissl_compat)
@@ -230,15 +235,22 @@ def main(argv: list[str] | None = None) -> int:
         ctrl_c.install()
     try:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
-    finally:
-        try:
-            leave_swarm()  # the averager first (it still talks to the DHT while it stops), then the DHT and its p2pd
-            if dht is not None:
-                dht.shutdown()
-        except KeyboardInterrupt:  # Ctrl-C again while leaving: the averager and DHT processes end with this one
-            print("Ctrl-C again: stopping without waiting for the averager to leave its group", file=sys.stderr)
-            return 130
-    return 0
+    finally:  # an error of the training run propagates after this (a return here would swallow it)
+        left = leave(leave_swarm, dht)
+    return 0 if left else 130
+
+
+def leave(leave_swarm: Callable[[], None], dht: DHT | None) -> bool:
+    """The averager first (it still talks to the DHT while it stops), then the DHT and its p2pd. False when a
+    second Ctrl-C cut it short: the averager and DHT processes then end with this one."""
+    try:
+        leave_swarm()
+        if dht is not None:
+            dht.shutdown()
+    except KeyboardInterrupt:
+        print("Ctrl-C again: stopping without waiting for the averager to leave its group", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -76,13 +76,12 @@ class Round:
     stale: bool = False  # params were replaced by load_state_from_peers after our fill
     error: str | None = None
     group: list[str] | None = None
-    must_form_by: float = float("inf")  # monotonic, like the four below: hivemind's matchmaking deadline + slack
+    must_form_by: float = float("inf")  # hivemind's matchmaking deadline + slack; it and the *_at are monotonic
     triggered_at: float | None = None
     formed_at: float | None = None
     boundary_at_formed: int | None = None  # the trainer's step-boundary count when the group formed
     boundary_wait: tuple[float, float, int] | None = None  # (from, until, boundary count): see scheduler, step 2
-    allreduce_started_at: float | None = None
-    ended_at: float | None = None
+    allreduce_started_at: float | None = None  # as the scheduler saw it (a tick late at most)
     formed_during_prev_allreduce: bool = False
     t_group_formed: float | None = None
     t_triggered: float | None = None
@@ -181,10 +180,15 @@ class Round:
         if self.t_allreduce_start is None and self.control.began_allreduce:
             self.t_allreduce_start, self.allreduce_started_at = time.time(), time.monotonic()
         if self.t_end is None and self.control.done():
-            self.t_end, self.ended_at = time.time(), time.monotonic()
+            self.t_end = time.time()
             began, ended = stamps() if stamps is not None else (0.0, 0.0)
             if self.t_triggered is not None and self.t_triggered <= began <= ended:
                 self.t_allreduce_start, self.t_end = began, ended
+
+    @property
+    def allreduce_s(self) -> float | None:
+        """How long its AllReduce took: the averager's stamps where they are its own (see observe)."""
+        return None if self.t_allreduce_start is None or self.t_end is None else self.t_end - self.t_allreduce_start
 
     def record(self, step_at_apply: int | None, peer: str) -> dict:
         """One JSON-able dict; t_applied/step_at_apply: when the round was resolved for good (None in flight)."""
@@ -198,7 +202,7 @@ class Round:
             group=self.group, applied=self.state is S.APPLIED, error=self.error, weight=self.weight,
             matchmaking_s=span(self.t_start, self.t_group_formed),
             awaiting_trigger_s=span(self.t_group_formed, self.t_triggered),
-            allreduce_s=span(self.t_allreduce_start, self.t_end), t_start=self.t_start,
+            allreduce_s=self.allreduce_s, t_start=self.t_start,
             t_group_formed=self.t_group_formed, t_triggered=self.t_triggered, t_allreduce_start=self.t_allreduce_start,
             t_end=self.t_end, t_snapshot=self.t_snapshot, t_update_ready=self.t_update_ready,
             t_applied=time.time() if resolved else None, step_at_start=self.step_at_start,

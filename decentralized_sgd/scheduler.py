@@ -207,9 +207,9 @@ class RoundScheduler(threading.Thread):
 
     def _finish(self, r: Round) -> None:
         self.exchange.finish(r)
-        if r.allreduce_started_at is not None and r.ended_at is not None:
-            new, ema = r.ended_at - r.allreduce_started_at, self._allreduce_ema
-            self._allreduce_ema = new if ema is None else 0.7 * ema + 0.3 * new
+        if r.allreduce_s is not None:  # the records' measure, so that a wait budget matches what they show
+            ema = self._allreduce_ema
+            self._allreduce_ema = r.allreduce_s if ema is None else 0.7 * ema + 0.3 * r.allreduce_s
 
     def _count_slow_peer_fixes(self) -> None:
         """What the slow-peer fixes did (see hivemind_slow_peer_fixes, starvation), into ``counters``."""

@@ -57,3 +57,21 @@ def test_ctrl_c_waits_for_the_step_boundary_once_training_runs() -> None:
     assert lines[0].startswith("stopped at a step boundary after step"), out
     assert lines[1] == "twice: at once", out
     assert "stops after the current step" in err and "Traceback" not in err, err
+
+
+def interrupted() -> None:
+    raise KeyboardInterrupt
+
+
+def test_leaving_shuts_the_dht_down_and_a_second_ctrl_c_cuts_it_short(capsys) -> None:
+    """run_trainer's ``leave``: a DHT of ours is shut down; Ctrl-C while leaving ends with 130's False, said on
+    stderr (an error of the training run is not swallowed by it: ``main`` calls it in a ``finally`` without return)."""
+    import hivemind
+
+    from run_trainer import leave
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    assert leave(lambda: None, dht) is True
+    assert not dht.is_alive()
+    assert leave(interrupted, None) is False
+    assert "Ctrl-C again: stopping without waiting" in capsys.readouterr().err
