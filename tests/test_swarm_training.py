@@ -79,7 +79,9 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
         restarted_at = peers[2].started_at
         wait_until(lambda: "Resume from file" in peers[2].log_text() and "is behind the swarm" in peers[2].log_text(),
                    180, "peer2 resuming from its checkpoint, then catching up with the swarm")  # fmt: skip
-        wait_until(lambda: peers[2].applied_rounds(since=restarted_at), 180, "peer2 averaging after its restart")
+        wait_until(lambda: peers[2].applied_rounds(since=restarted_at)  # and a logged step (every 5th is logged)
+                   and any(e["time"] > restarted_at for e in peers[2].progress()),
+                   180, "peer2 averaging after its restart")  # fmt: skip
         first_step_after_restart = next(e["step"] for e in peers[2].progress() if e["time"] > restarted_at)
         assert first_step_after_restart >= swarm_step
 
