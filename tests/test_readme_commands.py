@@ -95,3 +95,21 @@ def test_demo_whose_peers_do_not_train_says_so(tmp_path: Path) -> None:
     assert "error: the demo failed: peer0 did not train" in result.stderr
     assert "peer0 exited with code 2 ('error: --data_path" in result.stderr  # with the peer's own error
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def cited_results(text: str) -> set[str]:
+    """The files under benchmarks/results/ the text names, with ``name.{json,md}`` spelled out."""
+    names = set()
+    for stem, suffixes, plain in re.findall(r"benchmarks/results/(?:([\w-]+)\.\{([\w,]+)\}|([\w.-]*\w))", text):
+        names |= {f"{stem}.{suffix}" for suffix in suffixes.split(",")} if stem else {plain}
+    return names
+
+
+def test_readme_cites_only_results_that_exist_and_holds_no_placeholder() -> None:
+    """A number in the README comes with its results file; gpu_check's are written on a CUDA box (none has run)."""
+    assert {"soak.json", "gpu_check.json", "gpu_check.md"} <= cited_results(README)
+    missing = sorted(n for n in cited_results(README) - {"gpu_check.json", "gpu_check.md"}
+                     if not (REPO / "benchmarks" / "results" / n).exists())  # fmt: skip
+    assert not missing, f"the README cites results that are not in benchmarks/results/: {missing}"
+    placeholders = re.findall(r"^[A-Z][A-Z_]{5,}$", README, flags=re.MULTILINE)
+    assert not placeholders, f"the README holds placeholders instead of measured tables: {placeholders}"
