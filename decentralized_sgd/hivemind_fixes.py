@@ -9,6 +9,7 @@ reducers inside ``AllReduceRunner``, so no narrower scope exists.
 The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``); it and the DHT
 process log a departure (a groupmate's, or of our p2p daemon that Ctrl-C ended) in one line instead of a traceback
 (``_DepartureIsOneLine``).
+``cancel_step`` cancels a round's step in the order that does not make hivemind log our cancellation as an error.
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
@@ -142,6 +143,22 @@ class _DepartureIsOneLine(logging.Filter):
             record.msg = message if message == str(error) else f"{message}: {error!r}"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
+
+
+def cancel_step(control: StepControl) -> bool:
+    """Trainer's process: cancel a round's hivemind step, the step itself first.
+
+    hivemind's ``StepControl.cancel`` (control.py) cancels the trigger, then sets the cancel future, then the step.
+    The averager process awaits the first two (averager.py, ``_step``); when one of them ends before the step shows
+    as cancelled, hivemind takes our cancellation for a failure and logs it as an ERROR with a traceback (seen in
+    ``make demo`` on a loaded machine: a formed round not filled within next_chunk_timeout). The step's state is
+    shared memory: cancelled first, the averager process sees it as soon as it wakes."""
+    cancelled = MPFuture.cancel(control)
+    if control._trigger is not None:
+        control._trigger.cancel()
+    if control._cancel is not None and not control._cancel.done():
+        control._cancel.set_result(None)
+    return cancelled
 
 
 def log_departures_in_one_line() -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.averaging.control import StepControl
 
+from .hivemind_fixes import cancel_step
 from .tensors import ResultSlots
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class Round:
         if self.state in (S.TRIGGERED, S.DONE) or not self._move({S.LOOKING, S.FORMED, S.FILLED}, S.CANCELLED):
             return False
         self.error = reason
-        self.control.cancel()
+        cancel_step(self.control)
         return True
 
     def fail(self, error: str) -> bool:
@@ -169,7 +170,7 @@ class Round:
             return False
         self.error = error
         if not self.control.done():
-            self.control.cancel()
+            cancel_step(self.control)
         return True
 
     # --- observations of hivemind's progress (scheduler thread; timestamps only) ---

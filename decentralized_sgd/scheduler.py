@@ -53,7 +53,7 @@ from hivemind.utils import get_dht_time
 
 from .dht_rejoin import rejoin_count
 from .exchange import LOCK_POLL_S, RoundExchange, fail_from_control
-from .hivemind_fixes import AveragerUnresponsive
+from .hivemind_fixes import AveragerUnresponsive, cancel_step
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .supervisor import AveragerSupervisor
@@ -262,7 +262,7 @@ class RoundScheduler(threading.Thread):
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:
             if self._stopping.is_set():
-                control.cancel()
+                cancel_step(control)
                 return
             r = Round(self.book.num_started, control, t_start, step, early)
             r.must_form_by = time.monotonic() + delay + slack + owner.averager_timeout
