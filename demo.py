@@ -158,6 +158,15 @@ def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
             break
 
 
+def warn_of_tracebacks(peers: list[LocalPeer]) -> None:
+    """A traceback in a peer's log is a bug or an unhandled failure, even when training went on: say where."""
+    for peer in peers:
+        count = peer.log_text().count("Traceback (most recent call last)")
+        if count:
+            print(f"warning: {peer.name}'s log holds {count} traceback(s), though the peer trained on: "
+                  f"{peer.log_path} (please report it)", file=sys.stderr)
+
+
 def report(peers: list[LocalPeer], out: Path) -> list[dict]:
     """The table and the plot of this demo's peers (--out held nothing else), printed and written to --out."""
     rows = summarize(peers)
@@ -187,6 +196,7 @@ def main() -> int:
     finally:
         stop_all(peers)
     rows = report(peers, args.out)
+    warn_of_tracebacks(peers)
     problems = [f"{peer.name} did not train" + (f" (see {peer.log_path})" if peer.process else " (not started)")
                 for peer, row in zip(peers, rows, strict=True) if row["steps"] == 0] + ([failure] if failure else [])
     if problems:

@@ -62,6 +62,7 @@ def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Pa
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"run {run}: {output[-3000:]}"
         assert "Traceback" not in output, f"run {run}: {output[-3000:]}"
+        assert "traceback(s)" not in output, f"run {run}: {output[-3000:]}"  # nor in a peer's log (demo warns)
         assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
         assert "| peer | steps | final_loss | rounds | mean_group_size | mean_staleness |" in result.stdout
         assert (out / "swarm.png").stat().st_size > 10_000
