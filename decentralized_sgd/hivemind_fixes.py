@@ -9,7 +9,8 @@ reducers inside ``AllReduceRunner``, so no narrower scope exists.
 The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``); it and the DHT
 process log a departure (a groupmate's, or of our p2p daemon that Ctrl-C ended) in one line instead of a traceback
 (``_DepartureIsOneLine``).
-``cancel_step`` cancels a round's step in the order that does not make hivemind log our cancellation as an error.
+``cancel_step_first`` cancels a round's step in the order that does not make hivemind log our cancellation as an
+error (``averager_shutdown.cancel_step`` is its counterpart inside the averager process).
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
@@ -145,7 +146,7 @@ class _DepartureIsOneLine(logging.Filter):
         return True
 
 
-def cancel_step(control: StepControl) -> bool:
+def cancel_step_first(control: StepControl) -> bool:
     """Trainer's process: cancel a round's hivemind step, the step itself first.
 
     hivemind's ``StepControl.cancel`` (control.py) cancels the trigger, then sets the cancel future, then the step.

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.averaging.control import StepControl
 
-from .hivemind_fixes import cancel_step
+from .hivemind_fixes import cancel_step_first
 from .tensors import ResultSlots
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class Round:
         if self.state in (S.TRIGGERED, S.DONE) or not self._move({S.LOOKING, S.FORMED, S.FILLED}, S.CANCELLED):
             return False
         self.error = reason
-        cancel_step(self.control)
+        cancel_step_first(self.control)
         return True
 
     def fail(self, error: str) -> bool:
@@ -170,7 +170,7 @@ class Round:
             return False
         self.error = error
         if not self.control.done():
-            cancel_step(self.control)
+            cancel_step_first(self.control)
         return True
 
     # --- observations of hivemind's progress (scheduler thread; timestamps only) ---

@@ -53,7 +53,7 @@ from hivemind.utils import get_dht_time
 
 from .dht_rejoin import rejoin_count
 from .exchange import LOCK_POLL_S, RoundExchange, fail_from_control
-from .hivemind_fixes import AveragerUnresponsive, cancel_step
+from .hivemind_fixes import AveragerUnresponsive, cancel_step_first
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .supervisor import AveragerSupervisor
@@ -195,7 +195,7 @@ class RoundScheduler(threading.Thread):
         since, until, boundary = r.boundary_wait
         if owner.boundaries == boundary and now < until:
             return True
-        r.extra["boundary_wait_ms"] = 1000 * (now - since)
+        r.extra.setdefault("boundary_wait_ms", 1000 * (now - since))  # once: a fill retried later did not wait
         return False
 
     def _boundary_wait_budget(self) -> float:
@@ -262,7 +262,7 @@ class RoundScheduler(threading.Thread):
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:
             if self._stopping.is_set():
-                cancel_step(control)
+                cancel_step_first(control)
                 return
             r = Round(self.book.num_started, control, t_start, step, early)
             r.must_form_by = time.monotonic() + delay + slack + owner.averager_timeout

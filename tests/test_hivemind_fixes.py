@@ -35,7 +35,7 @@ from decentralized_sgd.hivemind_fixes import (
     LockedConnection,
     _DepartureIsOneLine,
     _NoGroupIsNoError,
-    cancel_step,
+    cancel_step_first,
     fixed_8bit_decoding,
     fixed_part_reducer,
     keep_ctrl_c,
@@ -272,5 +272,5 @@ def test_a_cancelled_step_is_cancelled_before_the_averager_can_see_its_trigger_e
     """What the averager process awaits (the trigger, the cancel future) ends only once the step shows as cancelled,
     so hivemind's _step does not log our cancellation as an error; hivemind's own cancel() still has the order the
     other way round (when this fails, the work-around can go)."""
-    assert _step_seen_when_its_futures_end(cancel_step) == (True, True)
+    assert _step_seen_when_its_futures_end(cancel_step_first) == (True, True)
     assert _step_seen_when_its_futures_end(StepControl.cancel) == (False, False)  # hivemind 1.1.12
