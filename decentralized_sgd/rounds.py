@@ -81,6 +81,7 @@ class Round:
     triggered_at: float | None = None
     formed_at: float | None = None
     boundary_at_formed: int | None = None  # the trainer's step-boundary count when the group formed
+    fillable_at: float | None = None  # formed, and no older AllReduce owned the averager's buffers any more
     boundary_wait: tuple[float, float, int] | None = None  # (from, until, boundary count): see scheduler, step 2
     allreduce_started_at: float | None = None  # as the scheduler saw it (a tick late at most)
     formed_during_prev_allreduce: bool = False

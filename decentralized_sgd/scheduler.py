@@ -22,8 +22,9 @@ Every tick (20 ms, or at once when a round ends or the trainer steps) it:
    step boundary: an in-place change between forward and backward would break autograd);
 5. starts the next matchmaking, only once the newest round is triggered, and only if the trainer passed a step
    boundary since the previous round started (or since a formed round was cancelled unfilled): a trainer stalled
-   inside its optimizer step joins at most one group it does not trigger (that round is cancelled after
-   ``next_chunk_timeout``, when its groupmates have dropped it anyway). A trainer stalled elsewhere keeps
+   inside its optimizer step joins at most one group it does not trigger (that round is cancelled
+   ``next_chunk_timeout`` after it could have been filled, when its groupmates have dropped it anyway; time spent
+   waiting for an older AllReduce does not count). A trainer stalled elsewhere keeps
    averaging its last step (its rounds are filled without it) for at most the rounds already started.
    A peer starved of CPU (``starvation``) starts no round and cancels the one still looking for a group: it would
    lead or join groups that then wait for it. Groups it has formed already go on (leaving them would cost its
@@ -157,7 +158,7 @@ class RoundScheduler(threading.Thread):
         if r.state is S.FORMED:
             if r.control.done():
                 fail_from_control(r, self.book)
-            elif time.monotonic() - r.formed_at > self.owner.next_chunk_timeout:
+            elif self._fill_overdue(r, older):
                 with self.book.lock:  # its groupmates have dropped us by now; triggering would only stall us
                     r.cancel(f"not filled within next_chunk_timeout ({self.owner.next_chunk_timeout}s)")
                 self._boundary_at_last_start = self.owner.boundaries  # maybe stalled: start again after a boundary
@@ -175,10 +176,28 @@ class RoundScheduler(threading.Thread):
         if r.state is S.TRIGGERED and not r.control.done() and now - r.triggered_at > allreduce_limit:
             raise AveragerUnresponsive(f"did not end the AllReduce of round {r.index} within allreduce_timeout")
 
+    @staticmethod
+    def _buffers_busy(older: list[Round]) -> bool:
+        """hivemind owns the averager's buffers until an older round's AllReduce ends."""
+        return any(o.state in (S.FILLED, S.TRIGGERED) for o in older)
+
+    def _fill_overdue(self, r: Round, older: list[Round]) -> bool:
+        """Not filled within next_chunk_timeout of when it could first be filled: the trainer holds ``dsgd.lock``
+        (stalled inside its step). Time spent waiting for an older AllReduce does not count: that AllReduce has
+        its own deadline, and cancelling a round that formed while it ran would fail the groupmates that were in
+        it too (a pipelined round forms about when the running AllReduce should end; one that ran late, e.g.
+        waiting for a part that never came, cost the next round as well)."""
+        now = time.monotonic()
+        if self._buffers_busy(older):
+            return False
+        if r.fillable_at is None:
+            r.fillable_at = now
+        return now - r.fillable_at > self.owner.next_chunk_timeout
+
     def _may_fill(self, r: Round, older: list[Round]) -> bool:
         older = [o for o in older if not o.state.resolved]
-        if any(o.state in (S.FILLED, S.TRIGGERED) for o in older):
-            return False  # hivemind owns the buffers until that AllReduce ends
+        if self._buffers_busy(older):
+            return False
         if not self.owner.fill_when_formed:  # the old behaviour: the first step boundary after the group formed
             return not older and self.owner.boundaries > r.boundary_at_formed
         return self.book.slots.free() > 0 and not self._waiting_for_boundary(r)

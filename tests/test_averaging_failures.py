@@ -141,4 +141,9 @@ def test_a_stalled_trainer_joins_at_most_one_group_it_does_not_trigger(swarm: Sw
     assert stall["formed"], "no group formed while the trainer was inside its step"
     untriggered = [r for r in stalled.records if r["t_group_formed"] and r["t_triggered"] is None]
     assert len(untriggered) <= 1 and stalled.counters["rounds_cancelled"] <= 1, untriggered
-    assert all(p.counters["rounds_failed"] - before <= 1 for p, before in zip(healthy, stall["failed"], strict=True))
+    # the healthy peers lose at most the stalled group; the round they formed while it waited for the stalled peer
+    # is not cancelled for that wait (it counts from when an older AllReduce let go of the buffers)
+    lost = [[r for r in p.records if r["state"] in ("FAILED", "CANCELLED")] for p in healthy]
+    failed_since_stall = [p.counters["rounds_failed"] - n for p, n in zip(healthy, stall["failed"], strict=True)]
+    assert max(failed_since_stall) <= 1, (failed_since_stall, lost)
+    assert not [r for rs in lost for r in rs if "not filled" in (r["error"] or "")], lost
