@@ -3,7 +3,8 @@
 
 It stamps when its AllReduce began and ended (``allreduce_stamps``), in shared memory the trainer's process reads:
 the scheduler sees hivemind's stage only at its next tick, so its own times would shorten every AllReduce by up to
-a tick and add that to our overhead in the staleness (issue 11).
+a tick and add that to our overhead in the staleness (issue 11). It also stamps when the latest groupmate's part that
+it had to refuse arrived (``early_part_refused_at``): a group we were too late to trigger, whose groupmates dropped us.
 
 It serves the trainer's *live* state to late joiners (``get_current_state`` asks the optimizer, which copies under
 its lock) instead of hivemind's default, the averager's buffers, which hold whatever the last round left there.
@@ -50,13 +51,20 @@ class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
 
     def __init__(self, *args, state_fn: Callable[[], tuple], **kwargs):
         self.state_fn = state_fn
-        self._allreduce_stamps = torch.zeros(2, dtype=torch.float64).share_memory_()  # began, ended (time.time())
+        self._allreduce_stamps = torch.zeros(3, dtype=torch.float64).share_memory_()  # began, ended, refused part
         super().__init__(*args, **kwargs)
 
     def allreduce_stamps(self) -> tuple[float, float]:
         """Trainer's process: (began, ended) of the latest AllReduce; ended < began while it runs."""
-        began, ended = self._allreduce_stamps.tolist()
+        began, ended = self._allreduce_stamps[:2].tolist()
         return began, ended
+
+    def early_part_refused_at(self) -> float:
+        """Trainer's process: when (time.time()) the latest groupmate's part that we refused arrived; 0.0: none."""
+        return float(self._allreduce_stamps[2])
+
+    def early_part_refused(self, arrived: float) -> None:
+        self._allreduce_stamps[2] = max(arrived, float(self._allreduce_stamps[2]))
 
     async def _aggregate_with_group(self, *args: Any, **kwargs: Any) -> Any:
         """Averager process: hivemind calls this right after it set the stage to RUNNING_ALLREDUCE."""

@@ -294,12 +294,18 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         """Averager process. Groupmates trigger when they are ready, so their parts may arrive before we registered
         the group. hivemind waits for that only while no other group (un)registers; with pipelined rounds one
         always does, and the early sender would get BAD_GROUP_ID and drop us. Wait (bounded) for the group."""
-        request = await anext(stream)
+        request, arrived = await anext(stream), time.time()
         deadline = time.monotonic() + self.trigger_grace
         while request.group_id not in self._running_groups and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if request.group_id not in self._running_groups:
+            self.early_part_refused(arrived)
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    def early_part_refused(self, arrived: float) -> None:
+        """Averager process: a groupmate's part for a group we had not registered within ``trigger_grace`` (it
+        arrived at ``arrived``, wall clock) is refused now; that groupmate drops us from the group."""
 
     async def _shutdown(self, timeout: float | None) -> None:
         """Averager process. hivemind's own ``_shutdown`` crashes on running groups and leaves a last DHT request

@@ -158,9 +158,9 @@ class RoundScheduler(threading.Thread):
         if r.state is S.FORMED:
             if r.control.done():
                 fail_from_control(r, self.book)
-            elif self._fill_overdue(r, older):
+            elif (overdue := self._fill_overdue(r, older)) is not None:
                 with self.book.lock:  # its groupmates have dropped us by now; triggering would only stall us
-                    r.cancel(f"not filled within next_chunk_timeout ({self.owner.next_chunk_timeout}s)")
+                    r.cancel(f"not filled in time: {overdue}")
                 self._boundary_at_last_start = self.owner.boundaries  # maybe stalled: start again after a boundary
             elif self._may_fill(r, older):
                 self.exchange.fill_and_trigger(r)
@@ -181,18 +181,24 @@ class RoundScheduler(threading.Thread):
         """hivemind owns the averager's buffers until an older round's AllReduce ends."""
         return any(o.state in (S.FILLED, S.TRIGGERED) for o in older)
 
-    def _fill_overdue(self, r: Round, older: list[Round]) -> bool:
-        """Not filled within next_chunk_timeout of when it could first be filled: the trainer holds ``dsgd.lock``
-        (stalled inside its step). Time spent waiting for an older AllReduce does not count: that AllReduce has
-        its own deadline, and cancelling a round that formed while it ran would fail the groupmates that were in
-        it too (a pipelined round forms about when the running AllReduce should end; one that ran late, e.g.
-        waiting for a part that never came, cost the next round as well)."""
+    def _fill_overdue(self, r: Round, older: list[Round]) -> str | None:
+        """Too late to fill: a groupmate that triggered has dropped us (our averager refused its part, which came
+        after this round began, once ``trigger_grace`` was over), or the trainer held ``dsgd.lock`` (stalled inside
+        its step) for next_chunk_timeout since the round could be filled. Time spent waiting for an older AllReduce
+        counts only through the first: groupmates that were in it wait as well (a pipelined round forms about
+        when the running AllReduce should end, and one that waited for a stalled peer's part ran late), while a
+        groupmate that was not in it has triggered at once and is refused in time; filling late for it would
+        start an AllReduce nobody joins, and the next round, formed meanwhile, would be late again."""
+        if self.supervisor.averager.early_part_refused_at() >= r.t_start:
+            return "a groupmate's part came before we could trigger, and was refused"
         now = time.monotonic()
         if self._buffers_busy(older):
-            return False
+            return None
         if r.fillable_at is None:
             r.fillable_at = now
-        return now - r.fillable_at > self.owner.next_chunk_timeout
+        if now - r.fillable_at > self.owner.next_chunk_timeout:
+            return f"the trainer held its lock for next_chunk_timeout ({self.owner.next_chunk_timeout}s)"
+        return None
 
     def _may_fill(self, r: Round, older: list[Round]) -> bool:
         older = [o for o in older if not o.state.resolved]
