@@ -34,6 +34,7 @@ from .scheduler import RoundScheduler
 from .secret import SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
 from .staging import FlatStaging, StagingCache, StepBoundaryMarks
 from .starvation import STARVATION_COUNTS, StarvationMonitor
+from .step_clock import StepClock
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors, ResultSlots
 from .vetting import RoundVetting
@@ -49,30 +50,6 @@ COUNTERS = (
     "dht_rejoins", "averager_failures", "averager_restarts", *STARVATION_COUNTS, *SLOW_PEER_COUNTS,
     "fills", "fill_s", "fill_locked_s", "applies", "apply_s",  # the data path's cost: see _count_apply, scheduler
 ) + vetting.COUNTERS  # fmt: skip
-
-
-class StepClock:
-    """When the trainer's step boundaries come: the last one and an average of the time between two (trainer thread
-    writes at each boundary, the scheduler thread reads; a float each, no lock needed)."""
-
-    def __init__(self, smoothing: float = 0.2):
-        self.smoothing = smoothing
-        self.last: float | None = None  # time.monotonic() of the last boundary
-        self.step_s: float | None = None
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if self.last is not None:
-            interval = now - self.last
-            self.step_s = interval if self.step_s is None else self.step_s + self.smoothing * (interval - self.step_s)
-        self.last = now
-
-    def next_due_in(self) -> float | None:
-        """Seconds until the next boundary is due if the trainer keeps its pace; None if unknown or overdue."""
-        if self.last is None or self.step_s is None:
-            return None
-        due_in = self.last + self.step_s - time.monotonic()
-        return due_in if due_in > 0 else None
 
 
 class TorchOptimizerFacade:

@@ -32,7 +32,7 @@ from hivemind.compression import (
 
 from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
 from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
-from decentralized_sgd.optimizer import StepClock
+from decentralized_sgd.step_clock import StepClock
 
 RECORD_FIELDS = {
     "round", "group_size", "matchmaking_s", "awaiting_trigger_s", "allreduce_s", "staleness_steps", "applied",
