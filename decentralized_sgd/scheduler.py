@@ -23,8 +23,9 @@ Every tick (20 ms, or at once when a round ends or the trainer steps) it:
 5. starts the next matchmaking, only once the newest round is triggered, and only if the trainer passed a step
    boundary since the previous round started (or since a formed round was cancelled unfilled): a trainer stalled
    inside its optimizer step joins at most one group it does not trigger (that round is cancelled
-   ``next_chunk_timeout`` after it could have been filled, when its groupmates have dropped it anyway; time spent
-   waiting for an older AllReduce does not count). A trainer stalled elsewhere keeps
+   ``next_chunk_timeout`` after it could have been filled, or once our averager refused a groupmate's part for it:
+   its groupmates have dropped it by then; a round waiting for an older AllReduce, whose own deadline bounds the
+   wait, is cancelled only for the latter: see ``_fill_overdue``). A trainer stalled elsewhere keeps
    averaging its last step (its rounds are filled without it) for at most the rounds already started.
    A peer starved of CPU (``starvation``) starts no round and cancels the one still looking for a group: it would
    lead or join groups that then wait for it. Groups it has formed already go on (leaving them would cost its
