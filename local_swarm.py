@@ -179,14 +179,22 @@ def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[st
         peer.start(data_path, addresses, flags, overrides + extra(peer))
     first.join_addresses()
     for peer in peers[1:]:
-        try:
-            peer.join_addresses()
-        except RuntimeError:
-            if "could not start or join the swarm" not in peer.log_text():
-                raise
-            peer.start(data_path, addresses, flags, overrides + extra(peer))
-            peer.join_addresses()
+        joined_or_started_again(peer, data_path, addresses, flags, overrides + extra(peer))
     return addresses
+
+
+def joined_or_started_again(peer: LocalPeer, data_path: Path, initial_peers: list[str], flags: list[str],
+                            overrides: list[str]) -> list[str]:
+    """Wait for the join line of a started joiner; start it once more if it exited because its DHT could not
+    bootstrap: it came up before the first peer listened, or the first peer, busy training on a loaded machine,
+    did not answer its one ping within hivemind's wait_timeout (3 s; seen once in a clean-clone suite run)."""
+    try:
+        return peer.join_addresses()
+    except RuntimeError:
+        if "could not start or join the swarm" not in peer.log_text():
+            raise
+        peer.start(data_path, initial_peers, flags, overrides)
+        return peer.join_addresses()
 
 
 def stop_all(peers: list[LocalPeer]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from initial_model import weights_fingerprint
 from local_replicas import compare_replica_logs
-from local_swarm import LocalPeer, read_jsonl, start_swarm, stop_all, wait_until
+from local_swarm import LocalPeer, joined_or_started_again, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
 from tests.test_recipe import build_task_model
@@ -90,6 +90,7 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
         late = LocalPeer("late", tmp_path)
         peers.append(late)
         late.start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
+        joined_or_started_again(late, digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
         wait_until(lambda: late.progress(), 180, "the late joiner's first logged step")
         assert "Joined the swarm at iteration" in late.log_text()
         assert late.progress()[0]["step"] >= swarm_step  # continues the swarm's schedule, not from warm-up
