@@ -51,28 +51,30 @@ class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
 
     def __init__(self, *args, state_fn: Callable[[], tuple], **kwargs):
         self.state_fn = state_fn
-        self._allreduce_stamps = torch.zeros(3, dtype=torch.float64).share_memory_()  # began, ended, refused part
+        # wall-clock stamps the averager process writes, the trainer's reads: [AllReduce began, ended, refused part]
+        self._stamps = torch.zeros(3, dtype=torch.float64).share_memory_()
         super().__init__(*args, **kwargs)
 
     def allreduce_stamps(self) -> tuple[float, float]:
         """Trainer's process: (began, ended) of the latest AllReduce; ended < began while it runs."""
-        began, ended = self._allreduce_stamps[:2].tolist()
+        began, ended = self._stamps[:2].tolist()
         return began, ended
 
     def early_part_refused_at(self) -> float:
         """Trainer's process: when (time.time()) the latest groupmate's part that we refused arrived; 0.0: none."""
-        return float(self._allreduce_stamps[2])
+        return float(self._stamps[2])
 
     def early_part_refused(self, arrived: float) -> None:
-        self._allreduce_stamps[2] = max(arrived, float(self._allreduce_stamps[2]))
+        """Averager process (see HivemindFixes.rpc_aggregate_part): keep the latest arrival."""
+        self._stamps[2] = max(arrived, float(self._stamps[2]))
 
     async def _aggregate_with_group(self, *args: Any, **kwargs: Any) -> Any:
         """Averager process: hivemind calls this right after it set the stage to RUNNING_ALLREDUCE."""
-        self._allreduce_stamps[0] = time.time()
+        self._stamps[0] = time.time()
         try:
             return await super()._aggregate_with_group(*args, **kwargs)
         finally:
-            self._allreduce_stamps[1] = time.time()
+            self._stamps[1] = time.time()
 
     def get_current_state(self) -> tuple:
         """Runs in hivemind's state-fetching thread of the trainer's process, when a peer downloads our state."""
