@@ -4,8 +4,17 @@
 VISSL builds the model, the optimizer (LARC, param schedulers), the loss and the data exactly as for
 ``self_supervision_task``; this task then wraps the optimizer in :class:`DecentralizedSGD` and, for a peer that
 joins a running swarm without a checkpoint of its own (or whose checkpoint is behind the swarm), takes over the
-swarm's parameters and training progress as if it resumed from a checkpoint. The hooks in ``hooks/`` drive the
-averager during training.
+swarm's parameters. The hooks in ``hooks/`` drive the averager during training.
+
+The schedule (``SWARM.schedule``):
+
+- ``swarm`` (the default): the recipe is a budget for the whole swarm, as a DDP run's epochs count the global
+  batch. The position of the LR and weight-decay schedules (``where``), of prototype freezing, of the queue's
+  start and of the end of training is the swarm's sample count (``swarm_progress``), not this box's iterations:
+  three equal boxes each train about a third of the recipe, and every box stops by itself when the swarm's count
+  reaches it. VISSL's own counters (iteration, phases, data sampler, checkpoint names) stay this box's.
+- ``local``: each box runs the whole recipe on its own (more boxes: more samples in the same time); a joiner takes
+  over its donor's VISSL counters as if it resumed the donor's checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import swarm
 from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 from initial_model import initial_model_seed, weights_fingerprint
+from swarm_progress import SwarmProgress, SwarmSchedule
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
@@ -68,6 +78,44 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         self.dht = None
         self.decentralized_sgd: Averaging | None = None  # DecentralizedSGD, or the old design (--averager old)
         self.joined_from_swarm = False
+        # the swarm-wide schedule: set in prepare() on every local rank; the count only on local rank 0 (the others
+        # get the position from it in every step, see hooks/follow_swarm_schedule_on_step_hook.py)
+        self.schedule: SwarmSchedule | None = None
+        self.schedule_position = 0  # the swarm's samples as of the last step boundary
+        self.swarm_progress: SwarmProgress | None = None
+        self._checkpoint_progress: dict | None = None  # the counts a resumed checkpoint held
+
+    @property
+    def run_prefix(self) -> str:
+        """The run's name in the swarm: peers with the same run id and config share it (averaging and progress)."""
+        settings = self.swarm_settings
+        return f"{settings.run_id}_{settings.config_name or 'swav'}".replace(".", "_")
+
+    @property
+    def where(self) -> float:
+        """The share of the run done: the swarm's (the swarm-wide schedule), else VISSL's own from this box's
+        updates."""
+        if self.schedule is not None:
+            return self.schedule.where(self.schedule_position)
+        return super().where
+
+    def schedule_iteration(self) -> int:
+        """Where the swarm is, in this box's iterations (VISSL's iteration with the local schedule)."""
+        return self.schedule.iteration(self.schedule_position) if self.schedule is not None else self.iteration
+
+    def get_classy_state(self, deep_copy: bool = False) -> dict:
+        """VISSL's state, plus the swarm's counts: a restarted box resumes the swarm's position from its checkpoint
+        (and a final checkpoint says whether the swarm's budget was done)."""
+        state = super().get_classy_state(deep_copy=deep_copy)
+        if self.swarm_progress is not None:
+            state["swarm_progress"] = {**self.swarm_progress.state_dict(), "position": self.schedule_position,
+                                       "budget": self.schedule.budget,
+                                       "done": self.schedule.done(self.schedule_position)}
+        return state
+
+    def _set_classy_state(self, state: dict) -> None:
+        super()._set_classy_state(state)
+        self._checkpoint_progress = state.get("swarm_progress")
 
     @property
     def joins_swarm(self) -> bool:
@@ -96,18 +144,18 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
 
     def prepare(self, pin_memory: bool = False) -> SelfSupervisionTask:
         super().prepare(pin_memory=pin_memory)
+        if self.swarm_settings.schedule == "swarm":
+            box_batch = int(self.datasets["train"].get_global_batchsize())
+            iterations = self.num_train_phases * len(self.dataloaders["train"])
+            self.schedule = SwarmSchedule(budget=iterations * box_batch, box_batch=box_batch)
         if self.joins_swarm:
             self._start_averaging()
         progress = None
         timeout = self.swarm_settings.load_state_timeout
         if self.decentralized_sgd is not None and timeout > 0:
             # a late joiner takes the swarm's state; a restarted peer too, if the swarm got ahead of its checkpoint
-            # (else its LR schedule would lag the others' for the rest of the run)
-            resumed_at = None if self.checkpoint is None else int(self.checkpoint["iteration"])
-            progress = self.decentralized_sgd.load_state_from_peers(
-                timeout=timeout,
-                accept=None if resumed_at is None else lambda extra: int(extra.get("iteration", 0)) > resumed_at,
-            )
+            # (else it would pull the swarm back toward its old weights)
+            progress = self.decentralized_sgd.load_state_from_peers(timeout=timeout, accept=self._donor_is_ahead())
         if local_replicas.is_box():
             # VISSL builds DDP after this, which copies rank 0's parameters and buffers but not its optimizer state
             # (the momentum rank 0 downloaded, or created to average it): the other local ranks take it here
@@ -120,6 +168,16 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             logging.info(f"--averager old shares no training progress: this peer runs its own LR schedule {start}")
         return self
 
+    def _donor_is_ahead(self) -> Callable[[dict], bool] | None:
+        """Which donor's state a box with a checkpoint takes: one that is ahead of it (None: any, no checkpoint)."""
+        if self.checkpoint is None:
+            return None
+        if self.schedule is not None:
+            resumed = SwarmProgress.total_of(self._checkpoint_progress, self.run_prefix)
+            return lambda extra: SwarmProgress.total_of(extra.get("swarm_progress"), self.run_prefix) > resumed
+        resumed_at = int(self.checkpoint["iteration"])
+        return lambda extra: int(extra.get("iteration", 0)) > resumed_at
+
     def _start_averaging(self) -> None:
         settings = self.swarm_settings
         self.dht = swarm.take_shared_dht() or swarm.start_dht(settings)
@@ -127,10 +185,20 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
             self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
         _averaging_tasks.append(self)
+        if self.schedule is not None:
+            self.swarm_progress = SwarmProgress(self.dht, self.run_prefix, self.schedule.box_batch)
+            restored = self.swarm_progress.load_state_dict(self._checkpoint_progress)
+            if restored:
+                logging.info(f"Swarm schedule: resumed {self.swarm_progress.known_samples()} samples of the swarm "
+                             f"from the checkpoint ({restored} boxes' counts)")
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
+        if settings.averager == "hivemind_optimizer":  # hivemind.Optimizer put inside VISSL's LARC: a baseline
+            from hivemind_optimizer_baseline import HivemindOptimizerAverager
+
+            return HivemindOptimizerAverager.install(self, settings, records_path)
         wrapper, options = DecentralizedSGD, {"swarm_secret": settings.secret()}
         if settings.averager == "old":  # no secret there (run_trainer.py refuses the combination)
             from baseline_averaging import OldDesignAverager as wrapper
@@ -139,7 +207,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         return wrapper(
             torch_optimizer(self),
             self.dht,
-            prefix=f"{settings.run_id}_{settings.config_name or 'swav'}".replace(".", "_"),
+            prefix=self.run_prefix,
             model=self.base_model,
             target_group_size=settings.target_group_size,
             min_matchmaking_time=settings.min_matchmaking_time,
@@ -156,19 +224,35 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         )
 
     def training_progress(self) -> dict:
-        """Where this peer is, in the shape of a VISSL mid-phase checkpoint (served to late joiners)."""
+        """Where this peer is (served to late joiners): the swarm's counts, and VISSL's counters in the shape of a
+        mid-phase checkpoint (what a joiner with the local schedule takes over)."""
         in_train_phase = bool(self.train)
-        return {
+        progress = {
             "phase_idx": int(self.phase_idx) - 1,
             "train_phase_idx": int(self.train_phase_idx) - (1 if in_train_phase else 0),
             "iteration": int(self.iteration),
             "iteration_num": int(self.local_iteration_num),
             "num_updates": int(self.num_updates),
         }
+        if self.swarm_progress is not None:
+            progress["swarm_progress"] = self.swarm_progress.state_dict()
+        return progress
 
     def _continue_from(self, progress: dict) -> None:
-        """Take over the swarm's progress: VISSL's trainer then resumes as from an iteration checkpoint, so the
-        LR schedule, prototype freezing and the data sampler continue where the swarm is, not from warm-up."""
+        """Take over the swarm's progress. Swarm schedule: merge the donor's counts (this box's own VISSL counters
+        stay its own: another box's iterations are at another batch). Local schedule: VISSL's trainer resumes as
+        from the donor's iteration checkpoint, so the LR schedule, prototype freezing and the data sampler continue
+        where the donor is, not from warm-up."""
+        if self.schedule is not None:
+            if self.swarm_progress is not None:
+                self.swarm_progress.load_state_dict(progress.get("swarm_progress"))
+                self.joined_from_swarm = True
+                if self.checkpoint_path is not None:
+                    logging.info(f"{self.checkpoint_path} is behind the swarm: continuing from the swarm's weights")
+                known = self.swarm_progress.known_samples()
+                logging.info(f"Joined the swarm at its position: {known} samples of {self.schedule.budget} "
+                             f"(where {self.schedule.where(known):.4f})")
+            return
         if progress.get("iteration", 0) <= 0:
             return
         self.checkpoint = {key: progress[key] for key in ("phase_idx", "train_phase_idx", "iteration", "iteration_num")}
@@ -187,6 +271,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         on exception, and by :func:`leave_swarm`)."""
         if self.decentralized_sgd is not None:
             self.decentralized_sgd.shutdown()
+        if self.swarm_progress is not None:
+            self.swarm_progress.shutdown()  # publishes our last count: the others keep it
         if self.dht is not None and self.dht is not swarm.take_shared_dht():
             self.dht.shutdown()
         self.decentralized_sgd = None

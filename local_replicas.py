@@ -46,6 +46,13 @@ def broadcast_flag(value: bool, src: int = 0) -> bool:
     return bool(flag.item())
 
 
+def broadcast_int(value: int, src: int = 0) -> int:
+    """``src``'s integer on every rank (e.g. the swarm's position, which only local rank 0 reads)."""
+    number = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
+    dist.broadcast(number, src=src)
+    return int(number.item())
+
+
 def broadcast_object(obj: object, src: int = 0) -> object:
     """``src``'s picklable object on every rank."""
     shared = [obj]

@@ -93,9 +93,16 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load_state_timeout", type=float, default=defaults.load_state_timeout,
                        help="seconds a new peer (no checkpoint of its own) waits to download the swarm's state and "
                             "progress; 0: start from its own initialization")
-    group.add_argument("--averager", choices=["improved", "old"], default=defaults.averager,
+    group.add_argument("--averager", choices=["improved", "old", "hivemind_optimizer"], default=defaults.averager,
                        help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
-                            "round at a time (the baseline of benchmarks/bench_learning.py)")
+                            "round at a time; hivemind_optimizer: hivemind.Optimizer(use_local_updates=True) inside "
+                            "VISSL's LARC, an averaging round every global epoch (hivemind_optimizer_baseline.py); "
+                            "old and hivemind_optimizer are the baselines of benchmarks/bench_learning.py")
+    group.add_argument("--schedule", choices=["swarm", "local"], default=defaults.schedule,
+                       help="swarm: the recipe (num_epochs) is the whole swarm's budget, its LR schedule follows the "
+                            "samples all boxes trained on, and each box stops when the swarm is done (more boxes: "
+                            "done sooner); local: each box runs the whole recipe on its own (more boxes: more "
+                            "samples in the same time)")
     group.add_argument("--isolated", action="store_true",
                        help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline")
     swarm.add_secret_arguments(group)
@@ -116,12 +123,13 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         min_matchmaking_time=args.min_matchmaking_time, averaging_timeout=args.averaging_timeout,
         next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
         compression=args.compression, average_optimizer_state=args.average_optimizer_state,
-        load_state_timeout=args.load_state_timeout, averager=args.averager, config_name=args.config,
+        load_state_timeout=args.load_state_timeout, averager=args.averager, schedule=args.schedule,
+        config_name=args.config,
         **swarm.secret_settings(args),
     )  # fmt: skip
-    if args.averager == "old" and settings.secret() is not None:
-        raise swarm.SwarmError("--swarm_secret / --swarm_secret_file need the improved averager (--averager old has "
-                               "no swarm secret)")
+    if args.averager != "improved" and settings.secret() is not None:
+        raise swarm.SwarmError(f"--swarm_secret / --swarm_secret_file need the improved averager (--averager "
+                               f"{args.averager} has no swarm secret)")
     for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
         swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
     return settings
@@ -164,6 +172,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args([word for word in argv if word not in overrides])
     args.overrides = [*args.overrides, *overrides]
     return args
+
+
+def schedule_line(schedule: str, config) -> str:
+    """What num_epochs means for this run (see --schedule)."""
+    epochs = config.OPTIMIZER.num_epochs
+    if schedule == "swarm":
+        return (f"schedule swarm: num_epochs={epochs} epochs of the dataset for the whole swarm; the LR, prototype "
+                "freezing, the queue and the end follow the samples all boxes trained on, and each box stops when "
+                "the swarm has done them (--schedule local: each box trains all of them)")
+    return (f"schedule local: this box trains all num_epochs={epochs} epochs on its own schedule, whatever the "
+            "other boxes do (--schedule swarm: the swarm shares them)")
 
 
 def check_resume_checkpoint(config) -> None:
@@ -213,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[compat] {change}", file=sys.stderr)
     for line in composed.recipe:  # the values that depend on this box's batch and dataset (recipe.py)
         print(f"[recipe] {line}", file=sys.stderr)
+    if not args.isolated:
+        print(f"[recipe] {schedule_line(args.schedule, config)}", file=sys.stderr)
     vissl_compat.fork_start_method()
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"

@@ -44,6 +44,7 @@ class SwarmSettings:
     average_optimizer_state: bool = False
     load_state_timeout: float = 60.0
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
+    schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
     config_name: str = ""
     swarm_secret_file: str = ""  # a file holding the swarm secret (see secret())
     swarm_secret: str = field(default="", repr=False)  # --swarm_secret itself: left out of to_config()

@@ -11,10 +11,12 @@ import vissl_compat
 vissl_compat.apply()
 
 from classy_vision.hooks import ClassyHook  # noqa: E402
-from vissl.hooks import NormalizePrototypesHook, default_hook_generator  # noqa: E402
+from vissl.hooks import FreezeParametersHook, NormalizePrototypesHook, default_hook_generator  # noqa: E402
 
 import decentralized_task  # noqa: E402,F401  (registers the task with classy_vision's registry)
 from hooks.average_on_update_hook import AverageOnUpdateHook  # noqa: E402
+from hooks.follow_swarm_schedule_on_step_hook import FollowSwarmScheduleOnStepHook  # noqa: E402
+from hooks.freeze_parameters_on_swarm_schedule_hook import FreezeParametersOnSwarmScheduleHook  # noqa: E402
 from hooks.hold_params_during_update_hook import HoldParamsDuringUpdateHook  # noqa: E402
 from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
 from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
@@ -22,7 +24,8 @@ from hooks.normalize_prototypes_on_update_hook import NormalizePrototypesOnUpdat
 from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
 from hooks.stop_on_step_hook import StopOnStepHook  # noqa: E402
 
-__all__ = ["AverageOnUpdateHook", "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
+__all__ = ["AverageOnUpdateHook", "FollowSwarmScheduleOnStepHook", "FreezeParametersOnSwarmScheduleHook",
+           "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
            "NormalizePrototypesOnUpdateHook", "PublishProgressOnStepHook", "StopOnStepHook", "swarm_hook_generator"]
 
 
@@ -33,19 +36,24 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
     is still held since backward): AverageOnUpdateHook applies a finished round, the prototypes are normalised
     (VISSL's hook, which would run before the averaging, is replaced by ours after it), and only then does
     HoldParamsDuringUpdateHook release the lock: averaging never copies prototypes off the unit sphere. The
-    progress hooks come after them so that they log the step's final weights, and a Ctrl-C pressed during the step
-    stops the run after all of that (StopOnStepHook, see ``ctrl_c``).
+    progress hooks come after them so that they log the step's final weights; FollowSwarmScheduleOnStepHook then
+    moves the swarm-wide schedule and may end training (it ends the step, so it comes after every hook that logs or
+    checkpoints it), and a Ctrl-C pressed during the step stops the run after all of that (StopOnStepHook, see
+    ``ctrl_c``). VISSL's prototype-freezing hook is replaced by one that counts the swarm's iterations.
     """
     log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
     vissl_hooks = default_hook_generator(cfg)
     normalizes = any(isinstance(hook, NormalizePrototypesHook) for hook in vissl_hooks)
+    vissl_hooks = [FreezeParametersOnSwarmScheduleHook() if type(hook) is FreezeParametersHook else hook
+                   for hook in vissl_hooks if not isinstance(hook, NormalizePrototypesHook)]
     return [
-        *[hook for hook in vissl_hooks if not isinstance(hook, NormalizePrototypesHook)],
+        *vissl_hooks,
         AverageOnUpdateHook(),
         *([NormalizePrototypesOnUpdateHook()] if normalizes else []),
         HoldParamsDuringUpdateHook(),
         LogProgressOnStepHook(log_every=log_every),
         PublishProgressOnStepHook(publish_every=log_every),
         LeaveSwarmOnEndHook(),
+        FollowSwarmScheduleOnStepHook(),
         StopOnStepHook(),
     ]

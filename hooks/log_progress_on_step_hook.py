@@ -72,6 +72,13 @@ class LogProgressOnStepHook(ClassyHook):
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
         fields = {"loss": float(task.last_batch.loss.item()), "samples_per_s": round(samples_per_s, 2),
                   "lr": float(task.optimizer.options_view.lr)}
+        if getattr(task, "schedule", None) is not None:  # the swarm-wide schedule: where the swarm is
+            fields["swarm_samples"] = int(task.schedule_position)
+            fields["where"] = round(float(task.where), 6)
+            progress = getattr(task, "swarm_progress", None)
+            if progress is not None:
+                fields.update(own_samples=progress.own_samples, swarm_batch=progress.swarm_batch(),
+                              boxes=progress.live_boxes())
         norm_error = prototypes_norm_error(task)
         if norm_error is not None:  # SwAV: how far the prototypes are from the unit sphere the loss assumes
             fields["prototypes_norm_error"] = norm_error
@@ -93,6 +100,9 @@ class LogProgressOnStepHook(ClassyHook):
     def _line(entry: dict) -> str:
         line = (f"step {entry['step']} | loss {entry['loss']:.4f} | {entry['samples_per_s']:.1f} samples/s | "
                 f"lr {entry['lr']:.5f}")
+        if "swarm_samples" in entry:
+            line += f" | swarm at {entry['swarm_samples']} samples (where {entry['where']:.4f}"
+            line += f", {entry['boxes']} boxes, batch {entry['swarm_batch']})" if "boxes" in entry else ")"
         if "rounds_ok" in entry:
             line += (f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
                      f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} | "

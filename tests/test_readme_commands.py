@@ -64,7 +64,8 @@ def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Pa
         assert "Traceback" not in output, f"run {run}: {output[-3000:]}"
         assert "traceback(s)" not in output, f"run {run}: {output[-3000:]}"  # nor in a peer's log (demo warns)
         assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
-        assert "| peer | steps | final_loss | rounds | mean_group_size | mean_staleness |" in result.stdout
+        assert ("| peer | steps | own_samples | swarm_samples | final_loss | rounds | mean_group_size | mean_staleness |"
+                in result.stdout)
         assert (out / "swarm.png").stat().st_size > 10_000
         rows = [line for line in result.stdout.splitlines() if line.startswith("| peer") and "steps" not in line]
         assert len(rows) == 2 and all(int(row.split("|")[2]) > 0 for row in rows), f"run {run}: {rows}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -17,8 +18,9 @@ from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
 from tests.test_recipe import build_task_model
 
-# 10 batches of 16 real images per epoch, plenty of epochs: the test decides when peers stop
-SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
+# 10 batches of 16 real images per epoch, plenty of epochs (for the whole swarm: the swarm-wide schedule): the test
+# decides when peers stop
+SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=3000",
                    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10", "config.LOG_FREQUENCY=5"]
 SWARM_SECRET = "swarmtest-secret"  # the peers average with a swarm secret (it reaches spawned workers too)
 SWARM_FLAGS = ["--run_id", "swarmtest", "--target_group_size", "3", "--min_matchmaking_time", "2",
@@ -41,6 +43,33 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a))
 
 
+def swarm_position_at(peer: LocalPeer, when: float) -> float | None:
+    """The swarm's samples as ``peer`` logged them at ``when`` (linear between its two log lines around it, at most
+    20 s apart); None where it logged nothing around that time."""
+    entries = [(entry["time"], entry["swarm_samples"]) for entry in peer.progress()]
+    for (t0, p0), (t1, p1) in itertools.pairwise(entries):
+        if t0 <= when <= t1 and t1 - t0 <= 20:
+            return p0 + (p1 - p0) * (when - t0) / max(t1 - t0, 1e-9)
+    return None
+
+
+def off_schedule(peers: list[LocalPeer], since: dict[str, float], share: float, slack: int) -> list[str]:
+    """Log lines at which a box's swarm position differs from another box's at that moment by more than ``share``
+    of it plus ``slack`` samples (what the swarm trains while a count travels: a few seconds); ``since[name]``:
+    a box's lines after this time count (its first line after a start may still lag by a logging period)."""
+    found = []
+    for peer in peers:
+        for entry in peer.progress():
+            if entry["time"] <= since[peer.name]:
+                continue
+            for other in peers:
+                theirs = swarm_position_at(other, entry["time"]) if other is not peer else None
+                if theirs is not None and abs(entry["swarm_samples"] - theirs) > share * theirs + slack:
+                    found.append(f"{peer.name} at step {entry['step']}: {entry['swarm_samples']} samples, "
+                                 f"{other.name}: {theirs:.0f}")
+    return found
+
+
 def logged_fingerprint(peer: LocalPeer) -> str:
     """The trunk fingerprint of the initial model the peer built (decentralized_task.py logs it)."""
     match = re.search(r"trunk fingerprint (\w+)", peer.log_text())
@@ -50,10 +79,12 @@ def logged_fingerprint(peer: LocalPeer) -> str:
 @pytest.mark.timeout(900)
 def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
+    double_batch = ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=32"]  # peer1: twice the others' batch (GPUs)
     try:
         # each peer its own seed (data order) and no download of the first peer's weights: the run's initial model
         addresses = start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
-                                per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+                                per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"]
+                                + (double_batch if peer is peers[1] else []))
         fingerprints = [wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
                         for peer in peers]
         assert len(set(fingerprints)) == 1, f"the peers of one run built different initial models: {fingerprints}"
@@ -73,8 +104,8 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
                        180, f"a round of the two survivors on {peer.name}")
 
         # 3. the killed peer restarts: VISSL resumes its checkpoint, which is behind the swarm by now, so it takes
-        #    over the swarm's state and progress (its LR schedule does not lag), then averages again
-        swarm_step = max(peer.last_step() for peer in peers[:2])
+        #    over the swarm's weights and counts (its schedule continues at the swarm's position), then averages again
+        swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers[:2])
         peers[2].start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
         restarted_at = peers[2].started_at
         wait_until(lambda: "Resume from file" in peers[2].log_text() and "is behind the swarm" in peers[2].log_text(),
@@ -82,21 +113,35 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
         wait_until(lambda: peers[2].applied_rounds(since=restarted_at)  # and a logged step (every 5th is logged)
                    and any(e["time"] > restarted_at for e in peers[2].progress()),
                    180, "peer2 averaging after its restart")  # fmt: skip
-        first_step_after_restart = next(e["step"] for e in peers[2].progress() if e["time"] > restarted_at)
-        assert first_step_after_restart >= swarm_step
+        first_after_restart = next(e for e in peers[2].progress() if e["time"] > restarted_at)
+        assert first_after_restart["swarm_samples"] >= swarm_samples, (first_after_restart, swarm_samples)
+        assert first_after_restart["step"] < first_after_restart["swarm_samples"] // 16  # its own steps: fewer
 
-        # 4. a late joiner without a checkpoint takes over the swarm's weights and progress
-        swarm_step = max(peer.last_step() for peer in peers[:2])
+        # 4. a late joiner without a checkpoint takes over the swarm's weights and its position in the schedule
+        swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers)
         late = LocalPeer("late", tmp_path)
         peers.append(late)
         late.start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
         joined_or_started_again(late, digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
         wait_until(lambda: late.progress(), 180, "the late joiner's first logged step")
-        assert "Joined the swarm at iteration" in late.log_text()
-        assert late.progress()[0]["step"] >= swarm_step  # continues the swarm's schedule, not from warm-up
+        assert "Joined the swarm at its position" in late.log_text()
+        assert late.progress()[0]["swarm_samples"] >= swarm_samples  # the swarm's schedule, not from warm-up
         wait_until(lambda: late.applied_rounds(), 180, "the late joiner averaging")
+        joined_at = late.started_at
     finally:
         stop_all(peers)
+
+    # every box, the one at twice the batch, the restarted one and the late joiner, is on the swarm's schedule: from
+    # its second log line after each start (one logging period), its position is the others' at the same moment,
+    # and its LR schedule's position is that share of the run (the budgets are equal: 3000 epochs of 160 images)
+    first_lines = {peer.name: next(entry["time"] for entry in peer.progress() if entry["time"] > start)
+                   for peer, start in ((peers[0], 0), (peers[1], 0), (peers[2], restarted_at), (late, joined_at))}
+    wrong = off_schedule(peers, first_lines, share=0.2, slack=2000)
+    assert not wrong, wrong[:10]
+    for peer in peers:
+        assert all(abs(e["where"] - e["swarm_samples"] / 480_000) < 1e-5 for e in peer.progress()), peer.name
+    # the box at twice the batch counts twice the samples per step (its first life: no checkpoint resumed)
+    assert all(e["own_samples"] == 32 * e["step"] for e in peers[1].progress()), peers[1].progress()[:3]
 
     for peer in peers:
         losses = [entry["loss"] for entry in peer.progress()]
@@ -147,7 +192,7 @@ def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: P
                    420, "three rounds on the two-process peer, in the logs of both ranks")
     finally:
         stop_all([box, single])
-    assert "Joined the swarm at iteration" in box.log_text()  # rank 0 downloaded the single peer's state
+    assert "Joined the swarm at its position" in box.log_text()  # rank 0 downloaded the single peer's state
     report = compare_replica_logs(box.progress(), read_jsonl(rank1_log))
     assert report["first_step_compared"], "rank 1 did not log the first step after the download"
     assert report["optimizer_state_present"] and report["round_steps_compared"] >= 3, report
