@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from classy_vision.optim.param_scheduler import ClassyParamScheduler
 from classy_vision.tasks import register_task
 from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
@@ -36,7 +37,7 @@ import swarm
 from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
 from initial_model import initial_model_seed, weights_fingerprint
-from swarm_progress import SwarmProgress, SwarmSchedule
+from swarm_progress import SwarmProgress, SwarmSchedule, swarm_lr_factor
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
@@ -68,6 +69,17 @@ def torch_optimizer(task: SelfSupervisionTask) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
 
+class SwarmScaledParam(ClassyParamScheduler):
+    """A VISSL param scheduler times a factor read at each step (the swarm's LR factor)."""
+
+    def __init__(self, scheduler: ClassyParamScheduler, factor: Callable[[], float]) -> None:
+        super().__init__(scheduler.update_interval)
+        self.scheduler, self.factor = scheduler, factor
+
+    def __call__(self, where: float) -> float:
+        return self.scheduler(where) * self.factor()
+
+
 @register_task(TASK_NAME)
 class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
     """SelfSupervisionTask + DecentralizedSGD on local rank 0 (the box's one peer in the swarm)."""
@@ -82,6 +94,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         # get the position from it in every step, see hooks/follow_swarm_schedule_on_step_hook.py)
         self.schedule: SwarmSchedule | None = None
         self.schedule_position = 0  # the swarm's samples as of the last step boundary
+        self.swarm_batch = 0  # the summed batch of the boxes training now (0 until the first step)
         self.swarm_progress: SwarmProgress | None = None
         self._checkpoint_progress: dict | None = None  # the counts a resumed checkpoint held
 
@@ -102,6 +115,20 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
     def schedule_iteration(self) -> int:
         """Where the swarm is, in this box's iterations (VISSL's iteration with the local schedule)."""
         return self.schedule.iteration(self.schedule_position) if self.schedule is not None else self.iteration
+
+    @property
+    def lr_factor(self) -> float:
+        """How much the recipe's LR (given for this box's batch) is raised for the swarm's batch (``--swarm_lr``)."""
+        if self.schedule is None or self.swarm_batch <= 0:
+            return 1.0
+        return swarm_lr_factor(self.swarm_settings.swarm_lr, self.swarm_batch, self.schedule.box_batch)
+
+    def _scale_lr_with_swarm(self) -> None:
+        """Every param group's LR scheduler, times ``lr_factor`` at each step: VISSL's schedule keeps its shape,
+        the swarm's batch sets its scale (and moves it when boxes come and go)."""
+        for group in self.optimizer._param_group_schedulers:  # classy_vision keeps them here (no public setter)
+            if "lr" in group and not isinstance(group["lr"], SwarmScaledParam):
+                group["lr"] = SwarmScaledParam(group["lr"], lambda: self.lr_factor)
 
     def get_classy_state(self, deep_copy: bool = False) -> dict:
         """VISSL's state, plus the swarm's counts: a restarted box resumes the swarm's position from its checkpoint
@@ -148,6 +175,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             box_batch = int(self.datasets["train"].get_global_batchsize())
             iterations = self.num_train_phases * len(self.dataloaders["train"])
             self.schedule = SwarmSchedule(budget=iterations * box_batch, box_batch=box_batch)
+            if self.swarm_settings.swarm_lr != "box":
+                self._scale_lr_with_swarm()
         if self.joins_swarm:
             self._start_averaging()
         progress = None

@@ -46,11 +46,12 @@ def broadcast_flag(value: bool, src: int = 0) -> bool:
     return bool(flag.item())
 
 
-def broadcast_int(value: int, src: int = 0) -> int:
-    """``src``'s integer on every rank (e.g. the swarm's position, which only local rank 0 reads)."""
-    number = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
-    dist.broadcast(number, src=src)
-    return int(number.item())
+def broadcast_ints(values: Sequence[int], src: int = 0) -> list[int]:
+    """``src``'s integers on every rank, in one collective (e.g. the swarm's position and batch, which only local
+    rank 0 reads)."""
+    numbers = torch.tensor([int(value) for value in values], dtype=torch.int64, device=collective_device())
+    dist.broadcast(numbers, src=src)
+    return [int(number) for number in numbers.tolist()]
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

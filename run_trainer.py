@@ -93,6 +93,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load_state_timeout", type=float, default=defaults.load_state_timeout,
                        help="seconds a new peer (no checkpoint of its own) waits to download the swarm's state and "
                             "progress; 0: start from its own initialization")
+    group.add_argument("--join_timeout", type=float, default=defaults.join_timeout,
+                       help="seconds to keep dialing --initial_peers at start before giving up with an error")
     group.add_argument("--averager", choices=["improved", "old", "hivemind_optimizer"], default=defaults.averager,
                        help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
                             "round at a time; hivemind_optimizer: hivemind.Optimizer(use_local_updates=True) inside "
@@ -103,6 +105,10 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
                             "samples all boxes trained on, and each box stops when the swarm is done (more boxes: "
                             "done sooner); local: each box runs the whole recipe on its own (more boxes: more "
                             "samples in the same time)")
+    group.add_argument("--swarm_lr", choices=["box", "sqrt", "linear"], default=defaults.swarm_lr,
+                       help="with --schedule swarm: each box's LR (the recipe's, for its own batch) x 1 (box), "
+                            "x sqrt(swarm batch / box batch) (sqrt) or x swarm batch / box batch (linear, as DDP); "
+                            "the swarm batch sums the batches of the boxes training now")
     group.add_argument("--isolated", action="store_true",
                        help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline")
     swarm.add_secret_arguments(group)
@@ -124,6 +130,7 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
         compression=args.compression, average_optimizer_state=args.average_optimizer_state,
         load_state_timeout=args.load_state_timeout, averager=args.averager, schedule=args.schedule,
+        swarm_lr=args.swarm_lr, join_timeout=args.join_timeout,
         config_name=args.config,
         **swarm.secret_settings(args),
     )  # fmt: skip
@@ -174,13 +181,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def schedule_line(schedule: str, config) -> str:
-    """What num_epochs means for this run (see --schedule)."""
+def schedule_line(schedule: str, swarm_lr: str, config) -> str:
+    """What num_epochs and the LR mean for this run (see --schedule, --swarm_lr)."""
     epochs = config.OPTIMIZER.num_epochs
     if schedule == "swarm":
+        scaled = {"box": "x 1 (--swarm_lr box)",
+                  "sqrt": "x sqrt(swarm batch / this box's batch): x1.73 beside two boxes like this one",
+                  "linear": "x swarm batch / this box's batch: x3 beside two boxes like this one"}[swarm_lr]
         return (f"schedule swarm: num_epochs={epochs} epochs of the dataset for the whole swarm; the LR, prototype "
                 "freezing, the queue and the end follow the samples all boxes trained on, and each box stops when "
-                "the swarm has done them (--schedule local: each box trains all of them)")
+                f"the swarm has done them (--schedule local: each box trains all of them); the LR above {scaled}, "
+                "moving as boxes come and go (the progress log's lr_factor)")
     return (f"schedule local: this box trains all num_epochs={epochs} epochs on its own schedule, whatever the "
             "other boxes do (--schedule swarm: the swarm shares them)")
 
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in composed.recipe:  # the values that depend on this box's batch and dataset (recipe.py)
         print(f"[recipe] {line}", file=sys.stderr)
     if not args.isolated:
-        print(f"[recipe] {schedule_line(args.schedule, config)}", file=sys.stderr)
+        print(f"[recipe] {schedule_line(args.schedule, args.swarm_lr, config)}", file=sys.stderr)
     vissl_compat.fork_start_method()
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 _shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
 SECRET_ENV = "SWAV_SWARM_SECRET"  # a secret from the environment (run_trainer.py moves it into a file: hide_secret)
+JOIN_RETRY_S = 3.0  # start_dht dials the initial peers again this often until one answers (or join_timeout)
 
 
 class SwarmError(ValueError):
@@ -43,8 +45,10 @@ class SwarmSettings:
     compression: str = "fp16"
     average_optimizer_state: bool = False
     load_state_timeout: float = 60.0
+    join_timeout: float = 30.0  # seconds a joiner keeps dialing --initial_peers at start before it gives up
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
+    swarm_lr: str = "sqrt"  # with the swarm schedule: each box's LR x sqrt(swarm batch / box batch); see README
     config_name: str = ""
     swarm_secret_file: str = ""  # a file holding the swarm secret (see secret())
     swarm_secret: str = field(default="", repr=False)  # --swarm_secret itself: left out of to_config()
@@ -133,7 +137,16 @@ def check_multiaddrs(flag: str, addresses: list[str]) -> None:
 
 
 def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
-    """Start this peer's DHT; unreachable initial peers give a SwarmError within about startup_timeout."""
+    """Start this peer's DHT and join the swarm through ``--initial_peers``, dialing them again every few seconds
+    for ``settings.join_timeout`` (a joiner started a moment before the first peer listens, or whose one ping a
+    busy first peer missed, joins all the same); a SwarmError that says what to check otherwise.
+
+    hivemind's own bootstrap check is off (``ensure_bootstrap_success=False``): when none of the initial peers
+    answers its single ping it raises, but leaves the DHT's p2p daemon running, holding the port of
+    ``--host_maddrs`` (hivemind 1.1.12, ``DHTNode.create``). We ping them ourselves and shut the DHT down properly
+    when nobody answered. A p2p daemon that cannot reach any initial peer at all fails before that and leaves
+    nothing behind: it is started again.
+    """
     import hivemind
     from hivemind.p2p import P2PDaemonError
 
@@ -144,29 +157,56 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
     secret = settings.secret()
-    try:
-        dht = FixedDHT(  # a hivemind.DHT that survives a restarted averager
-            start=True,
-            record_validators=[SwarmSecretValidator(secret)] if secret is not None else (),  # every record signed
-            initial_peers=settings.initial_peers or None,
-            host_maddrs=settings.host_maddrs,
-            announce_maddrs=settings.announce_maddrs or None,
-            identity_path=settings.identity_path or None,
-            client_mode=settings.client_mode,
-            use_auto_relay=settings.use_auto_relay,
-            use_relay=settings.use_relay,
-            startup_timeout=startup_timeout,
-        )
-    except (P2PDaemonError, hivemind.p2p.P2PHandlerError, OSError, RuntimeError, TimeoutError) as error:
-        hint = (
-            "check that the first peer is running and that its address and port are reachable from here "
-            "(open the port, or use --client_mode / --use_auto_relay behind NAT)"
-            if settings.initial_peers
-            else "check --host_maddrs and --identity_path"
-        )
-        raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
+    hint = ("check that the first peer is running and that its address and port are reachable from here "
+            "(open the port, or use --client_mode / --use_auto_relay behind NAT)" if settings.initial_peers
+            else "check --host_maddrs and --identity_path")
+    deadline = time.monotonic() + settings.join_timeout
+    while True:
+        try:
+            dht = FixedDHT(  # a hivemind.DHT that survives a restarted averager
+                start=True,
+                record_validators=[SwarmSecretValidator(secret)] if secret is not None else (),  # records signed
+                initial_peers=settings.initial_peers or None,
+                host_maddrs=settings.host_maddrs,
+                announce_maddrs=settings.announce_maddrs or None,
+                identity_path=settings.identity_path or None,
+                client_mode=settings.client_mode,
+                use_auto_relay=settings.use_auto_relay,
+                use_relay=settings.use_relay,
+                startup_timeout=startup_timeout,
+                ensure_bootstrap_success=False,
+            )
+            break
+        except (P2PDaemonError, hivemind.p2p.P2PHandlerError, OSError, RuntimeError, TimeoutError) as error:
+            if "failed to connect to bootstrap peers" not in str(error) or time.monotonic() > deadline:
+                raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
+            logger.warning(f"None of --initial_peers answered yet; trying again in {JOIN_RETRY_S:g} s "
+                           f"(for {max(0.0, deadline - time.monotonic()):.0f} s more)")
+            time.sleep(JOIN_RETRY_S)
+    if settings.initial_peers and not _joined(dht, deadline):
+        dht.shutdown()
+        raise SwarmError(f"could not start or join the swarm: none of --initial_peers answered within "
+                         f"{settings.join_timeout:g} s (--join_timeout); {hint}")
     keep_dht_connected(dht)  # hivemind dials the initial peers only once: rejoin after a network outage
     return dht
+
+
+def _joined(dht: Any, deadline: float) -> bool:
+    """Dial and ping the initial peers until one answered (then it is in our routing table) or the deadline."""
+    from decentralized_sgd.dht_rejoin import rejoin_if_alone
+
+    while True:
+        try:  # None: our routing table has peers already; a number: how many initial peers answered now
+            answered = dht.run_coroutine(rejoin_if_alone, return_future=True).result(timeout=3 * JOIN_RETRY_S)
+        except Exception as error:  # the DHT is busy: count it as not joined yet
+            logger.debug(f"join check failed: {error!r}")
+            answered = 0
+        if answered is None or answered > 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        logger.warning("None of --initial_peers answered a ping yet; trying again")
+        time.sleep(JOIN_RETRY_S)
 
 
 def visible_maddrs(dht: Any) -> list[str]:

@@ -336,3 +336,16 @@ class SwarmSchedule:
 
     def done(self, position: int) -> bool:
         return position >= self.budget
+
+
+SWARM_LR_RULES = ("box", "sqrt", "linear")
+
+
+def swarm_lr_factor(rule: str, swarm_batch: int, box_batch: int) -> float:
+    """How much a box's LR (given for its own batch) is raised while the swarm trains with ``swarm_batch`` in all:
+    ``box`` not at all; ``linear`` as DDP would for the global batch; ``sqrt`` half-way (in log scale). One box
+    alone: 1 whatever the rule. The rule was chosen by measurement: see README, "The LR for a swarm"."""
+    if rule not in SWARM_LR_RULES:
+        raise ValueError(f"unknown swarm LR rule {rule!r} (known: {', '.join(SWARM_LR_RULES)})")
+    ratio = max(swarm_batch, box_batch) / box_batch
+    return {"box": 1.0, "sqrt": ratio**0.5, "linear": ratio}[rule]

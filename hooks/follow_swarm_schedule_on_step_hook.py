@@ -11,14 +11,16 @@ import local_replicas
 
 
 def sync_position(task) -> int:
-    """The swarm's position on every local rank of this box: local rank 0 (the one in the swarm) reads it, the
-    others take rank 0's (one small collective per step), so the LR, the freezing and the stop are the same on all
-    of them in the same step."""
+    """The swarm's position and batch on every local rank of this box: local rank 0 (the one in the swarm) reads
+    them, the others take rank 0's (one small collective per step), so the LR, the freezing and the stop are the
+    same on all of them in the same step."""
     progress = getattr(task, "swarm_progress", None)
-    position = progress.position() if progress is not None else task.schedule_position
+    position, batch = task.schedule_position, task.swarm_batch
+    if progress is not None:
+        position, batch = progress.position(), progress.swarm_batch()
     if local_replicas.is_box():
-        position = local_replicas.broadcast_int(position)
-    task.schedule_position = position
+        position, batch = local_replicas.broadcast_ints([position, batch])
+    task.schedule_position, task.swarm_batch = position, batch
     return position
 
 
@@ -93,6 +95,7 @@ class FollowSwarmScheduleOnStepHook(ClassyHook):
             logging.info(f"Swarm schedule: the swarm's budget is done ({position} of {schedule.budget} samples); "
                          f"this box trained {task.iteration} iterations"
                          + (f" ({own} samples)" if own is not None else "")
-                         + f", last lr {float(task.optimizer.options_view.lr):.6g}. Ending with a final checkpoint")
+                         + f", last lr {float(task.optimizer.options_view.lr):.6g} (x{task.lr_factor:.4g} for the "
+                         f"swarm's batch {task.swarm_batch}). Ending with a final checkpoint")
             end_training_now(task)
             raise StopIteration

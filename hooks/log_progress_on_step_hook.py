@@ -75,6 +75,7 @@ class LogProgressOnStepHook(ClassyHook):
         if getattr(task, "schedule", None) is not None:  # the swarm-wide schedule: where the swarm is
             fields["swarm_samples"] = int(task.schedule_position)
             fields["where"] = round(float(task.where), 6)
+            fields["lr_factor"] = round(float(task.lr_factor), 4)
             progress = getattr(task, "swarm_progress", None)
             if progress is not None:
                 fields.update(own_samples=progress.own_samples, swarm_batch=progress.swarm_batch(),

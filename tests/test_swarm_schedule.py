@@ -21,7 +21,7 @@ FLAGS = ["--run_id", "scheduletest", "--target_group_size", "3", "--min_matchmak
          "--averaging_timeout", "20", "--next_chunk_timeout", "4"]  # the schedule itself: default flags
 PEAK_LR, FINAL_LR = 0.6, 0.0006  # swav_tiny's schedule: warm-up to 0.6, cosine down to 0.0006
 DONE = re.compile(r"the swarm's budget is done \((\d+) of (\d+) samples\); this box trained (\d+) iterations "
-                  r"\((\d+) samples\), last lr ([0-9]+(?:\.[0-9]+)?(?:e-?[0-9]+)?)")
+                  r"\((\d+) samples\), last lr ([0-9.e-]+) \(x([0-9.]+) for the swarm's batch")
 
 
 def final_checkpoint(peer: LocalPeer) -> Path:
@@ -49,10 +49,13 @@ def test_three_boxes_share_one_recipe_and_end_by_themselves(digits_dir: Path, tm
         assert f"Total {ALONE_STEPS} iterations for training" in log  # the recipe is one box's, unchanged
         done = DONE.search(log)
         assert done, f"{peer.name} did not log the end of the swarm's budget: {peer.exit_message()}"
-        position, budget, iterations, _, last_lr = done.groups()
+        position, budget, iterations, _, last_lr, factor = done.groups()
         assert int(budget) == ALONE_STEPS * BATCH and int(position) >= int(budget)
-        # it ended at the end of the schedule: the LR within the last few percent of the cosine, not mid-way
-        assert float(last_lr) <= FINAL_LR + 0.02 * PEAK_LR, f"{peer.name} ended at lr {last_lr}"
+        # it ended at the end of the schedule: the LR within the last few percent of the cosine, not mid-way (the
+        # schedule's values times the swarm's LR factor, --swarm_lr sqrt: sqrt(3) while the three boxes train)
+        assert float(last_lr) / float(factor) <= FINAL_LR + 0.02 * PEAK_LR, f"{peer.name} ended at lr {last_lr}"
+        factors = [entry["lr_factor"] for entry in peer.progress()]
+        assert max(factors) == round(3**0.5, 4) and factors.count(max(factors)) > len(factors) / 2, factors
         steps[peer.name] = int(iterations)
         state = torch.load(final_checkpoint(peer), map_location="cpu", weights_only=False)
         saved = state["classy_state_dict"]["swarm_progress"]

@@ -218,7 +218,7 @@ def test_initial_peer_without_peer_id(digits_dir: Path) -> None:
 def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path) -> None:
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn"
     result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers", unreachable,
-                         "--host_maddrs", "/ip4/127.0.0.1/tcp/0", timeout=180)
+                         "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--join_timeout", "5", timeout=180)
     assert result.returncode != 0
     assert "could not start or join the swarm" in result.stderr and "first peer is running" in result.stderr
     assert "Traceback" not in result.stderr

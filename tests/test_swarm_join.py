@@ -1,0 +1,82 @@
+"""swarm.start_dht on real hivemind DHTs on 127.0.0.1: a joiner started before the first peer listens joins once it
+does, and a joiner that gives up leaves no p2p daemon holding its port."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+import swarm
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_started_before_the_first_peer_joins_when_it_listens(tmp_path: Path) -> None:
+    identity, port = tmp_path / "first.key", free_port()
+    P2P.generate_identity(str(identity))
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
+    started: list[hivemind.DHT] = []
+
+    def first_peer_later() -> None:
+        time.sleep(6.0)  # the joiner's first tries find nobody
+        started.append(hivemind.DHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
+                                    identity_path=str(identity)))
+
+    thread = threading.Thread(target=first_peer_later)
+    thread.start()
+    joiner = None
+    try:
+        joiner = swarm.start_dht(swarm.SwarmSettings(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                                     join_timeout=60))
+        thread.join()
+        assert started and started[0].peer_id in joiner.run_coroutine(_neighbours)
+    finally:
+        thread.join()
+        for dht in [*started, *([joiner] if joiner is not None else [])]:
+            dht.shutdown()
+
+
+async def _neighbours(dht: hivemind.DHT, node) -> list:
+    return list(node.protocol.routing_table.uid_to_peer_id.values())
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_nobody_answers_fails_clearly_and_frees_its_port() -> None:
+    loop = asyncio.new_event_loop()
+    silent = loop.run_until_complete(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))  # libp2p, but no DHT
+    try:
+        silent_address = str(loop.run_until_complete(silent.get_visible_maddrs())[0])
+        for initial_peer in (silent_address, f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{silent.peer_id}"):
+            port = free_port()  # a fixed port, as a user's --host_maddrs: a leftover daemon would hold it
+            settings = swarm.SwarmSettings(initial_peers=[initial_peer], host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
+                                           join_timeout=4)
+            with pytest.raises(swarm.SwarmError, match="could not start or join the swarm.*first peer is running"):
+                swarm.start_dht(settings)
+            deadline = time.monotonic() + 15
+            while not port_is_free(port) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert port_is_free(port), f"a p2p daemon still holds port {port} after joining {initial_peer} failed"
+    finally:
+        loop.run_until_complete(silent.shutdown())
+        loop.close()
