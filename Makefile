@@ -26,6 +26,33 @@ data: $(DATA)/train/.complete
 $(DATA)/train/.complete: $(STAMP) scripts/export_digits.py
 	$(PY) scripts/export_digits.py --out $(DATA)
 
+# Fashion-MNIST (60,000 train / 10,000 test 28x28 grey images) for configs/swav_fashion.yaml, from the IDX files of
+# Debian's dataset-fashion-mnist package: installed here if missing and we are root with apt-get; elsewhere, the
+# error says what to do. FASHION_IDX=<folder> uses IDX files downloaded from the Fashion-MNIST GitHub instead.
+FASHION := data/fashion
+FASHION_DEB_IDX := /usr/share/datasets/fashion-mnist
+FASHION_IDX ?= $(FASHION_DEB_IDX)
+
+.PHONY: data-fashion
+
+data-fashion: $(FASHION)/train/.complete
+
+$(FASHION)/train/.complete: $(STAMP) scripts/export_fashion_mnist.py
+	@if [ ! -d "$(FASHION_IDX)" ]; then \
+	  if [ "$(FASHION_IDX)" = "$(FASHION_DEB_IDX)" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && apt-get install -y dataset-fashion-mnist; \
+	  else \
+	    echo "error: no Fashion-MNIST IDX files in $(FASHION_IDX). Either install Debian's package" \
+	         "(sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist, then make data-fashion again)," \
+	         "or download train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and" \
+	         "t10k-labels-idx1-ubyte.gz from https://github.com/zalandoresearch/fashion-mnist (folder data/fashion)" \
+	         "into a folder DIR and run: make data-fashion FASHION_IDX=DIR" \
+	         "(or $(PY) scripts/export_fashion_mnist.py --idx_dir DIR --out $(FASHION))" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+	$(PY) scripts/export_fashion_mnist.py --idx_dir "$(FASHION_IDX)" --out $(FASHION)
+
 test: venv data
 	$(PY) -m pytest -q tests
 
