@@ -1,65 +1,109 @@
 #!/usr/bin/env python3
-"""Does it learn? The swarm against peers training alone and against a synchronous cluster, same samples per peer.
+"""Does a swarm of 3 boxes reach one box's trunk sooner? Every mode trains the same recipe: the same num_epochs, a
+budget of samples that one box trains alone and that a swarm shares (the swarm-wide schedule, run_trainer.py's
+default), as a DDP run's epochs count its global batch.
 
     python benchmarks/bench_learning.py --json benchmarks/results/learning.json \
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
+    python benchmarks/bench_learning.py --quick --modes alone swarm      # minutes: digits + swav_tiny, 1 seed
 
-Modes (``swav_tiny`` on the exported digits, 3 peers at batch 16 each):
-  random_init  the run's initial model, untrained, with its BatchNorm statistics recomputed on the training split:
-               the floor. Any training adapts those statistics (an untrained trunk's are mean 0 / variance 1),
-               which alone lifts the kNN accuracy; a mode learned only if it beats this. The row
-               ``random_init_stock_bn`` is the same model with its initial statistics, the step-0 point of the curves
-  isolated     3 peers, each training alone with VISSL's stock task (no averaging)
-  old          3 peers averaging with hivemind's TrainingAverager driven one round at a time (``--averager old``)
-  improved     3 peers averaging with this example's DecentralizedSGD
-  ddp          VISSL's stock task with 3 local processes over gloo (batch 16 each): the synchronous reference at
-               the same total batch
+Dataset: Fashion-MNIST exported as ``data/fashion/{train,val}/<class>/*.png`` (60k / 10k; ``make data-fashion``),
+config ``swav_fashion`` (``--data_path``, ``--config`` to change; ``--quick`` uses the digits and ``swav_tiny``).
 
-A seed is a run: its peers share the run id ``learn<seed>`` in every mode, and so the initial model (the swarm
-peers build it from the run id; isolated and ddp load the same weights, see write_initial_model), while the data
-order is the peer's: peer i of seed s has SEED_VALUE 1000·s + i. Every mode trains the same number of steps per
-peer (ddp: per process) with the same LR schedule; the step count is rounded up to whole epochs and the steps
-actually taken are reported. The initial model and checkpoints along the run (CHECKPOINT_ITER_FREQUENCY) are
-evaluated with run_eval.py's kNN top-1 on the held-out split, for the curve against samples seen. Reported per
-mode: kNN top-1 of the final trunks (mean over a run's peers; mean ± std over seeds), the mean pairwise L2
-distance between a run's final trunks, steps and applied averaging rounds per peer, and the wall-clock of a run
-(start to last exit). Each invocation trains in a fresh folder (an existing non-empty ``--out`` is refused), so no
-peer resumes checkpoints of an earlier run.
+Modes, all from the same initial model per seed and at the same recipe (``config.OPTIMIZER.num_epochs``):
+  alone               one box training alone: ``run_trainer.py --isolated`` (VISSL's stock task), the reference
+  swarm               3 boxes, this example's DecentralizedSGD, the swarm-wide schedule: each box stops by itself when
+                      the swarm has trained on the budget
+  old                 3 boxes, ``--averager old`` (hivemind's TrainingAverager one round at a time), same schedule
+  hivemind_optimizer  3 boxes, ``--averager hivemind_optimizer`` (hivemind.Optimizer(use_local_updates=True) inside
+                      VISSL's LARC), same schedule; its global epoch (one averaging round) every boxes x batch x R
+                      samples of the swarm, R = the local steps per applied round that ``swarm`` measured for the same
+                      seed in this invocation (else ``--hivemind_steps_per_round``): rounds as often as ours
+  ddp                 VISSL's DDP over 3 local processes (gloo, ``NUM_PROC_PER_NODE=3``, ``--isolated``): the
+                      synchronous reference; its epochs count the global batch, so the same samples
+  random_init         the seed's untrained trunk with BatchNorm statistics of the training images (the kNN bank's):
+                      the floor (any training adapts those statistics, which alone can lift the kNN accuracy)
+  raw_pixels          kNN on the raw pixels (the eval transform's tensor, flattened): ~0.86 on Fashion-MNIST
+
+Measured per mode and seed, never against wall time:
+- kNN top-1 on the whole val split of every box's final trunk, and along the run (checkpoints every
+  ``steps/curve_points`` steps per box): run_eval.py's rule (cosine, k=20, weighted vote, T=0.1). The kNN bank is a
+  fixed subset of the train split (``--knn_train``, default 20000 of Fashion-MNIST's 60000, the same images for every
+  model): the full bank costs a 60k-image forward pass per checkpoint, about a minute on a busy 2-core machine, and
+  a few hundred checkpoints per run; ``--knn_train 0`` uses all of it. Images are decoded once per invocation.
+- the SwAV loss on a fixed held-out set: ``--heldout_images`` val images, their crops drawn once with the config's
+  training transforms under a fixed seed, cut into fixed Sinkhorn batches of ``--heldout_batch``; every model and
+  checkpoint sees exactly these tensors (BatchNorm on batch statistics, as in training; no queue): the optimisation
+  curve.
+- steps per box, samples of the swarm (a swarm box's checkpoint holds the swarm's count; alone and ddp: steps x their
+  global batch), averaging rounds applied per box, local steps per applied round (the ratio that says how much a
+  round has to repair), failed rounds.
+Reported per mode: final kNN mean ± std over seeds (a seed's value: the mean of its boxes), steps per box, and the
+steps per box (and samples of the swarm) at which the mode's kNN curve first reaches ``alone``'s final kNN of the
+same seed (linear between checkpoints; "not reached" otherwise). Plots: kNN and held-out loss against samples the
+swarm processed and against steps per box.
+
+``--slow_averaging`` runs swarm, old and hivemind_optimizer at the steps-per-round ratio real ResNet-50 boxes would
+see (~100-400 local steps per round): matchmaking waits ``--min_matchmaking_time`` (30 s, groups of boxes + 1 so that
+no group fills early), hivemind's global epoch every boxes x batch x 200 samples; the ratio actually measured is in the
+table. It needs thousands of steps per box to give more than a round or two: ``--quick --slow_averaging --epochs 12``
+(~350 steps per box) measured 347 local steps per round for swarm, one round per box, and hivemind_optimizer, given
+that ratio, none.
+
+A seed is a run id (``learn<seed>``): its boxes share the initial model in every mode (the swarm boxes build it from
+the run id, alone and ddp load it with VISSL's ``MODEL.WEIGHTS_INIT``; each run checks its logs for it), box i of
+seed s has SEED_VALUE 1000·s + i. The swarm modes train with run_trainer.py's defaults otherwise (``--swarm_lr``:
+their LR scaling is recorded as ``lr_factor``). Every invocation trains in a fresh ``--out`` (an existing non-empty
+one is refused); every run has a deadline and is stopped on failure, a crash is reported with its log and the other
+modes go on; the JSON (git commit, dataset, recipe, per-seed values) is rewritten after every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
+import random
 import re
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import mean, stdev
+from typing import Any
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from demo import markdown_table  # noqa: E402
-from local_swarm import LocalPeer, start_swarm_together, stop_all  # noqa: E402
-from run_eval import IMAGE_SUFFIXES, load_trunk_state  # noqa: E402
+from local_swarm import LocalPeer, read_jsonl, start_swarm_together, stop_all  # noqa: E402
+from run_eval import IMAGE_SUFFIXES, knn_top1  # noqa: E402
 
-CONFIG = "swav_tiny"
-MODES = ("random_init", "isolated", "old", "improved", "ddp")
-# the rows of mode random_init: the floor and the untrained model as is, with their line styles in the plot
-FLOOR_ROWS = {"random_init": "--", "random_init_stock_bn": ":"}
-SWARM_MODES = {"old": ["--averager", "old"], "improved": ["--averager", "improved"]}
-# Rough cost of one run on the 2-core machine when quiet (steps of 60-100 ms with 3 peers on the 2 cores, from
-# VISSL's "Average train batch time"; a busy machine makes them 2-3x slower): start-up of the processes, seconds per
-# step, one kNN evaluation. Only for the estimate printed at start and the per-run deadline (4x it + 10 min).
-STARTUP_S = {"isolated": 10.0, "old": 15.0, "improved": 15.0, "ddp": 12.0}
-SECONDS_PER_STEP = {"isolated": 0.08, "old": 0.13, "improved": 0.11, "ddp": 0.11}
-EVAL_S = 0.5
+MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp", "random_init", "raw_pixels")
+TRAINED = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
+SWARM_MODES = {"swarm": "improved", "old": "old", "hivemind_optimizer": "hivemind_optimizer"}
+FLOOR_ROWS = {"random_init": "--", "raw_pixels": ":"}  # kNN rows drawn as horizontal lines
+HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # hivemind_optimizer_baseline.TARGET_BATCH_ENV
+DEFAULTS = {"data_path": REPO / "data/fashion", "config": "swav_fashion", "epochs": 4, "seeds": 3, "curve_points": 8,
+            "heldout_images": 1024, "heldout_batch": 64}
+QUICK = {"data_path": REPO / "data/digits", "config": "swav_tiny", "epochs": 2, "seeds": 1, "curve_points": 3,
+         "heldout_images": 128, "heldout_batch": 32}
+NORMAL_MATCHMAKING_S, SLOW_MATCHMAKING_S = 3.0, 30.0
+NORMAL_HIVEMIND_STEPS, SLOW_HIVEMIND_STEPS = 20, 200
+# Rough costs on the 2-core machine while other work keeps it busy (load 7-10; a quiet one takes about half), from
+# the --quick run (swav_tiny; swav_fashion's steps cost about the same): a box alone ~0.2 s per step, 3 processes
+# sharing the cores ~0.5 s each; the trunk's forward pass ~1 ms per image on one thread, decoding a PNG ~1.7 ms. Only
+# for the estimate printed at start and each run's deadline (4x it + 10 min)
+STARTUP_S = {"alone": 25.0, "swarm": 40.0, "old": 40.0, "hivemind_optimizer": 40.0, "ddp": 30.0}
+SECONDS_PER_STEP = {"alone": 0.2, "swarm": 0.5, "old": 0.55, "hivemind_optimizer": 0.55, "ddp": 0.5}
+EVAL_S_PER_IMAGE = 1.0e-3  # trunk forward per image on one thread (bank + val per checkpoint)
+DECODE_S_PER_IMAGE = 1.7e-3
 
 
 class BenchError(Exception):
@@ -69,84 +113,137 @@ class BenchError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (train/ val/)")
-    parser.add_argument("--steps", type=int, default=870,
-                        help="training steps per peer in every mode, the budget (rounded up to whole epochs; "
-                             "870: 10 epochs of the digits)")
-    parser.add_argument("--seeds", type=int, default=3, help="runs per mode: seeds 0 .. SEEDS-1")
-    parser.add_argument("--peers", type=int, default=3, help="peers per run (ddp: local processes)")
-    parser.add_argument("--curve_points", type=int, default=8, help="checkpoints evaluated along each run")
+    parser.add_argument("--quick", action="store_true",
+                        help="minutes: the digits and swav_tiny, 1 seed, 2 epochs, 3 curve points (what the tests run)")
+    parser.add_argument("--data_path", type=Path, default=None,
+                        help=f"train/ and val/ ImageFolders; default {DEFAULTS['data_path']} (--quick: data/digits)")
+    parser.add_argument("--config", default=None,
+                        help="config of every process; default swav_fashion (--quick: swav_tiny)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"the recipe's num_epochs, the budget of samples in every mode (default "
+                             f"{DEFAULTS['epochs']}; --quick {QUICK['epochs']})")
+    parser.add_argument("--seeds", type=int, default=None, help="runs per mode: seeds 0 .. SEEDS-1 (default 3)")
+    parser.add_argument("--boxes", type=int, default=3, help="boxes of a swarm (ddp: local processes)")
+    parser.add_argument("--train_images", type=int, default=0,
+                        help="train on this many images of the train split (0: all, rounded down to a multiple of "
+                             "boxes x batch)")
+    parser.add_argument("--curve_points", type=int, default=None, help="checkpoints evaluated along each box's run")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
+    parser.add_argument("--knn_train", type=int, default=20000,
+                        help="kNN bank: this many train images (a fixed subset); 0: the whole train split")
+    parser.add_argument("--heldout_images", type=int, default=None,
+                        help=f"val images of the held-out SwAV loss (default {DEFAULTS['heldout_images']}; --quick "
+                             f"{QUICK['heldout_images']})")
+    parser.add_argument("--heldout_batch", type=int, default=None,
+                        help=f"Sinkhorn batch of the held-out SwAV loss (default {DEFAULTS['heldout_batch']}; --quick "
+                             f"{QUICK['heldout_batch']})")
+    parser.add_argument("--slow_averaging", action="store_true",
+                        help="swarm/old/hivemind_optimizer at ~100-400 local steps per round, as ResNet-50 boxes")
+    parser.add_argument("--min_matchmaking_time", type=float, default=None,
+                        help=f"of swarm/old/hivemind_optimizer (default {NORMAL_MATCHMAKING_S:g} s; --slow_averaging "
+                             f"{SLOW_MATCHMAKING_S:g} s)")
+    parser.add_argument("--hivemind_steps_per_round", type=float, default=None,
+                        help="hivemind_optimizer's local steps per box per global epoch when swarm did not run first "
+                             f"for the seed (default {NORMAL_HIVEMIND_STEPS}; --slow_averaging {SLOW_HIVEMIND_STEPS})")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"a Hydra override of {CONFIG} for every process and the initial model, e.g. "
-                             "config.LOSS.swav_loss.epsilon=0.03 (repeat for more); to compare recipes")
+                        help="a Hydra override of the config for every process and the evaluation, e.g. "
+                             "config.LOSS.swav_loss.epsilon=0.03 (repeatable)")
     parser.add_argument("--out", type=Path, default=None,
                         help="checkpoints and logs, a new or empty folder; default: benchmarks/out/learning/<time>")
     parser.add_argument("--json", type=Path, default=None, help="write settings, runs and summary here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
-    parser.add_argument("--plot", type=Path, default=None, help="write kNN accuracy against samples seen (PNG)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
     return parser
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """Steps per peer, identical in every mode. All modes train on the same DATA_LIMIT images: a single-process
-    peer takes ``steps_per_epoch`` steps per epoch, each of ddp's ``peers`` processes 1/peers of that (VISSL's
-    sampler gives every rank a fixed share), so ddp runs ``peers`` times the epochs for the same steps and the
-    same LR schedule. DATA_LIMIT also matters for ddp's shares: VISSL samples the limited subset in random order,
-    where the full folder is sorted by class and rank 0 would see the first classes only."""
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that --quick and --slow_averaging change; check the rest."""
+    for name, value in {**DEFAULTS, **(QUICK if args.quick else {})}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.min_matchmaking_time is None:
+        args.min_matchmaking_time = SLOW_MATCHMAKING_S if args.slow_averaging else NORMAL_MATCHMAKING_S
+    if args.hivemind_steps_per_round is None:
+        args.hivemind_steps_per_round = SLOW_HIVEMIND_STEPS if args.slow_averaging else NORMAL_HIVEMIND_STEPS
+    for name in ("epochs", "seeds", "curve_points", "heldout_images", "heldout_batch"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.boxes < 2:
+        raise BenchError(f"--boxes must be at least 2, got {args.boxes}")
+    if args.min_matchmaking_time <= 0 or args.hivemind_steps_per_round <= 0:
+        raise BenchError("--min_matchmaking_time and --hivemind_steps_per_round must be positive")
+    return args
 
+
+# ---------------------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The recipe every mode trains. ``data_limit`` images (a multiple of boxes x batch; VISSL's DATA_LIMIT also
+    shuffles the folder, which is sorted by class: ddp's ranks would otherwise each get a few classes only), one box
+    alone takes ``alone_steps``; a swarm's boxes and ddp's processes share them (``shared_steps`` each)."""
+
+    config: str
     batch: int
-    peers: int
+    boxes: int
+    train_images: int
     data_limit: int
     epochs: int
-    steps_per_epoch: int
-    checkpoint_every: int
+    curve_points: int
 
     @property
-    def steps(self) -> int:
-        return self.epochs * self.steps_per_epoch
+    def alone_steps(self) -> int:
+        return self.epochs * (self.data_limit // self.batch)
 
-    def epochs_of(self, mode: str) -> int:
-        return self.epochs * self.peers if mode == "ddp" else self.epochs
+    @property
+    def budget_samples(self) -> int:
+        return self.alone_steps * self.batch
 
+    @property
+    def shared_steps(self) -> int:
+        return self.alone_steps // self.boxes
 
-def plan_schedule(steps: int, train_images: int, batch: int, peers: int, curve_points: int) -> Schedule:
-    """The fewest whole epochs that give at least ``steps`` steps, each epoch as long as the dataset allows."""
-    if steps < 1 or curve_points < 1 or peers < 2:
-        raise BenchError(f"--steps and --curve_points must be at least 1 and --peers at least 2, got {steps}, "
-                         f"{curve_points}, {peers}")
-    most_per_rank = train_images // (batch * peers)
-    if most_per_rank < 1:
-        raise BenchError(f"{train_images} training images are fewer than {peers} processes x batch {batch}; "
-                         "export more (scripts/export_digits.py) or pass fewer --peers")
-    epochs = math.ceil(steps / (peers * most_per_rank))
-    per_rank = math.ceil(steps / (peers * epochs))
-    total = epochs * peers * per_rank
-    return Schedule(batch=batch, peers=peers, data_limit=per_rank * batch * peers, epochs=epochs,
-                    steps_per_epoch=peers * per_rank, checkpoint_every=max(1, math.ceil(total / curve_points)))
+    def expected_steps(self, mode: str) -> int:
+        return self.alone_steps if mode == "alone" else self.shared_steps
+
+    def checkpoint_every(self, mode: str) -> int:
+        return max(1, math.ceil(self.expected_steps(mode) / self.curve_points))
+
+    def global_batch(self, mode: str) -> int:
+        return self.batch * self.boxes if mode == "ddp" else self.batch
 
 
-def count_train_images(data_path: Path) -> int:
-    folder = data_path / "train"
-    if not folder.is_dir() or not (data_path / "val").is_dir():
-        raise BenchError(f"--data_path {data_path}: expected train/ and val/ ImageFolders "
-                         f"(`python scripts/export_digits.py --out {data_path}` makes them)")
+def make_plan(args: argparse.Namespace) -> Plan:
+    if not (args.data_path / "train").is_dir() or not (args.data_path / "val").is_dir():
+        raise BenchError(f"--data_path {args.data_path}: expected train/ and val/ ImageFolders (`make data-fashion`, "
+                         f"or `python scripts/export_digits.py --out {args.data_path}`)")
+    images = count_images(args.data_path / "train")
+    batch = batch_per_box(args.config, args.override)
+    usable = min(images, args.train_images) if args.train_images else images
+    data_limit = usable - usable % (batch * args.boxes)
+    if data_limit < batch * args.boxes:
+        raise BenchError(f"{usable} training images are fewer than {args.boxes} boxes x batch {batch}")
+    return Plan(config=args.config, batch=batch, boxes=args.boxes, train_images=images, data_limit=data_limit,
+                epochs=args.epochs, curve_points=args.curve_points)
+
+
+def count_images(folder: Path) -> int:
     return sum(1 for path in folder.glob("*/*") if path.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def batch_per_peer(overrides: list[str]) -> int:
+def batch_per_box(config_name: str, overrides: list[str]) -> int:
     from config_loading import ConfigError, compose_config
 
     try:
-        config, _ = compose_config(CONFIG, overrides, has_gpu=False)
+        config, _ = compose_config(config_name, overrides, has_gpu=False)
     except ConfigError as error:
-        raise BenchError(f"--override: {error}") from error
+        raise BenchError(f"--config/--override: {error}") from error
     return int(config.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
 
 
 def fresh_out_dir(out: Path | None) -> Path:
-    """A folder no earlier run wrote into: peers would resume its checkpoints and report old trunks as new."""
+    """A folder no earlier run wrote into: boxes would resume its checkpoints and report old trunks as new."""
     if out is None:
         out = REPO / "benchmarks/out/learning" / time.strftime("%Y%m%d-%H%M%S")
     if out.exists() and any(out.iterdir()):
@@ -156,11 +253,181 @@ def fresh_out_dir(out: Path | None) -> Path:
     return out
 
 
-def estimated_seconds(mode: str, schedule: Schedule, curve_points: int) -> float:
-    if mode == "random_init":
-        return 3 * EVAL_S + 5.0
-    trunks = 1 if mode == "ddp" else schedule.peers
-    return STARTUP_S[mode] + schedule.steps * SECONDS_PER_STEP[mode] + trunks * curve_points * EVAL_S
+def estimated_seconds(mode: str, plan: Plan, eval_images: int) -> float:
+    """Rough: start-up, steps, and the kNN/held-out evaluation of every box's checkpoints."""
+    if mode in FLOOR_ROWS:
+        return 2 * eval_images * EVAL_S_PER_IMAGE
+    trunks = 1 if mode in ("alone", "ddp") else plan.boxes
+    evaluations = trunks * (plan.curve_points + 2)
+    return STARTUP_S[mode] + plan.expected_steps(mode) * SECONDS_PER_STEP[mode] + evaluations * eval_images * \
+        EVAL_S_PER_IMAGE
+
+
+def git_state() -> dict:
+    """The commit the numbers come from, and whether the working tree differed from it."""
+    def git(*words: str) -> str:
+        try:
+            return subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+
+
+# --------------------------------------------------------------------------------------------------- evaluation
+
+
+def load_split(folder: Path, transform: Any, indices: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eval-transformed images of one ImageFolder split (or of ``indices`` of it) and their labels."""
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder(str(folder), transform=transform)
+    chosen = range(len(dataset)) if indices is None else indices
+    images, labels = [], []
+    for index in chosen:
+        image, label = dataset[index]
+        images.append(image)
+        labels.append(label)
+    return torch.stack(images), torch.tensor(labels)
+
+
+def fixed_subset(size: int, count: int, seed: int) -> list[int] | None:
+    """``count`` of ``size`` indices, the same for every model (None: all)."""
+    if count <= 0 or count >= size:
+        return None
+    return sorted(torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:count].tolist())
+
+
+class Evaluator:
+    """kNN top-1 (the bank: a fixed subset of train; the queries: all of val) and the SwAV loss on a fixed held-out
+    set, of any checkpoint of the config; the images are decoded once."""
+
+    def __init__(self, config_name: str, overrides: list[str], data_path: Path, knn_train: int,
+                 heldout_images: int, heldout_batch: int) -> None:
+        import vissl_compat
+
+        vissl_compat.apply()
+        from classy_vision.generic.distributed_util import set_cpu_device
+        from vissl.models import build_model
+
+        from config_loading import compose_config
+        from run_eval import eval_transform
+
+        set_cpu_device()  # the evaluation runs on the CPU (SwAV's Sinkhorn would move its tensors to a GPU otherwise)
+        # the held-out loss without a queue: a fresh loss has an empty one, which would enter the Sinkhorn
+        self.config, _ = compose_config(config_name, [*overrides, "config.LOSS.swav_loss.queue.queue_length=0"],
+                                        has_gpu=False)
+        self.model = build_model(self.config.MODEL, self.config.OPTIMIZER)
+        transform = eval_transform(self.config)
+        self.bank_indices = fixed_subset(count_images(data_path / "train"), knn_train, seed=1)
+        self.bank, self.bank_labels = load_split(data_path / "train", transform, self.bank_indices)
+        self.val, self.val_labels = load_split(data_path / "val", transform)
+        self.temperature = float(self.config.NEAREST_NEIGHBOR.SIGMA)
+        self.heldout = self._heldout_batches(data_path / "val", heldout_images, heldout_batch)
+
+    @property
+    def sizes(self) -> dict:
+        return {"knn_bank": len(self.bank_labels), "knn_queries": len(self.val_labels),
+                "heldout_batches": len(self.heldout)}
+
+    def _heldout_batches(self, folder: Path, count: int, batch: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """The held-out crops, drawn once: ``count`` val images (a fixed subset, whole batches), the config's training
+        transforms under seed 0 (torch, numpy and random: VISSL's transforms draw from all three), VISSL's collator."""
+        from torchvision.datasets import ImageFolder
+        from vissl.data.collators import get_collator
+        from vissl.data.ssl_transforms import get_transform
+
+        dataset = ImageFolder(str(folder))
+        count = max(batch, min(count, len(dataset)) // batch * batch)
+        indices = fixed_subset(len(dataset), count, seed=2) or list(range(len(dataset)))[:count]
+        transform = get_transform(self.config.DATA.TRAIN.TRANSFORMS)
+        train = self.config.DATA.TRAIN
+        collate = get_collator(train.COLLATE_FUNCTION, train.get("COLLATE_FUNCTION_PARAMS", {}))
+        state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        try:
+            samples = [transform({"data": [dataset[index][0]], "label": [index], "data_valid": [1],
+                                  "data_idx": [index]}) for index in indices]
+        finally:
+            torch.set_rng_state(state[0])
+            np.random.set_state(state[1])
+            random.setstate(state[2])
+        batches = []
+        for start in range(0, len(samples), batch):
+            collated = collate(samples[start:start + batch])
+            batches.append((collated["data"][0], collated["label"][0]))
+        return batches
+
+    def load(self, checkpoint: Path) -> None:
+        """The model of a VISSL checkpoint (trunk and heads, with BatchNorm statistics)."""
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)  # our own benchmark's files
+        self.model.set_classy_state(state["classy_state_dict"]["base_model"])
+
+    def features(self, images: torch.Tensor, batch: int = 512) -> torch.Tensor:
+        trunk = self.model.trunk.eval()
+        with torch.no_grad():
+            return torch.cat([torch.nn.functional.normalize(trunk(images[start:start + batch])[0].flatten(1).float(),
+                                                            dim=1) for start in range(0, len(images), batch)])
+
+    def knn(self, bank: torch.Tensor, queries: torch.Tensor, k: int = 20, chunk: int = 2000) -> float:
+        """run_eval.py's weighted kNN vote, over chunks of queries (a 10k x 60k similarity matrix is 2.4 GB)."""
+        correct = 0.0
+        for start in range(0, len(queries), chunk):
+            labels = self.val_labels[start:start + chunk]
+            part = knn_top1(bank, self.bank_labels, queries[start:start + chunk], labels, k, self.temperature)
+            correct += part * len(labels)
+        return correct / len(queries)
+
+    def knn_of_model(self) -> float:
+        return self.knn(self.features(self.bank), self.features(self.val))
+
+    def heldout_loss(self) -> float:
+        """Mean SwAV loss over the fixed held-out batches; BatchNorm on batch statistics (train mode, as training
+        computes the loss), no gradients; the model's running statistics are reloaded with the next checkpoint."""
+        import vissl.losses  # noqa: F401  (registers VISSL's losses)
+        from classy_vision.losses import build_loss
+
+        name = self.config.LOSS["name"]
+        loss_config = copy.deepcopy(self.config.LOSS[name])  # VISSL's AttrDict, as its task builds the loss
+        loss_config["name"] = name
+        loss = build_loss(loss_config)
+        self.model.train()
+        values = []
+        with torch.no_grad():
+            for crops, target in self.heldout:
+                output = self.model(crops)
+                output = output[0] if len(output) == 1 else output  # as VISSL's train step does
+                values.append(float(loss(output, target)))
+        self.model.eval()
+        return mean(values)
+
+    def evaluate(self, checkpoint: Path) -> dict:
+        self.load(checkpoint)
+        accuracy = self.knn_of_model()
+        return {"knn": round(accuracy, 4), "heldout_loss": round(self.heldout_loss(), 4)}
+
+    def adapt_batchnorm(self, batch: int = 256) -> None:
+        """The model's BatchNorm statistics recomputed over the kNN bank's train images (run_eval.py --adapt_bn)."""
+        trunk = self.model.trunk
+        norms = [module for module in trunk.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+        for norm in norms:
+            norm.reset_running_stats()
+            norm.momentum = None
+        order = torch.randperm(len(self.bank), generator=torch.Generator().manual_seed(0))
+        trunk.train()
+        with torch.no_grad():
+            for start in range(0, len(order), batch):
+                trunk(self.bank[order[start:start + batch]])
+        trunk.eval()
+
+    def raw_pixels(self) -> float:
+        """kNN on the eval tensors themselves, flattened: what the trunk has to beat without any learning."""
+        def flat(images: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.normalize(images.flatten(1).float(), dim=1)
+
+        return self.knn(flat(self.bank), flat(self.val))
 
 
 # ---------------------------------------------------------------------------------------------- initial model
@@ -168,48 +435,51 @@ def estimated_seconds(mode: str, schedule: Schedule, curve_points: int) -> float
 
 @dataclass(frozen=True)
 class InitialModel:
-    """What every process of one seed's runs starts from, in every mode, and its kNN accuracy as it is (the curves'
-    step 0) and with BatchNorm statistics of the training split (the floor)."""
+    """What every process of one seed starts from, in every mode, and its evaluation: as is (the curves' step 0)
+    and with BatchNorm statistics of the training images (the random_init floor)."""
 
     path: Path
     trunk_fingerprint: str
-    accuracy: float
-    accuracy_adapted_bn: float
+    knn: float
+    heldout_loss: float
+    knn_adapted_bn: float
 
 
 def run_id(seed: int) -> str:
     return f"learn{seed}"
 
 
-def write_initial_model(seed: int, folder: Path, data_path: Path, overrides: list[str]) -> InitialModel:
-    """The model the swarm peers of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id),
-    saved as VISSL weights. The stock-task modes (isolated, ddp) load it with MODEL.WEIGHTS_INIT, VISSL's own
-    start-from-weights option: VISSL would otherwise initialise each of their processes from its SEED_VALUE."""
+def write_initial_model(seed: int, folder: Path, config_name: str, overrides: list[str],
+                        evaluator: Evaluator) -> InitialModel:
+    """The model the swarm boxes of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id and
+    config name), saved as VISSL weights: alone and ddp load it with MODEL.WEIGHTS_INIT."""
     import vissl_compat
 
-    vissl_compat.apply()  # before VISSL is imported
+    vissl_compat.apply()
     from vissl.models import build_model
     from vissl.utils.misc import set_torch_seed
 
     from config_loading import compose_config
     from initial_model import initial_model_seed, weights_fingerprint
-    from run_eval import knn_accuracy
 
-    config, _ = compose_config(CONFIG, overrides, has_gpu=False)
-    init_seed = initial_model_seed(run_id(seed), CONFIG)
+    config, _ = compose_config(config_name, overrides, has_gpu=False)
+    init_seed = initial_model_seed(run_id(seed), config_name)
     config.MODEL._MODEL_INIT_SEED = init_seed  # as the task does: VISSL seeds the heads with it
     with set_torch_seed(init_seed):
         model = build_model(config.MODEL, config.OPTIMIZER)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{run_id(seed)}.torch"
     torch.save({"classy_state_dict": {"base_model": model.get_classy_state()}}, path)
-    return InitialModel(path, weights_fingerprint(model.trunk), knn_accuracy(path, data_path, CONFIG),
-                        knn_accuracy(path, data_path, CONFIG, adapt_bn=True))
+    as_is = evaluator.evaluate(path)
+    evaluator.load(path)
+    evaluator.adapt_batchnorm()
+    return InitialModel(path, weights_fingerprint(model.trunk), as_is["knn"], as_is["heldout_loss"],
+                        round(evaluator.knn_of_model(), 4))
 
 
 def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bool:
-    """Whether every process of the run logged that it started from the seed's initial model: a swarm peer logs
-    its trunk's fingerprint, VISSL logs loading the weights file."""
+    """Whether every process logged starting from the seed's initial model (a swarm box logs its trunk's fingerprint,
+    VISSL logs loading the weights file)."""
     if mode in SWARM_MODES:
         return all(re.findall(r"trunk fingerprint (\w+)", peer.log_text()) == [initial.trunk_fingerprint]
                    for peer in peers)
@@ -219,58 +489,60 @@ def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bo
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def make_peers(mode: str, seed: int, out: Path, schedule: Schedule) -> list[LocalPeer]:
+def make_peers(mode: str, seed: int, out: Path, plan: Plan, env: dict[str, str]) -> list[LocalPeer]:
     run_dir = out / mode / f"seed{seed}"
     if mode == "ddp":  # gloo on the loopback only (it would pick the host name's interface otherwise)
-        return [LocalPeer("ddp", run_dir, config=CONFIG, env={"GLOO_SOCKET_IFNAME": "lo"})]
-    return [LocalPeer(f"peer{index}", run_dir, config=CONFIG) for index in range(schedule.peers)]
+        return [LocalPeer("ddp", run_dir, config=plan.config, env={"GLOO_SOCKET_IFNAME": "lo"})]
+    if mode == "alone":
+        return [LocalPeer("box0", run_dir, config=plan.config)]
+    return [LocalPeer(f"box{index}", run_dir, config=plan.config, env=dict(env)) for index in range(plan.boxes)]
 
 
-def trainer_arguments(mode: str, seed: int, schedule: Schedule, initial: InitialModel,
-                      recipe: list[str]) -> tuple[list[str], list[str]]:
-    """(flags, overrides) of every process of a run, ``recipe`` (--override) first; the peer's own SEED_VALUE is
-    added per peer."""
+def trainer_arguments(mode: str, seed: int, plan: Plan, initial: InitialModel, args: argparse.Namespace
+                      ) -> tuple[list[str], list[str]]:
+    """(flags, overrides) of every process of a run, ``--override`` first; the box's own SEED_VALUE is added per box.
+    Every mode: the same num_epochs (the budget) and the same DATA_LIMIT."""
     flags = ["--run_id", run_id(seed)]
-    overrides = [*recipe, f"config.OPTIMIZER.num_epochs={schedule.epochs_of(mode)}",
-                 f"config.DATA.TRAIN.DATA_LIMIT={schedule.data_limit}",
-                 f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={schedule.checkpoint_every}",
+    overrides = [*args.override, f"config.OPTIMIZER.num_epochs={plan.epochs}",
+                 f"config.DATA.TRAIN.DATA_LIMIT={plan.data_limit}",
+                 f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={plan.checkpoint_every(mode)}",
                  "config.CHECKPOINT.CHECKPOINT_FREQUENCY=1000000", "config.LOG_FREQUENCY=20"]
     if mode in SWARM_MODES:
-        flags += ["--target_group_size", str(schedule.peers), "--min_matchmaking_time", "3",
-                  "--averaging_timeout", "30", "--next_chunk_timeout", "5", "--load_state_timeout", "0",
-                  *SWARM_MODES[mode]]
-    else:  # VISSL's stock self_supervision_task, from the run's initial model
+        group = plan.boxes + 1 if args.slow_averaging else plan.boxes  # slow: no group fills before the deadline
+        flags += ["--averager", SWARM_MODES[mode], "--target_group_size", str(group),
+                  "--min_matchmaking_time", f"{args.min_matchmaking_time:g}", "--averaging_timeout", "30",
+                  "--next_chunk_timeout", "5", "--load_state_timeout", "0"]
+    else:  # VISSL's stock self_supervision_task, from the seed's initial model
         flags.append("--isolated")
         overrides.append(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={initial.path}")
     if mode == "ddp":
-        overrides.append(f"config.DISTRIBUTED.NUM_PROC_PER_NODE={schedule.peers}")
+        overrides.append(f"config.DISTRIBUTED.NUM_PROC_PER_NODE={plan.boxes}")
     return flags, overrides
 
 
-def peer_seed(seed: int, index: int) -> list[str]:
+def box_seed(seed: int, index: int) -> list[str]:
     return [f"config.SEED_VALUE={1000 * seed + index}"]
 
 
-def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace, schedule: Schedule,
-          initial: InitialModel) -> float:
-    """Start the run's processes, wait until all exited, return the wall-clock seconds; BenchError if one failed."""
-    flags, overrides = trainer_arguments(mode, seed, schedule, initial, args.override)
-    deadline_s = 4 * estimated_seconds(mode, schedule, args.curve_points) + 600
+def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace, plan: Plan,
+          initial: InitialModel, deadline_s: float) -> float:
+    """Start the run's processes, wait until all exited, return the wall-clock seconds (reported, never plotted);
+    BenchError if one failed or the run passed its deadline (every process is stopped then)."""
+    flags, overrides = trainer_arguments(mode, seed, plan, initial, args)
     started = time.monotonic()
     try:
         if mode in SWARM_MODES:
             start_swarm_together(peers, args.data_path, flags, overrides,
-                                 per_peer_overrides=lambda peer: peer_seed(seed, peers.index(peer)))
+                                 per_peer_overrides=lambda peer: box_seed(seed, peers.index(peer)))
         else:
-            for index, peer in enumerate(peers):
-                peer.start(args.data_path, [], flags, overrides + peer_seed(seed, index))
+            peers[0].start(args.data_path, [], flags, overrides + box_seed(seed, 0))
         while any(peer.is_running() for peer in peers):
             check_exits(mode, seed, peers)  # one crashed: stop the others rather than wait for them
             if time.monotonic() - started > deadline_s:
                 raise BenchError(f"{mode} seed {seed} did not finish within {deadline_s:.0f} s; logs: "
                                  f"{peers[0].out_dir}")
             time.sleep(1.0)
-    except (RuntimeError, TimeoutError) as error:  # a peer that died or hung before its join line
+    except (RuntimeError, TimeoutError) as error:  # a box that died or hung before its join line
         raise BenchError(f"{mode} seed {seed}: {error}{crash_report(peers)}") from error
     finally:
         stop_all(peers)
@@ -279,8 +551,7 @@ def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace
 
 
 def crash_report(peers: list[LocalPeer]) -> str:
-    """Every process that exited with an error, with the last error line of its log (the first to crash may not
-    be the one that was waited for: a joiner fails when the first peer died)."""
+    """Every process that exited with an error, with the last error line of its log."""
     return "".join(f"\n  {peer.name} exited with code {peer.process.poll()} ({peer.log_path}): {last_error_line(peer)}"
                    for peer in peers if peer.process is not None and peer.process.poll() not in (None, 0))
 
@@ -296,171 +567,270 @@ def last_error_line(peer: LocalPeer) -> str:
     return (errors or lines or ["(empty log)"])[-1][:300]
 
 
-# -------------------------------------------------------------------------------------------------- evaluation
+# -------------------------------------------------------------------------------------------------- a run's records
 
 
-def checkpoints_by_iteration(folder: Path) -> dict[int, Path]:
-    """A peer's checkpoints every CHECKPOINT_ITER_FREQUENCY steps and its final one, keyed by iteration (not those
-    at epoch ends: ddp's epochs are shorter, its curve would get more points)."""
+def box_checkpoints(folder: Path, mode: str, plan: Plan) -> list[dict]:
+    """A box's checkpoints along the run and its final one, in order: path, steps of the box, samples of the swarm
+    (a swarm box's checkpoint holds the swarm's count; alone and ddp: steps x their global batch)."""
     finals = list(folder.glob("model_final_checkpoint*.torch"))
     if not finals:
         raise BenchError(f"{folder} holds no final checkpoint (model_final_checkpoint_*.torch): training did not end")
-    found = {}
-    for path in [*folder.glob("model_iteration*.torch"), *finals]:  # the final one last: it wins a shared key
-        found[int(torch.load(path, map_location="cpu", weights_only=True)["iteration"])] = path
-    return found
+    found: dict[int, dict] = {}
+    for path in [*folder.glob("model_iteration*.torch"), *finals]:  # the final one last: it wins a shared step
+        state = torch.load(path, map_location="cpu", weights_only=False)  # our own benchmark's files
+        steps = int(state["iteration"])
+        progress = state["classy_state_dict"].get("swarm_progress")
+        samples = int(progress["position"]) if progress else steps * plan.global_batch(mode)
+        found[steps] = {"path": path, "steps": steps, "samples": samples, "final": path in finals}
+    return [found[steps] for steps in sorted(found)]
 
 
-def trunk_weights(checkpoint: Path) -> list[torch.Tensor]:
-    return [tensor.double() for _, tensor in sorted(load_trunk_state(checkpoint).items()) if tensor.is_floating_point()]
+def rounds_of(peer: LocalPeer) -> dict:
+    """A swarm box's averaging rounds (its averaging_rounds.jsonl)."""
+    records = read_jsonl(peer.checkpoint_dir / "averaging_rounds.jsonl")
+    applied = [record for record in records if record.get("applied")]
+    staleness = [record["staleness_steps"] for record in applied if record.get("staleness_steps") is not None]
+    return {"applied": len(applied), "failed": len(records) - len(applied),
+            "group_size_mean": _rounded(mean(r["group_size"] for r in applied)) if applied else None,
+            "staleness_mean": _rounded(mean(staleness)) if staleness else None}
 
 
-def mean_pairwise_distance(checkpoints: list[Path]) -> float | None:
-    weights = [trunk_weights(path) for path in checkpoints]
+def mean_curve(boxes: list[list[dict]], initial: InitialModel) -> list[dict]:
+    """The run's curve: step 0 (the initial model), then the checkpoints every box has at the same step, then the
+    boxes' final checkpoints; each point the mean over boxes."""
+    common = set.intersection(*({point["steps"] for point in box if not point["final"]} for box in boxes))
+    points = [{"steps": 0, "samples": 0, "knn": initial.knn, "heldout_loss": initial.heldout_loss}]
+    groups = [[next(p for p in box if p["steps"] == steps) for box in boxes] for steps in sorted(common)]
+    groups.append([box[-1] for box in boxes])
+    for group in groups:
+        points.append({key: _rounded(mean(point[key] for point in group), 4 if key in ("knn", "heldout_loss") else 1)
+                       for key in ("steps", "samples", "knn", "heldout_loss")})
+    return points
+
+
+def crossing(curve: list[dict], target: float, axis: str) -> float | None:
+    """Where the curve first reaches ``target`` kNN, linear between its points; None if it never does."""
+    for before, after in itertools.pairwise(curve):
+        if after["knn"] >= target:
+            if before["knn"] >= target or after["knn"] == before["knn"]:
+                return before[axis] if before["knn"] >= target else after[axis]
+            share = (target - before["knn"]) / (after["knn"] - before["knn"])
+            return round(before[axis] + share * (after[axis] - before[axis]), 1)
+    return None
+
+
+def trunk_distance(paths: list[Path]) -> float | None:
+    """Mean pairwise L2 distance of the boxes' final trunks (how far the swarm's boxes are apart at the end)."""
+    from run_eval import load_trunk_state
+
+    weights = [[tensor.double() for _, tensor in sorted(load_trunk_state(path).items()) if tensor.is_floating_point()]
+               for path in paths]
     distances = [math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b, strict=True)))
                  for a, b in itertools.combinations(weights, 2)]
-    return mean(distances) if distances else None
+    return _rounded(mean(distances), 3) if distances else None
 
 
-def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], data_path: Path, wall_s: float,
-                 initial: InitialModel) -> dict:
-    """kNN of every peer's checkpoints along the run (from the initial model's, at step 0); the last one (the final
-    checkpoint) is the run's result."""
-    from run_eval import knn_accuracy
-
-    per_peer = [checkpoints_by_iteration(peer.checkpoint_dir) for peer in peers]
-    accuracies = [{iteration: knn_accuracy(path, data_path, CONFIG) for iteration, path in found.items()}
-                  for found in per_peer]
-    common = sorted(set.intersection(*(set(found) for found in per_peer)))
-    finals = [found[max(found)] for found in per_peer]
-    final_accuracies = [by_iteration[max(by_iteration)] for by_iteration in accuracies]
-    return {
+def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], plan: Plan, evaluator: Evaluator,
+                 initial: InitialModel, wall_s: float, hivemind_target: int | None) -> dict:
+    """Every box's checkpoints evaluated (kNN, held-out loss), the run's mean curve, steps, samples and rounds."""
+    boxes, final_paths = [], []
+    for peer in peers:
+        points = box_checkpoints(peer.checkpoint_dir, mode, plan)
+        final_paths.append(points[-1]["path"])
+        for point in points:
+            point.update(evaluator.evaluate(point.pop("path")))
+        boxes.append(points)
+    finals = [box[-1] for box in boxes]
+    result = {
         "mode": mode, "seed": seed, "wall_s": round(wall_s, 1),
         "same_initial_model": started_from(mode, peers, initial),
-        "accuracy": round(mean(final_accuracies), 4),
-        "accuracy_per_peer": [round(accuracy, 4) for accuracy in final_accuracies],
-        "peer_distance": _rounded(mean_pairwise_distance(finals)),
-        "steps_per_peer": [max(found) for found in per_peer],
-        "rounds_per_peer": [len(peer.applied_rounds()) for peer in peers],
-        "curve": [[0, round(initial.accuracy, 4)]] + [
-            [iteration, round(mean(by_iteration[iteration] for by_iteration in accuracies), 4)] for iteration in common
-        ],
+        "knn": round(mean(point["knn"] for point in finals), 4),
+        "knn_per_box": [point["knn"] for point in finals],
+        "heldout_loss": round(mean(point["heldout_loss"] for point in finals), 4),
+        "steps_per_box": [point["steps"] for point in finals],
+        "samples_of_swarm": max(point["samples"] for point in finals),
+        "curve": mean_curve(boxes, initial),
+        "curves_per_box": [[{k: v for k, v in point.items() if k != "final"} for point in box] for box in boxes],
     }  # fmt: skip
+    if mode in SWARM_MODES:
+        rounds = [rounds_of(peer) for peer in peers]
+        applied = [entry["applied"] for entry in rounds]
+        ratios = [steps / count for steps, count in zip(result["steps_per_box"], applied, strict=True) if count]
+        last_logged = [peer.progress()[-1] for peer in peers if peer.progress()]
+        result.update(rounds_per_box=rounds, rounds_applied_per_box=applied,
+                      steps_per_round=_rounded(mean(ratios), 1) if ratios else None,
+                      trunk_distance=trunk_distance(final_paths),
+                      lr_factor=[entry.get("lr_factor") for entry in last_logged])  # --swarm_lr scaling
+        if mode == "hivemind_optimizer":
+            result["hivemind_target_batch_size"] = hivemind_target
+    return result
 
 
 def _rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def floor_runs(seed: int, initial: InitialModel) -> list[dict]:
-    """The run's initial model, untrained: with BatchNorm statistics of the training split (the floor) and as is."""
-    return [{"mode": mode, "seed": seed, "wall_s": 0.0, "accuracy": round(accuracy, 4), "peer_distance": None,
-             "steps_per_peer": [0], "rounds_per_peer": [0], "curve": []}
-            for mode, accuracy in (("random_init", initial.accuracy_adapted_bn),
-                                   ("random_init_stock_bn", initial.accuracy))]
+def floor_runs(mode: str, seed: int, initial: InitialModel, raw_pixels: float | None) -> dict:
+    value = initial.knn_adapted_bn if mode == "random_init" else raw_pixels
+    return {"mode": mode, "seed": seed, "knn": value, "steps_per_box": [0], "samples_of_swarm": 0, "curve": []}
 
 
-def run_one(mode: str, seed: int, args: argparse.Namespace, schedule: Schedule, initial: InitialModel) -> list[dict]:
-    if mode == "random_init":
-        return floor_runs(seed, initial)
-    peers = make_peers(mode, seed, args.out, schedule)
-    wall_s = train(mode, seed, peers, args, schedule, initial)
-    result = evaluate_run(mode, seed, peers, args.data_path, wall_s, initial)
+def hivemind_target_for(seed: int, runs: list[dict], plan: Plan, args: argparse.Namespace) -> tuple[int, str]:
+    """hivemind_optimizer's samples per global epoch: rounds as often as ``swarm``'s (its measured local steps per
+    applied round, same seed), else ``--hivemind_steps_per_round``."""
+    measured = next((run.get("steps_per_round") for run in runs if run["mode"] == "swarm" and run["seed"] == seed
+                     and "error" not in run), None)
+    steps = measured or args.hivemind_steps_per_round
+    source = f"swarm's {measured} steps per round" if measured else f"--hivemind_steps_per_round {steps:g}"
+    return max(plan.batch, round(plan.boxes * plan.batch * steps)), source
+
+
+def run_one(mode: str, seed: int, args: argparse.Namespace, plan: Plan, evaluator: Evaluator,
+            initial: InitialModel, runs: list[dict], raw_pixels: float | None, eval_images: int) -> dict:
+    if mode in FLOOR_ROWS:
+        return floor_runs(mode, seed, initial, raw_pixels)
+    env, target = {}, None
+    if mode == "hivemind_optimizer":
+        target, source = hivemind_target_for(seed, runs, plan, args)
+        env[HIVEMIND_TARGET_ENV] = str(target)
+        print(f"hivemind_optimizer seed {seed}: a global epoch every {target} samples of the swarm ({source})",
+              flush=True)
+    peers = make_peers(mode, seed, args.out, plan, env)
+    deadline_s = 4 * estimated_seconds(mode, plan, eval_images) + 600
+    wall_s = train(mode, seed, peers, args, plan, initial, deadline_s)
+    result = evaluate_run(mode, seed, peers, plan, evaluator, initial, wall_s, target)
     if not result["same_initial_model"]:
         print(f"warning: {mode} seed {seed}: not every process logged starting from {initial.path} (trunk "
-              f"{initial.trunk_fingerprint}); the modes of this seed may not share their start. Logs: "
-              f"{peers[0].out_dir}", file=sys.stderr, flush=True)
-    return [result]
+              f"{initial.trunk_fingerprint}); logs: {peers[0].out_dir}", file=sys.stderr, flush=True)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------- reports
 
 
-def summarize(mode: str, runs: list[dict], batch: int) -> dict:
-    """Mean ± std over the seeds that finished (std needs two)."""
+def spread(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return mean(values), (stdev(values) if len(values) > 1 else None)
+
+
+def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
+    """Mean ± std over the seeds that finished; the steps (and samples) at which a seed's curve reaches the same
+    seed's alone kNN."""
     done = [run for run in runs if "error" not in run]
+    summary: dict[str, Any] = {"mode": mode, "seeds": len(done), "failed": len(runs) - len(done)}
     if not done:
-        return {"mode": mode, "seeds": 0, "failed": len(runs)}
+        return summary
+    knn, knn_std = spread([run["knn"] for run in done])
+    summary.update(knn_mean=_rounded(knn), knn_std=_rounded(knn_std))
+    if mode in FLOOR_ROWS:
+        return summary
+    reach = [(crossing(run["curve"], alone[run["seed"]], "steps"), crossing(run["curve"], alone[run["seed"]],
+                                                                             "samples"))
+             for run in done if run["seed"] in alone]
+    reached = [pair for pair in reach if pair[0] is not None]
+    summary.update(
+        heldout_loss_mean=_rounded(mean(run["heldout_loss"] for run in done)),
+        steps_per_box_mean=round(mean(s for run in done for s in run["steps_per_box"]), 1),
+        samples_of_swarm_mean=round(mean(run["samples_of_swarm"] for run in done), 1),
+        seeds_reaching_alone=len(reached), seeds_compared_with_alone=len(reach),
+        steps_to_alone_mean=_rounded(mean(p[0] for p in reached), 1) if reached else None,
+        samples_to_alone_mean=_rounded(mean(p[1] for p in reached), 1) if reached else None,
+        curve=curve_over_seeds([run["curve"] for run in done]),
+    )  # fmt: skip
+    if mode in SWARM_MODES:
+        ratios = [run["steps_per_round"] for run in done if run.get("steps_per_round") is not None]
+        summary.update(steps_per_round_mean=_rounded(mean(ratios), 1) if ratios else None,
+                       rounds_per_box_mean=round(mean(a for run in done for a in run["rounds_applied_per_box"]), 1))
+    return summary
 
-    def spread(values: list[float]) -> tuple[float, float | None]:
-        return mean(values), (stdev(values) if len(values) > 1 else None)
 
-    accuracy, accuracy_std = spread([run["accuracy"] for run in done])
-    distances = [run["peer_distance"] for run in done if run["peer_distance"] is not None]
-    curves = [dict(run["curve"]) for run in done]
-    common = sorted(set.intersection(*(set(curve) for curve in curves)))
-    return {
-        "mode": mode, "seeds": len(done), "failed": len(runs) - len(done),
-        "accuracy_mean": round(accuracy, 4), "accuracy_std": _rounded(accuracy_std),
-        "peer_distance_mean": _rounded(mean(distances)) if distances else None,
-        "steps_per_peer_mean": round(mean(s for run in done for s in run["steps_per_peer"]), 1),
-        "rounds_per_peer_mean": round(mean(r for run in done for r in run["rounds_per_peer"]), 1),
-        "wall_s_mean": round(mean(run["wall_s"] for run in done), 1),
-        "curve": [[iteration * batch, *map(_rounded, spread([curve[iteration] for curve in curves]))]
-                  for iteration in common],
-    }  # fmt: skip
+def curve_over_seeds(curves: list[list[dict]]) -> list[dict]:
+    """Point k of every seed's curve (seeds share the checkpoint schedule), mean ± std."""
+    points = []
+    for group in zip(*curves, strict=False):
+        point = {key: _rounded(mean(p[key] for p in group), 1) for key in ("steps", "samples")}
+        for key in ("knn", "heldout_loss"):
+            value, std = spread([p[key] for p in group])
+            point[key], point[f"{key}_std"] = _rounded(value), _rounded(std)
+        points.append(point)
+    return points
 
 
-def markdown(summaries: list[dict], batch: int) -> str:
-    def cell(value: float | None, digits: int) -> str:
-        return "—" if value is None else f"{value:.{digits}f}"
+def markdown(summaries: list[dict]) -> str:
+    def cell(value: Any, digits: int = 1) -> str:
+        return "—" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
 
     rows = []
     for summary in summaries:
-        if not summary["seeds"]:
-            rows.append({"mode": summary["mode"], "kNN top-1 (mean ± std)": f"failed ({summary['failed']} runs)",
-                         "seeds": 0, "peer distance": "—", "steps per peer": "—", "samples per peer": "—",
-                         "rounds per peer": "—", "wall-clock per run (s)": "—"})
-            continue
-        failed = f" ({summary['failed']} failed)" if summary["failed"] else ""
-        steps = summary["steps_per_peer_mean"]
-        rows.append({
-            "mode": summary["mode"],
-            "kNN top-1 (mean ± std)": f"{summary['accuracy_mean']:.4f} ± {cell(summary['accuracy_std'], 4)}",
-            "seeds": f"{summary['seeds']}{failed}",
-            "peer distance": cell(summary["peer_distance_mean"], 3),
-            "steps per peer": f"{steps:g}", "samples per peer": f"{steps * batch:g}",
-            "rounds per peer": f"{summary['rounds_per_peer_mean']:g}",
-            "wall-clock per run (s)": "—" if summary["mode"] in FLOOR_ROWS else f"{summary['wall_s_mean']:.0f}",
-        })  # fmt: skip
+        row = {"mode": summary["mode"], "kNN top-1 (mean ± std)": "—", "seeds": summary["seeds"],
+               "steps per box": "—", "samples of the swarm": "—", "steps per box to alone's kNN": "—",
+               "held-out SwAV loss": "—", "local steps per round": "—", "rounds per box": "—"}
+        if summary["failed"]:
+            row["seeds"] = f"{summary['seeds']} ({summary['failed']} failed)"
+        if summary["seeds"]:
+            row["kNN top-1 (mean ± std)"] = f"{summary['knn_mean']:.4f} ± {cell(summary['knn_std'], 4)}"
+        if summary["seeds"] and summary["mode"] not in FLOOR_ROWS:
+            reached, compared = summary["seeds_reaching_alone"], summary["seeds_compared_with_alone"]
+            to_alone = "—" if not compared else ("not reached" if not reached else
+                                                 f"{summary['steps_to_alone_mean']:g}"
+                                                 + (f" ({reached}/{compared} seeds)" if reached < compared else ""))
+            row.update({"steps per box": f"{summary['steps_per_box_mean']:g}",
+                        "samples of the swarm": f"{summary['samples_of_swarm_mean']:g}",
+                        "steps per box to alone's kNN": to_alone,
+                        "held-out SwAV loss": cell(summary["heldout_loss_mean"], 4),
+                        "local steps per round": cell(summary.get("steps_per_round_mean")),
+                        "rounds per box": cell(summary.get("rounds_per_box_mean"))})
+        rows.append(row)
     return markdown_table(rows)
 
 
 def plot(summaries: list[dict], path: Path, title: str) -> None:
+    """kNN and held-out loss (rows) against samples of the swarm and steps per box (columns), mean ± std over seeds;
+    the floors as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 5))
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
     for summary in summaries:
         if not summary["seeds"]:
             continue
         if summary["mode"] in FLOOR_ROWS:
-            axis.axhline(summary["accuracy_mean"], color="gray", linestyle=FLOOR_ROWS[summary["mode"]],
-                         label=summary["mode"])
+            for axis in axes[0]:
+                axis.axhline(summary["knn_mean"], color="gray", linestyle=FLOOR_ROWS[summary["mode"]],
+                             label=summary["mode"])
             continue
-        samples = [point[0] for point in summary["curve"]]
-        means = [point[1] for point in summary["curve"]]
-        stds = [point[2] or 0.0 for point in summary["curve"]]
-        (line,) = axis.plot(samples, means, marker="o", label=summary["mode"])
-        axis.fill_between(samples, [m - s for m, s in zip(means, stds, strict=True)],
-                          [m + s for m, s in zip(means, stds, strict=True)], color=line.get_color(), alpha=0.2)
-    axis.set_xlabel("samples seen per peer (ddp: per process)")
-    axis.set_ylabel("kNN top-1 on the held-out digits")
-    axis.set_title(title)
-    axis.grid(alpha=0.3)
-    axis.legend()
+        curve = summary["curve"]
+        for row, key in enumerate(("knn", "heldout_loss")):
+            for column, axis_key in enumerate(("samples", "steps")):
+                axis = axes[row][column]
+                xs = [point[axis_key] for point in curve]
+                ys = [point[key] for point in curve]
+                stds = [point[f"{key}_std"] or 0.0 for point in curve]
+                (line,) = axis.plot(xs, ys, marker="o", markersize=3, label=summary["mode"])
+                axis.fill_between(xs, [y - s for y, s in zip(ys, stds, strict=True)],
+                                  [y + s for y, s in zip(ys, stds, strict=True)], color=line.get_color(), alpha=0.15)
+    for row, label in enumerate(("kNN top-1 on val", "held-out SwAV loss")):
+        for column, xlabel in enumerate(("samples the swarm processed", "steps per box")):
+            axis = axes[row][column]
+            axis.set_xlabel(xlabel)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict], schedule: Schedule) -> list[dict]:
-    modes = [row for mode in args.modes for row in (FLOOR_ROWS if mode == "random_init" else [mode])]
-    summaries = [summarize(mode, [run for run in runs if run["mode"] == mode], schedule.batch)
-                 for mode in modes if any(run["mode"] == mode for run in runs)]
+def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict]) -> list[dict]:
+    alone = {run["seed"]: run["knn"] for run in runs if run["mode"] == "alone" and "error" not in run}
+    summaries = [summarize(mode, [run for run in runs if run["mode"] == mode], alone)
+                 for mode in args.modes if any(run["mode"] == mode for run in runs)]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": settings, "summary": summaries, "runs": runs}, indent=1) + "\n")
@@ -470,48 +840,65 @@ def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict], sc
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.seeds < 1:
-            raise BenchError(f"--seeds must be at least 1, got {args.seeds}")
+        args = resolve_args(args)
+        plan = make_plan(args)
         args.out = fresh_out_dir(args.out)
-        batch = batch_per_peer(args.override)
-        schedule = plan_schedule(args.steps, count_train_images(args.data_path), batch, args.peers,
-                                 args.curve_points)
     except BenchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    # one thread for the kNN evaluations: with two, a busy machine makes each 10x slower (OpenMP threads spinning)
+    # one thread for the evaluations: with two, a busy machine makes each 10x slower (OpenMP threads spinning)
     torch.set_num_threads(1)
     seeds = list(range(args.seeds))
-    settings = {"config": CONFIG, "overrides": args.override, "peers": args.peers, "seeds": seeds,
-                "steps_requested": args.steps, **asdict(schedule), "steps_per_peer": schedule.steps,
-                "epochs_per_mode": {mode: schedule.epochs_of(mode) for mode in args.modes}, "out": str(args.out)}
-    expected = sum(estimated_seconds(mode, schedule, args.curve_points) for mode in args.modes) * len(seeds)
-    print(f"{len(args.modes)} modes x {len(seeds)} seeds, {schedule.steps} steps per peer at batch {batch} "
-          f"({schedule.epochs} epochs of {schedule.steps_per_epoch} steps; ddp {schedule.epochs_of('ddp')} of "
-          f"{schedule.steps_per_epoch // args.peers}), into {args.out}; expected about {expected / 60:.0f} min "
-          "on a quiet 2-core machine", flush=True)
-    initials = {seed: write_initial_model(seed, args.out / "initial", args.data_path, args.override) for seed in seeds}
+    val_images = count_images(args.data_path / "val")
+    bank = min(args.knn_train, plan.train_images) if args.knn_train else plan.train_images
+    eval_images = bank + val_images
+    trained = [mode for mode in args.modes if mode in TRAINED]
+    expected = (eval_images * DECODE_S_PER_IMAGE + len(seeds) * (3 * eval_images * EVAL_S_PER_IMAGE + sum(
+        estimated_seconds(mode, plan, eval_images) for mode in args.modes)))
+    print(f"{len(args.modes)} modes x {len(seeds)} seeds: {plan.config} on {args.data_path}, {plan.epochs} epochs of "
+          f"{plan.data_limit} images = {plan.budget_samples} samples per run ({plan.alone_steps} steps alone at batch "
+          f"{plan.batch}, ~{plan.shared_steps} per box of {plan.boxes}), kNN bank {bank} / {val_images} queries, "
+          f"into {args.out}; expected about {expected / 60:.0f} min on a busy 2-core machine", flush=True)
+    settings = {
+        "git": git_state(), "command": sys.argv if argv is None else ["bench_learning.py", *argv],
+        "dataset": {"path": str(args.data_path), "train_images": plan.train_images, "val_images": val_images,
+                    "knn_bank": bank},
+        "recipe": {**asdict(plan), "alone_steps": plan.alone_steps, "shared_steps": plan.shared_steps,
+                   "budget_samples": plan.budget_samples, "overrides": args.override,
+                   "checkpoint_every": {mode: plan.checkpoint_every(mode) for mode in trained}},
+        "averaging": {"slow_averaging": args.slow_averaging, "min_matchmaking_time": args.min_matchmaking_time,
+                      "hivemind_steps_per_round": args.hivemind_steps_per_round},
+        "heldout": {"images": args.heldout_images, "batch": args.heldout_batch}, "seeds": seeds, "out": str(args.out),
+    }  # fmt: skip
+    evaluator = Evaluator(plan.config, args.override, args.data_path, args.knn_train, args.heldout_images,
+                          args.heldout_batch)
+    settings["evaluation"] = evaluator.sizes
+    raw_pixels = round(evaluator.raw_pixels(), 4) if "raw_pixels" in args.modes else None
     runs: list[dict] = []
-    for mode, seed in itertools.product(args.modes, seeds):
-        try:
-            new = run_one(mode, seed, args, schedule, initials[seed])
-        except BenchError as error:  # e.g. one mode crashing: report it, keep measuring the others
-            print(f"error: {error}", file=sys.stderr, flush=True)
-            new = [{"mode": mode, "seed": seed, "error": str(error)}]
-        runs += new
-        for run in new:
-            print(f"{run['mode']} seed {seed}: {json.dumps({k: v for k, v in run.items() if k != 'curve'})}",
-                  flush=True)
-        write_outputs(args, settings, runs, schedule)  # partial results survive an interrupted benchmark
-    summaries = write_outputs(args, settings, runs, schedule)
-    table = markdown(summaries, batch)
+    for seed in seeds:
+        initial = write_initial_model(seed, args.out / "initial", plan.config, args.override, evaluator)
+        settings.setdefault("initial_models", {})[seed] = {"knn": initial.knn, "heldout_loss": initial.heldout_loss,
+                                                           "knn_adapted_bn": initial.knn_adapted_bn}
+        for mode in args.modes:
+            try:
+                run = run_one(mode, seed, args, plan, evaluator, initial, runs, raw_pixels, eval_images)
+            except BenchError as error:  # e.g. one mode crashing: report it, keep measuring the others
+                print(f"error: {error}", file=sys.stderr, flush=True)
+                run = {"mode": mode, "seed": seed, "error": str(error)}
+            runs.append(run)
+            shown = {k: v for k, v in run.items() if k not in ("curve", "curves_per_box", "rounds_per_box")}
+            print(f"{mode} seed {seed}: {json.dumps(shown)}", flush=True)
+            write_outputs(args, settings, runs)  # partial results survive an interrupted benchmark
+    summaries = write_outputs(args, settings, runs)
+    table = markdown(summaries)
     print(table)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table + "\n")
     if args.plot:
-        title = f"{CONFIG}, {args.peers} peers x batch {batch}, mean ± std over {len(seeds)} seed(s)"
-        plot(summaries, args.plot, title)
+        regime = "slow averaging" if args.slow_averaging else f"matchmaking {args.min_matchmaking_time:g} s"
+        plot(summaries, args.plot, f"{plan.config}, {plan.epochs} epochs of {plan.data_limit} images, {plan.boxes} "
+                                   f"boxes x batch {plan.batch}, {regime}; mean ± std over {len(seeds)} seed(s)")
     return 0 if all("error" not in run for run in runs) else 1
 
 

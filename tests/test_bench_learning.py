@@ -1,18 +1,19 @@
-"""Smoke test for benchmarks/bench_learning.py: the untrained floor (with BatchNorm statistics of the training
-split, and as is) and the ddp reference (VISSL's stock task, two local processes over gloo) on a few steps with a
-recipe override, then a second invocation into the same folder, which must refuse.
+"""Smoke test for benchmarks/bench_learning.py: ``--quick`` (digits, swav_tiny, 1 seed, 2 epochs) with one box alone
+against a swarm of 3 boxes at the same recipe, plus the floors; then a second invocation into the same folder,
+which must refuse.
 
-No accuracy assertions: the benchmark's numbers come from its full run. This proves the code path: the schedule
-gives ddp the planned steps per process, ddp starts from the seed's initial model and trains with the override,
-checkpoints along the run are evaluated, and JSON, table and plot are written."""
+No accuracy assertions: the benchmark's numbers come from its full run. This proves the code path: every mode trains
+the same budget (the swarm's boxes each a share of it, so fewer steps each than alone), checkpoints along the run
+are evaluated (kNN on the whole val split, the fixed held-out SwAV loss), the swarm's samples come from its boxes'
+checkpoints and its rounds from their logs, and JSON (with the git commit), table and plot are written."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -20,40 +21,67 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_learning  # noqa: E402
 
 
-def test_bench_learning_smoke(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.mark.timeout(900)
+def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "learning"
     reports = {name: tmp_path / f"learning.{name}" for name in ("json", "md", "png")}
-    arguments = [
-        "--data_path", str(digits_dir), "--modes", "random_init", "ddp", "--seeds", "1", "--peers", "2",
-        "--steps", "4", "--curve_points", "2", "--out", str(out), "--json", str(reports["json"]),
-        "--markdown", str(reports["md"]), "--plot", str(reports["png"]),
-        "--override", "config.LOSS.swav_loss.temperature=0.2",
-    ]  # fmt: skip
+    arguments = ["--quick", "--data_path", str(digits_dir), "--modes", "alone", "swarm", "random_init", "raw_pixels",
+                 "--out", str(out), "--json", str(reports["json"]), "--markdown", str(reports["md"]),
+                 "--plot", str(reports["png"])]  # fmt: skip
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "expected about" in proc.stdout
 
     result = json.loads(reports["json"].read_text())
     settings = result["settings"]
-    assert settings["steps_per_peer"] == 4 and settings["epochs_per_mode"]["ddp"] == 2 * settings["epochs"]
-    assert settings["overrides"] == ["config.LOSS.swav_loss.temperature=0.2"]
-    floor, stock_bn, ddp = result["runs"]
-    assert floor["mode"] == "random_init" and 0.0 < floor["accuracy"] <= 1.0
-    assert stock_bn["mode"] == "random_init_stock_bn" and 0.0 < stock_bn["accuracy"] <= 1.0
-    assert floor["accuracy"] != stock_bn["accuracy"]  # the floor's BatchNorm statistics were recomputed
-    assert ddp["mode"] == "ddp" and "error" not in ddp, ddp
-    trained_with = yaml.safe_load((out / "ddp/seed0/ddp/train_config.yaml").read_text())
-    assert trained_with["LOSS"]["swav_loss"]["temperature"] == 0.2
-    assert ddp["steps_per_peer"] == [4]  # each process took the steps a swarm peer takes
-    assert ddp["same_initial_model"]  # VISSL loaded the weights the swarm peers of this seed build
-    assert ddp["curve"][0] == [0, stock_bn["accuracy"]] and [iteration for iteration, _ in ddp["curve"]] == [0, 2, 4]
-    assert 0.0 < ddp["accuracy"] <= 1.0 and ddp["wall_s"] > 0
+    assert settings["git"]["commit"] and isinstance(settings["git"]["dirty"], bool)
+    recipe = settings["recipe"]
+    assert recipe["config"] == "swav_tiny" and recipe["epochs"] == 2 and recipe["boxes"] == 3
+    assert recipe["budget_samples"] == recipe["alone_steps"] * recipe["batch"]
+    assert settings["dataset"]["val_images"] == settings["evaluation"]["knn_queries"]  # the whole val split
+    runs = {run["mode"]: run for run in result["runs"]}
+    assert set(runs) == {"alone", "swarm", "random_init", "raw_pixels"}
+    for mode in ("alone", "swarm"):
+        run = runs[mode]
+        assert "error" not in run, run
+        assert run["same_initial_model"], mode  # both started from the seed's initial model
+        assert 0.0 < run["knn"] <= 1.0 and finite(run["heldout_loss"]) and run["heldout_loss"] > 0
+        curve = run["curve"]
+        assert curve[0]["steps"] == 0 and curve[0]["samples"] == 0 and len(curve) >= 3
+        assert all(finite(point[key]) for point in curve for key in ("steps", "samples", "knn", "heldout_loss"))
+        assert [point["steps"] for point in curve] == sorted(point["steps"] for point in curve)
+    alone, swarm = runs["alone"], runs["swarm"]
+    assert alone["steps_per_box"] == [recipe["alone_steps"]]
+    assert alone["samples_of_swarm"] == recipe["budget_samples"]
+    assert len(swarm["steps_per_box"]) == 3
+    assert all(steps < recipe["alone_steps"] for steps in swarm["steps_per_box"]), swarm["steps_per_box"]
+    assert swarm["samples_of_swarm"] >= recipe["budget_samples"]  # each box stopped when the swarm had trained on it
+    assert all(count >= 1 for count in swarm["rounds_applied_per_box"]), swarm["rounds_per_box"]
+    assert finite(swarm["steps_per_round"]) and swarm["steps_per_round"] > 0
+    assert 0.0 < runs["random_init"]["knn"] <= 1.0 and 0.0 < runs["raw_pixels"]["knn"] <= 1.0
+
     summary = {entry["mode"]: entry for entry in result["summary"]}
-    assert summary["ddp"]["curve"][-1][0] == 4 * settings["batch"]  # x axis: samples seen per process
+    assert summary["swarm"]["steps_per_box_mean"] < summary["alone"]["steps_per_box_mean"]
+    assert summary["swarm"]["seeds_compared_with_alone"] == 1
     table = reports["md"].read_text()
-    assert "| ddp |" in table and "| random_init_stock_bn |" in table and reports["png"].stat().st_size > 0
+    for row in ("| alone |", "| swarm |", "| random_init |", "| raw_pixels |", "steps per box to alone's kNN"):
+        assert row in table
+    assert reports["png"].stat().st_size > 0
 
     capsys.readouterr()
     assert bench_learning.main(arguments) == 2  # a second invocation into the same folder: refused before training
     assert "is not empty: its checkpoints would be resumed" in capsys.readouterr().err
+
+
+def test_crossing_interpolates_and_says_not_reached() -> None:
+    curve = [{"steps": 0, "samples": 0, "knn": 0.5}, {"steps": 10, "samples": 480, "knn": 0.7},
+             {"steps": 20, "samples": 960, "knn": 0.9}]
+    assert bench_learning.crossing(curve, 0.8, "steps") == 15.0
+    assert bench_learning.crossing(curve, 0.8, "samples") == 720.0
+    assert bench_learning.crossing(curve, 0.5, "steps") == 0
+    assert bench_learning.crossing(curve, 0.95, "steps") is None
