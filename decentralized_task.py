@@ -228,7 +228,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             from hivemind_optimizer_baseline import HivemindOptimizerAverager
 
             return HivemindOptimizerAverager.install(self, settings, records_path)
-        wrapper, options = DecentralizedSGD, {"swarm_secret": settings.secret()}
+        wrapper = DecentralizedSGD
+        options = {"swarm_secret": settings.secret(), "weight_by_samples": settings.weight_by_samples}
         if settings.averager == "old":  # no secret there (run_trainer.py refuses the combination)
             from baseline_averaging import OldDesignAverager as wrapper
 

@@ -93,6 +93,9 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load_state_timeout", type=float, default=defaults.load_state_timeout,
                        help="seconds a new peer (no checkpoint of its own) waits to download the swarm's state and "
                             "progress; 0: start from its own initialization")
+    group.add_argument("--equal_weights", action="store_true",
+                       help="every box weighs the same in a round; default: its weight is the samples it trained on "
+                            "since its last round (a box with more GPUs counts more, as FedAvg weights clients)")
     group.add_argument("--join_timeout", type=float, default=defaults.join_timeout,
                        help="seconds to keep dialing --initial_peers at start before giving up with an error")
     group.add_argument("--averager", choices=["improved", "old", "hivemind_optimizer"], default=defaults.averager,
@@ -130,7 +133,7 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
         compression=args.compression, average_optimizer_state=args.average_optimizer_state,
         load_state_timeout=args.load_state_timeout, averager=args.averager, schedule=args.schedule,
-        swarm_lr=args.swarm_lr, join_timeout=args.join_timeout,
+        swarm_lr=args.swarm_lr, join_timeout=args.join_timeout, weight_by_samples=not args.equal_weights,
         config_name=args.config,
         **swarm.secret_settings(args),
     )  # fmt: skip

@@ -45,6 +45,7 @@ class SwarmSettings:
     compression: str = "fp16"
     average_optimizer_state: bool = False
     load_state_timeout: float = 60.0
+    weight_by_samples: bool = True  # a box's weight in a round: its samples since its last round (as FedAvg)
     join_timeout: float = 30.0  # seconds a joiner keeps dialing --initial_peers at start before it gives up
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it

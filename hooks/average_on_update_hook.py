@@ -32,7 +32,7 @@ class AverageOnUpdateHook(ClassyHook):
         applied = False
         if optimizer is not None:  # a round applied, or the swarm's state taken by a peer that diverged (a heal)
             before = optimizer.counters["rounds_applied"] + optimizer.counters.get("outlier_heals", 0)
-            optimizer.on_step_end(batch_size=task.get_batchsize_per_replica())
+            optimizer.on_step_end(batch_size=task.get_global_batchsize())  # the box's: its weight in a round
             applied = optimizer.counters["rounds_applied"] + optimizer.counters.get("outlier_heals", 0) > before
         if local_replicas.is_box() and local_replicas.broadcast_flag(applied):
             averaged_optimizer = task.swarm_settings.average_optimizer_state

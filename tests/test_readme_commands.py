@@ -64,8 +64,9 @@ def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Pa
         assert "Traceback" not in output, f"run {run}: {output[-3000:]}"
         assert "traceback(s)" not in output, f"run {run}: {output[-3000:]}"  # nor in a peer's log (demo warns)
         assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
-        assert ("| peer | steps | own_samples | swarm_samples | final_loss | rounds | mean_group_size | mean_staleness |"
-                in result.stdout)
+        header = ("| peer | steps | own_samples | swarm_samples | final_loss | rounds | mean_group_size "
+                  "| mean_staleness |")
+        assert header in result.stdout
         assert (out / "swarm.png").stat().st_size > 10_000
         rows = [line for line in result.stdout.splitlines() if line.startswith("| peer") and "steps" not in line]
         assert len(rows) == 2 and all(int(row.split("|")[2]) > 0 for row in rows), f"run {run}: {rows}"
@@ -108,9 +109,11 @@ def cited_results(text: str) -> set[str]:
 
 
 def test_readme_cites_only_results_that_exist_and_holds_no_placeholder() -> None:
-    """A number in the README comes with its results file; gpu_check's are written on a CUDA box (none has run)."""
-    assert {"soak.json", "gpu_check.json", "gpu_check.md"} <= cited_results(README)
-    missing = sorted(n for n in cited_results(README) - {"gpu_check.json", "gpu_check.md"}
+    """A number in the README comes with its results file; gpu_check's are written on a CUDA box (none has run),
+    learning's by the full learning benchmark (hours on 2 cores; not run yet: the README says so)."""
+    not_run_yet = {"gpu_check.json", "gpu_check.md", "learning.json", "learning.md", "learning.png"}
+    assert {"soak.json"} | not_run_yet <= cited_results(README)
+    missing = sorted(n for n in cited_results(README) - not_run_yet
                      if not (REPO / "benchmarks" / "results" / n).exists())  # fmt: skip
     assert not missing, f"the README cites results that are not in benchmarks/results/: {missing}"
     placeholders = re.findall(r"^[A-Z][A-Z_]{5,}$", README, flags=re.MULTILINE)
