@@ -1,7 +1,8 @@
 """Smoke test for benchmarks/bench_averaging.py: the whole multi-process code path on a tiny setting.
 
-No timing assertions: this only proves the benchmark runs, cleans up, writes the documented JSON shape, and that
-DecentralizedSGD actually completed averaging rounds.
+No timing assertions: this only proves the benchmark runs, cleans up, writes the documented JSON shape, that
+DecentralizedSGD actually completed averaging rounds, and that the hivemind_optimizer arm (hivemind.Optimizer with
+use_local_updates=True) ran beside it and was measured: rounds, staleness, how long it held the trainer.
 """
 
 import json
@@ -12,27 +13,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = (
     "samples_per_s_per_peer", "throughput_ratio", "rounds_per_min", "staleness_steps_mean", "staleness_steps_p95",
-    "duty_cycle", "group_size_mean", "rounds_failed",
+    "duty_cycle", "group_size_mean", "rounds_failed", "hold_s_total", "hold_ms_per_step", "hold_share",
 )  # fmt: skip
+MODES = ("none", "improved", "hivemind_optimizer")
 
 
 def test_bench_averaging_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_averaging.py"), "--quick", "--regimes", "sim_full",
-        "--modes", "none", "improved", "--peers", "2", "--seconds", "5", "--sim-params", "100000",
+        "--modes", *MODES, "--peers", "2", "--seconds", "5", "--sim-params", "100000",
         "--min-matchmaking-time", "1", "--json", str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["regime"], r["mode"]) for r in runs] == [("sim_full", "none"), ("sim_full", "improved")]
+    assert [(r["regime"], r["mode"]) for r in runs] == [("sim_full", mode) for mode in MODES]
     for run in runs:
         assert run["error"] is None and run["skipped"] is None, run["error"]
         assert all(field in run for field in FIELDS), sorted(run)
         assert run["samples_per_s_per_peer"] > 0
-    none, improved = runs
+        assert run["hold_s_total"] >= 0 and run["hold_ms_per_step"] >= 0
+    none, improved, hivemind = runs
     assert none["throughput_ratio"] == 1.0
     assert improved["rounds_applied"] > 0 and improved["rounds_per_min"] > 0
     assert improved["group_size_mean"] == 2.0
-    assert "| sim_full | improved |" in proc.stdout
+
+    # hivemind.Optimizer averaged with its groupmate, once per global epoch, and its target_batch_size was the
+    # swarm's samples in one matchmaking_time at the rate the improved run trained at
+    setup = hivemind["hivemind_setup"]
+    assert setup["rate_source"] == "improved run"
+    assert setup["target_batch_size"] == round(setup["rate_samples_per_s_per_peer"] * 2 * 1.0)
+    assert hivemind["config"]["hivemind_target_batch_size"] == setup["target_batch_size"]
+    assert hivemind["rounds_applied"] > 0 and hivemind["rounds_per_min"] > 0
+    assert hivemind["group_size_mean"] == 2.0 and hivemind["all_finite"]
+    assert hivemind["epochs_per_min"] > 0
+    # its next local update waits for the round in flight (TrainingStateAverager.step with the delta rule), so the
+    # result lands before the parameters move again: no stale steps, paid for by holding the trainer instead
+    assert hivemind["staleness_steps_mean"] == 0.0
+    assert hivemind["hold_s_total"] > 0 and 0 < hivemind["hold_share"] <= 1
+    assert "| sim_full | hivemind_optimizer |" in proc.stdout
+    assert "hivemind_optimizer: hivemind.Optimizer(use_local_updates=True" in proc.stdout
