@@ -168,7 +168,7 @@ class SwarmProgress:
         than the value returned before, so the schedule never steps back."""
         now = time.monotonic()
         with self._lock:
-            known = self._own + sum(seen.count.samples for seen in self._seen.values())
+            known = self._known_locked()
             ahead = sum(min(now - seen.received_at, 2 * self.period) * seen.samples_per_s
                         for seen in self._seen.values() if seen.live)  # fmt: skip
             self._position = max(self._position, known + int(ahead))
@@ -177,7 +177,10 @@ class SwarmProgress:
     def known_samples(self) -> int:
         """The sum of the signed counts only (no estimate)."""
         with self._lock:
-            return self._own + sum(seen.count.samples for seen in self._seen.values())
+            return self._known_locked()
+
+    def _known_locked(self) -> int:
+        return self._own + sum(seen.count.samples for seen in self._seen.values())
 
     def swarm_batch(self) -> int:
         """The summed batch of the boxes whose record was in the DHT at our last read (records live a minute),
@@ -230,7 +233,8 @@ class SwarmProgress:
                     seen.live, seen.samples_per_s = True, samples_per_s
                 return False
         if not count.verify(self.run):
-            self.rejected += 1
+            with self._lock:
+                self.rejected += 1
             logger.warning(f"Ignored a progress count with a bad signature ({count.samples} samples): a box of "
                            "another run, or one that tried to count for another box")
             return False
@@ -301,9 +305,10 @@ class SwarmProgress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)  # a daemon: one stuck in a DHT call ends with us
-        try:
+        with self._lock:  # the last record says we stopped: nobody extrapolates our count any more
             self._own_rate = 0.0
             self._rate_since = (time.monotonic(), self._own)
+        try:
             self.publish(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception as error:
             logger.warning(f"Swarm progress: could not publish our last count ({error!r}); the others keep the "

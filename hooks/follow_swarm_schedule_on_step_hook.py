@@ -72,7 +72,7 @@ class FollowSwarmScheduleOnStepHook(ClassyHook):
         if schedule.done(position):
             logging.info(f"Swarm schedule: the swarm's budget was done already ({position} of {schedule.budget} "
                          "samples): nothing left to train")
-            task.phases = task.phases[: task.phase_idx + 1]
+            end_training_now(task)
 
     def on_update(self, task) -> None:
         if getattr(task, "schedule", None) is None or not task.train:
