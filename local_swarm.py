@@ -143,14 +143,32 @@ class LocalPeer:
 
 
 def start_swarm(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
-                per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None) -> list[str]:
-    """Start the first peer, read its join line, start the others with it; return the join addresses."""
+                per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
+                first_flags: list[str] = ()) -> list[str]:
+    """Start the first peer (with ``first_flags`` too), read its join line, start the others with it; return the
+    join addresses."""
     extra = per_peer_overrides or (lambda peer: [])
-    peers[0].start(data_path, [], flags, overrides + extra(peers[0]))
+    peers[0].start(data_path, [], [*flags, *first_flags], overrides + extra(peers[0]))
     addresses = peers[0].join_addresses()
     for peer in peers[1:]:
         peer.start(data_path, addresses, flags, overrides + extra(peer))
     return addresses
+
+
+def fixed_address(peer: LocalPeer) -> tuple[list[str], list[str]]:
+    """The flags that give ``peer`` an identity file and a fixed port, as the README's first box has (the same join
+    address across restarts), and that address: (flags, [multiaddr])."""
+    from hivemind.p2p import P2P, PeerID
+
+    peer.out_dir.mkdir(parents=True, exist_ok=True)
+    identity = peer.out_dir / f"{peer.name}.identity"
+    if not identity.exists():
+        P2P.generate_identity(str(identity))
+    with socket.socket() as probe:  # a free port on the loopback, released for the peer to take
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
+    return ["--identity_path", str(identity), "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}"], [address]
 
 
 def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
@@ -160,20 +178,10 @@ def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[st
     ``start_swarm``, which waits for the first peer's join line): the first peer gets an identity and port made
     here, so its address is known before it runs. A joiner whose DHT came up before the first peer listened
     (it exits: bootstrap failed) is started again once the first peer printed its join line."""
-    from hivemind.p2p import P2P, PeerID
-
     extra = per_peer_overrides or (lambda peer: [])
     first = peers[0]
-    first.out_dir.mkdir(parents=True, exist_ok=True)
-    identity = first.out_dir / f"{first.name}.identity"
-    if not identity.exists():
-        P2P.generate_identity(str(identity))
-    with socket.socket() as probe:  # a free port on the loopback, released for the first peer to take
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    addresses = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"]
-    first.start(data_path, [], [*flags, "--identity_path", str(identity), "--host_maddrs",
-                                f"/ip4/127.0.0.1/tcp/{port}"], overrides + extra(first))
+    first_flags, addresses = fixed_address(first)
+    first.start(data_path, [], [*flags, *first_flags], overrides + extra(first))
     time.sleep(stagger)
     for peer in peers[1:]:
         peer.start(data_path, addresses, flags, overrides + extra(peer))

@@ -15,6 +15,7 @@ import argparse
 import secrets
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,7 +86,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--next_chunk_timeout", type=float, default=defaults.next_chunk_timeout,
                        help="drop a groupmate that sends nothing for this many seconds")
     group.add_argument("--max_staleness", type=int, default=defaults.max_staleness,
-                       help="-1: never wait for averaging (ASP); s: wait when s steps passed without a round (SSP)")
+                       help="-1: never wait for averaging (ASP); s >= 0: before a step, wait for a round when "
+                            "more than s steps passed since the last applied one (SSP)")
     group.add_argument("--compression", choices=["none", "fp16"], default=defaults.compression,
                        help="compression of the averaged tensors on the wire (no 8-bit: see the README)")
     group.add_argument("--average_optimizer_state", action="store_true",
@@ -98,6 +100,9 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
                             "since its last round (a box with more GPUs counts more, as FedAvg weights clients)")
     group.add_argument("--join_timeout", type=float, default=defaults.join_timeout,
                        help="seconds to keep dialing --initial_peers at start before giving up with an error")
+    group.add_argument("--alone_warning_after", type=float, default=defaults.alone_warning_after,
+                       help="seconds without an averaging round before the box logs a warning that it is alone, "
+                            "with the likely causes (again every 5 min while it lasts); 0: never")
     group.add_argument("--averager", choices=["improved", "old", "hivemind_optimizer"], default=defaults.averager,
                        help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
                             "round at a time; hivemind_optimizer: hivemind.Optimizer(use_local_updates=True) inside "
@@ -123,6 +128,9 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
     for flag in ("min_matchmaking_time", "averaging_timeout", "next_chunk_timeout"):
         if getattr(args, flag) <= 0:
             raise swarm.SwarmError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if args.alone_warning_after < 0:
+        raise swarm.SwarmError(f"--alone_warning_after must be 0 (never) or a number of seconds, got "
+                               f"{args.alone_warning_after}")
     if "." in args.run_id or not args.run_id:
         raise swarm.SwarmError(f"--run_id must be a non-empty name without '.', got {args.run_id!r}")
     settings = swarm.SwarmSettings(
@@ -134,6 +142,7 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         compression=args.compression, average_optimizer_state=args.average_optimizer_state,
         load_state_timeout=args.load_state_timeout, averager=args.averager, schedule=args.schedule,
         swarm_lr=args.swarm_lr, join_timeout=args.join_timeout, weight_by_samples=not args.equal_weights,
+        alone_warning_after=args.alone_warning_after,
         config_name=args.config,
         **swarm.secret_settings(args),
     )  # fmt: skip
@@ -216,6 +225,15 @@ def check_resume_checkpoint(config) -> None:
         ) from error
 
 
+def address_book_path(config) -> str:
+    """The file in the box's checkpoint folder where it keeps the peers it met (a restart dials them)."""
+    from vissl.utils.checkpoint import get_checkpoint_folder
+
+    from decentralized_sgd.address_book import KNOWN_PEERS_FILE
+
+    return str(Path(get_checkpoint_folder(config)) / KNOWN_PEERS_FILE)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -251,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     vissl_compat.fork_start_method()
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"
-    settings = swarm.hide_secret(settings)  # VISSL logs its config and environment: the secret goes in a file
+    # VISSL logs its config and environment: the secret goes in a file
+    settings = replace(swarm.hide_secret(settings), address_book=address_book_path(config))
     config.SWARM = settings.to_config()
     if not any(override.startswith("config.SEED_VALUE=") for override in overrides):
         # every peer its own data order (VISSL seeds its sampler with SEED_VALUE, identical in every peer's config)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
 SECRET_ENV = "SWAV_SWARM_SECRET"  # a secret from the environment (run_trainer.py moves it into a file: hide_secret)
+JOINER_PORT = 31337  # the port the join line gives a joining box (open it, or change it)
 JOIN_RETRY_S = 3.0  # start_dht dials the initial peers again this often until one answers (or join_timeout)
 
 
@@ -47,6 +50,8 @@ class SwarmSettings:
     load_state_timeout: float = 60.0
     weight_by_samples: bool = True  # a box's weight in a round: its samples since its last round (as FedAvg)
     join_timeout: float = 30.0  # seconds a joiner keeps dialing --initial_peers at start before it gives up
+    alone_warning_after: float = 60.0  # seconds without an applied round before the box warns it is alone; 0: never
+    address_book: str = ""  # the file where this box keeps the peers it met (decentralized_sgd.address_book)
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
     swarm_lr: str = "sqrt"  # with the swarm schedule: each box's LR x sqrt(swarm batch / box batch); see README
@@ -138,9 +143,16 @@ def check_multiaddrs(flag: str, addresses: list[str]) -> None:
 
 
 def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
-    """Start this peer's DHT and join the swarm through ``--initial_peers``, dialing them again every few seconds
-    for ``settings.join_timeout`` (a joiner started a moment before the first peer listens, or whose one ping a
-    busy first peer missed, joins all the same); a SwarmError that says what to check otherwise.
+    """Start this peer's DHT and join the swarm through ``--initial_peers`` and the peers this box met before (its
+    address book, ``settings.address_book``).
+
+    A joiner dials ``--initial_peers`` again every few seconds for ``settings.join_timeout`` (one started a moment
+    before the first peer listens, or whose one ping a busy first peer missed, joins all the same); if none answers,
+    a box that met other peers before (a restart) starts all the same and dials those, and a box that never did
+    fails with a SwarmError that says what to check. A box without ``--initial_peers`` (the first box) dials the
+    peers of its address book once: after a restart it is back in the swarm at once; nobody answering means it is
+    the first of a swarm started again. Afterwards ``keep_dht_connected`` dials all of them whenever our DHT is
+    alone, and keeps the address book.
 
     hivemind's own bootstrap check is off (``ensure_bootstrap_success=False``): when none of the initial peers
     answers its single ping it raises, but leaves the DHT's p2p daemon running, holding the port of
@@ -148,26 +160,66 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     when nobody answered. A p2p daemon that cannot reach any initial peer at all fails before that and leaves
     nothing behind: it is started again.
     """
-    import hivemind
-    from hivemind.p2p import P2PDaemonError
-
-    from decentralized_sgd import FixedDHT, keep_dht_connected
-    from decentralized_sgd.secret import SwarmSecretValidator
+    from decentralized_sgd import keep_dht_connected
+    from decentralized_sgd.address_book import AddressBook
 
     check_multiaddrs("--initial_peers", settings.initial_peers)
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
-    secret = settings.secret()
+    book = AddressBook(settings.address_book or None)
+    met_before = len(book.addresses())
     hint = ("check that the first peer is running and that its address and port are reachable from here "
             "(open the port, or use --client_mode / --use_auto_relay behind NAT)" if settings.initial_peers
             else "check --host_maddrs and --identity_path")
     deadline = time.monotonic() + settings.join_timeout
+    initial_peers = settings.initial_peers
+    try:
+        dht = _start_dht_process(settings, initial_peers, startup_timeout, deadline, hint)
+    except SwarmError as error:
+        if not (met_before and initial_peers and "failed to connect to bootstrap peers" in str(error)):
+            raise
+        logger.warning(f"None of --initial_peers answered within {settings.join_timeout:g} s; this box met "
+                       f"{met_before} address(es) of other peers before ({book.path}): starting without "
+                       "--initial_peers and dialing those")
+        initial_peers = []
+        dht = _start_dht_process(settings, initial_peers, startup_timeout, deadline, hint)
+
+    def known_addresses() -> list[str]:
+        return [*settings.initial_peers, *book.addresses(exclude=[dht.peer_id])]
+
+    if initial_peers and not _joined(dht, deadline, known_addresses):
+        if not met_before:
+            dht.shutdown()
+            raise SwarmError(f"could not start or join the swarm: none of --initial_peers answered within "
+                             f"{settings.join_timeout:g} s (--join_timeout); {hint}")
+        logger.warning("None of --initial_peers answered; training alone until they or the peers met before "
+                       "answer (dialed every 10 s)")
+    elif not initial_peers and met_before:
+        answered = _joined(dht, time.monotonic(), known_addresses, warn=False)  # one try: it may be the first
+        print(f"[swarm] dialed the {met_before} address(es) of peers this box met before ({book.path}): "
+              + ("back in the swarm" if answered else "nobody answered yet; dialing them every 10 s (the first "
+                 "box of a swarm started again, or the others are down)"), file=sys.stderr, flush=True)
+    keep_dht_connected(dht, addresses=known_addresses, book=book)  # rejoin after an outage; keep the book
+    return dht
+
+
+def _start_dht_process(settings: SwarmSettings, initial_peers: list[str], startup_timeout: float, deadline: float,
+                       hint: str) -> Any:
+    """A FixedDHT started with these initial peers; started again while its p2p daemon reaches none of them (until
+    ``deadline``). SwarmError when it cannot start."""
+    import hivemind
+    from hivemind.p2p import P2PDaemonError
+
+    from decentralized_sgd import FixedDHT
+    from decentralized_sgd.secret import SwarmSecretValidator
+
+    secret = settings.secret()
     while True:
         try:
-            dht = FixedDHT(  # a hivemind.DHT that survives a restarted averager
+            return FixedDHT(  # a hivemind.DHT that survives a restarted averager
                 start=True,
                 record_validators=[SwarmSecretValidator(secret)] if secret is not None else (),  # records signed
-                initial_peers=settings.initial_peers or None,
+                initial_peers=initial_peers or None,
                 host_maddrs=settings.host_maddrs,
                 announce_maddrs=settings.announce_maddrs or None,
                 identity_path=settings.identity_path or None,
@@ -177,28 +229,24 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
                 startup_timeout=startup_timeout,
                 ensure_bootstrap_success=False,
             )
-            break
         except (P2PDaemonError, hivemind.p2p.P2PHandlerError, OSError, RuntimeError, TimeoutError) as error:
             if "failed to connect to bootstrap peers" not in str(error) or time.monotonic() > deadline:
                 raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
             logger.warning(f"None of --initial_peers answered yet; trying again in {JOIN_RETRY_S:g} s "
                            f"(for {max(0.0, deadline - time.monotonic()):.0f} s more)")
             time.sleep(JOIN_RETRY_S)
-    if settings.initial_peers and not _joined(dht, deadline):
-        dht.shutdown()
-        raise SwarmError(f"could not start or join the swarm: none of --initial_peers answered within "
-                         f"{settings.join_timeout:g} s (--join_timeout); {hint}")
-    keep_dht_connected(dht)  # hivemind dials the initial peers only once: rejoin after a network outage
-    return dht
 
 
-def _joined(dht: Any, deadline: float) -> bool:
-    """Dial and ping the initial peers until one answered (then it is in our routing table) or the deadline."""
+def _joined(dht: Any, deadline: float, addresses: Callable[[], list[str]], warn: bool = True) -> bool:
+    """Dial and ping ``addresses()`` until one answered (then it is in our routing table) or the deadline."""
+    import functools
+
     from decentralized_sgd.dht_rejoin import rejoin_if_alone
 
     while True:
-        try:  # None: our routing table has peers already; a number: how many initial peers answered now
-            answered = dht.run_coroutine(rejoin_if_alone, return_future=True).result(timeout=3 * JOIN_RETRY_S)
+        rejoin = functools.partial(rejoin_if_alone, addresses=addresses())
+        try:  # None: our routing table has peers already; a number: how many peers answered now
+            answered = dht.run_coroutine(rejoin, return_future=True).result(timeout=3 * JOIN_RETRY_S)
         except Exception as error:  # the DHT is busy: count it as not joined yet
             logger.debug(f"join check failed: {error!r}")
             answered = 0
@@ -206,7 +254,8 @@ def _joined(dht: Any, deadline: float) -> bool:
             return True
         if time.monotonic() > deadline:
             return False
-        logger.warning("None of --initial_peers answered a ping yet; trying again")
+        if warn:
+            logger.warning("None of --initial_peers answered a ping yet; trying again")
         time.sleep(JOIN_RETRY_S)
 
 
@@ -218,11 +267,22 @@ def visible_maddrs(dht: Any) -> list[str]:
 
 
 def join_command(dht: Any, settings: SwarmSettings) -> str:
-    """The exact command another box runs to join this peer's swarm (never with the secret itself)."""
-    peers = " ".join(visible_maddrs(dht))
+    """The exact command another box runs to join this peer's swarm (never with the secret itself): a fixed port
+    and an identity file of its own (a port its firewall can open, and an address that stays valid across its
+    restarts: the other boxes dial it too), then this peer's addresses and the initial peers it joined through, so
+    that the line still works while any of them runs."""
+    peers = " ".join(dict.fromkeys([*visible_maddrs(dht), *settings.initial_peers]))
     secret = " --swarm_secret_file <a copy of the swarm's key file>" if settings.secret() is not None else ""
-    return (f"python run_trainer.py --config {settings.config_name or '<config>'} --run_id {settings.run_id} "
-            f"--data_path <your ImageFolder dataset>{secret} --initial_peers {peers}")
+    return (f"{interpreter()} run_trainer.py --config {settings.config_name or '<config>'} --run_id {settings.run_id} "
+            f"--data_path <your ImageFolder dataset>{secret} --host_maddrs /ip4/0.0.0.0/tcp/{JOINER_PORT} "
+            f"--identity_path peer.key --initial_peers {peers}")
+
+
+def interpreter() -> str:
+    """How the join line names Python: as this box ran it when it lives in the working folder (``.venv/bin/python``,
+    as the README's commands), else ``python``."""
+    path = os.path.relpath(sys.executable)
+    return path if not path.startswith("..") and not os.path.isabs(path) else "python"
 
 
 def use_shared_dht(dht: Any) -> None:

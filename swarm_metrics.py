@@ -25,7 +25,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from decentralized_sgd.secret import SwarmSecret, SwarmSecretValidator
 
-ADDED_LATER = ("averager_failures",)  # PeerMetrics fields that records of older peers lack
+ADDED_LATER = ("averager_failures", "no_group_s")  # PeerMetrics fields that records of older peers lack
 
 
 class PeerMetrics(pydantic.BaseModel):
@@ -42,6 +42,7 @@ class PeerMetrics(pydantic.BaseModel):
     peer_id: pydantic.constr(strict=True, max_length=128)
     # added later, with a default (see ADDED_LATER): records of peers that run an older version stay valid
     averager_failures: pydantic.conint(ge=0, strict=True) = 0  # times the averager was found dead or unresponsive
+    no_group_s: pydantic.confloat(ge=0.0, strict=True) = 0.0  # seconds since its last applied round (or its start)
 
     def dict(self, **kwargs: Any) -> dict[str, Any]:
         """Leaves out a field of ADDED_LATER that the record does not hold: hivemind's SchemaValidator rejects a
@@ -90,7 +91,7 @@ def owner_subkey(private_key: RSAPrivateKey | None = None) -> bytes:
 
 def make_record(*, step: int, samples_per_s: float, loss: float | None, group_size: int | None,
                 staleness_steps: int | None, rounds_ok: int, rounds_failed: int, time: float,
-                peer_id: str, averager_failures: int = 0) -> dict[str, Any]:
+                peer_id: str, averager_failures: int = 0, no_group_s: float = 0.0) -> dict[str, Any]:
     """A record that passes the schema: numbers coerced to the exact types, a non-finite loss as None."""
     finite_loss = loss is not None and math.isfinite(float(loss))
     return {
@@ -104,6 +105,7 @@ def make_record(*, step: int, samples_per_s: float, loss: float | None, group_si
         "time": float(time),
         "peer_id": str(peer_id)[:128],
         "averager_failures": max(0, int(averager_failures)),
+        "no_group_s": round(max(0.0, float(no_group_s)), 1) if math.isfinite(float(no_group_s)) else 0.0,
     }
 
 

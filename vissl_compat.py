@@ -137,6 +137,7 @@ def unscale_before_clipping() -> None:
 
 WRAPPING_UP = "Wrapping up, caught exception: "
 VISSL_ROOT_LOGGERS = ("vissl.utils.distributed_launcher", "vissl.engines.train")  # what setup_logging makes root
+CUDA_EVENTS_WARNING = "CUDA unavailable: CUDA events are not logged."  # VISSL's and classy's PerfStats, no CUDA
 
 
 class _FormatWrappingUp(logging.Filter):
@@ -159,6 +160,32 @@ def format_wrapping_up_message() -> None:
             target.addFilter(_FormatWrappingUp())
 
 
+class _CudaEventsWarningOnce(logging.Filter):
+    """On a box without CUDA, VISSL's and classy_vision's ``PerfStats()`` log "CUDA unavailable: CUDA events are
+    not logged." each time one is made: at every phase start (``LogPerfTimeMetricsHook.on_phase_start``), every few
+    steps with small epochs (vissl/utils/perf_stats.py, classy_vision/generic/perf_stats.py; unmaintained upstream).
+    Let the first through, then drop the repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != CUDA_EVENTS_WARNING:
+            return True
+        first, self.seen = not self.seen, True
+        return first
+
+
+def log_cuda_events_warning_once() -> None:
+    """On the loggers that VISSL's ``setup_logging`` turns into ``logging.root``, where the warning is logged."""
+    once = _CudaEventsWarningOnce()
+    for name in VISSL_ROOT_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _CudaEventsWarningOnce) for f in target.filters):
+            target.addFilter(once)
+
+
 def apply() -> None:
     """Apply the import-level patches once; safe to call many times."""
     global _applied
@@ -171,6 +198,7 @@ def apply() -> None:
     skip_unreadable_images()
     unscale_before_clipping()
     format_wrapping_up_message()
+    log_cuda_events_warning_once()
     _applied = True
 
 

@@ -20,9 +20,11 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
   a group compares, whom it leaves out of its AllReduce, the update check, the heal, and the swarm secret;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
   an averager restart); ``hivemind_slow_peer_fixes``: those that keep a slow groupmate from slowing the others;
-  ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's); ``dht_rejoin``: the DHT
-  re-bootstrap after an outage; both are for whoever owns the DHT (``swarm.start_dht`` uses them); ``compression``:
-  what goes on the wire.
+  ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's); ``end_with_parent``: the
+  DHT and averager processes (and the p2p daemon) end when a killed trainer leaves them; ``dht_rejoin``: the DHT
+  re-bootstrap after an outage, dialing the initial peers and those of ``address_book`` (the peers a box met, in its
+  checkpoint folder: a restarted first box finds the swarm again); both are for whoever owns the DHT
+  (``swarm.start_dht`` uses them); ``compression``: what goes on the wire.
 """
 
 from .compression import make_compression, schema_fingerprint

@@ -1,85 +1,142 @@
 """Re-bootstrap a hivemind DHT that lost every peer: a small helper whoever owns a DHT starts.
 
 Missing in hivemind 1.1.12: the DHT drops peers that stop answering and dials its initial peers only once, at
-start, so after a network outage a peer stays alone for good (and its matchmaking never finds anybody).
-``keep_dht_connected(dht)`` starts one thread per DHT (``swarm.start_dht`` does it for the trainer and the
-monitor); every ``period`` seconds it checks, inside the DHT process, whether the routing table is empty, and if
-so dials the initial peers again and pings them, which puts us back into each other's tables. There is no public
-API for this: it uses ``node.protocol.routing_table`` and ``node.p2p._client.connect``.
+start, so after a network outage a peer stays alone for good (and its matchmaking never finds anybody); and a
+restarted first box (no initial peers) is never dialed by anyone.
+``keep_dht_connected(dht, addresses, book)`` starts one thread per DHT (``swarm.start_dht`` does it for the trainer
+and the monitor); every ``period`` seconds it checks, inside the DHT process, whether the routing table is empty,
+and if so dials ``addresses()`` (the initial peers, and the peers of the box's address book) and pings them, which
+puts us back into each other's tables; while not alone it records the peers it is connected to in the address book
+(``address_book``). There is no public API for this: it uses ``node.protocol.routing_table`` and
+``node.p2p._client.connect``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
+import time
 import weakref
+from collections.abc import Callable, Sequence
 
 import hivemind
 from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from decentralized_sgd.address_book import AddressBook, dht_neighbours
+
 logger = logging.getLogger(__name__)
 
 CHECK_PERIOD_S = 10.0
+BOOK_PERIOD_S = 30.0  # the address book is brought up to date at the first check with peers, then this often
 _rejoiners: weakref.WeakKeyDictionary[hivemind.DHT, DHTRejoiner] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
-async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode) -> int | None:
-    """Runs in the DHT process. If our routing table is empty, dial the initial peers and ping them. Returns how
-    many answered, or None when we were not alone (or have no initial peers: we are the first peer)."""
-    if node.protocol.routing_table.uid_to_peer_id or not dht.initial_peers:
+async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode, addresses: Sequence[str] | None = None) -> int | None:
+    """Runs in the DHT process. If our routing table is empty, dial ``addresses`` (default: the DHT's initial peers;
+    multiaddrs with /p2p/<id>) and ping each peer once. Returns how many peers answered, or None when we were not
+    alone (or have nobody to dial: a first box that never met anyone)."""
+    addresses = [str(address) for address in ((dht.initial_peers or []) if addresses is None else addresses)]
+    if node.protocol.routing_table.uid_to_peer_id or not addresses:
         return None
+    by_peer: dict[str, list[Multiaddr]] = {}
+    for maddr in map(Multiaddr, addresses):
+        by_peer.setdefault(maddr["p2p"], []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
     answered = 0
-    for maddr in map(Multiaddr, map(str, dht.initial_peers)):
-        peer_id = PeerID.from_base58(maddr["p2p"])
+    for peer, maddrs in by_peer.items():
+        peer_id = PeerID.from_base58(peer)
+        if peer_id == node.peer_id:
+            continue
         try:
-            await node.p2p._client.connect(peer_id, [maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))])
+            await node.p2p._client.connect(peer_id, maddrs)
             answered += await node.protocol.call_ping(peer_id) is not None
         except Exception as e:  # still unreachable: try again at the next check
-            logger.debug(f"rejoin: {maddr} did not answer: {e!r}")
+            logger.debug(f"rejoin: {peer} did not answer at {maddrs}: {e!r}")
     return answered
 
 
 class DHTRejoiner(threading.Thread):
-    """Checks one DHT every ``period`` s until stopped or the DHT is shut down; counts successful rejoins."""
+    """Checks one DHT every ``period`` s until stopped or the DHT is shut down; counts successful rejoins. ``alone``
+    (read by any thread) is True while the last check found nobody in our routing table and nobody answered."""
 
-    def __init__(self, dht: hivemind.DHT, period: float = CHECK_PERIOD_S):
+    def __init__(self, dht: hivemind.DHT, period: float = CHECK_PERIOD_S,
+                 addresses: Callable[[], Sequence[str]] | None = None, book: AddressBook | None = None):
         super().__init__(name="dht-rejoiner", daemon=True)
         self.dht, self.period, self.rejoins = dht, period, 0
+        self.addresses = addresses or (lambda: [str(address) for address in dht.initial_peers or []])
+        self.book = book
+        self.alone = False
+        self._noted_at = -math.inf  # when the address book was last brought up to date (this thread)
         self._stopping = threading.Event()
 
     def run(self) -> None:
-        alone = False
         while not self._stopping.wait(self.period) and self.dht.is_alive():
             try:
-                answered = self.dht.run_coroutine(rejoin_if_alone, return_future=True).result(timeout=self.period)
+                answered = self.check(note_peers=time.monotonic() - self._noted_at >= BOOK_PERIOD_S)
             except Exception as e:  # the DHT is shutting down or busy: check again later
                 logger.debug(f"rejoin check failed: {e!r}")
                 continue
             if answered:
                 self.rejoins += 1
-                logger.warning(f"Our DHT had lost every peer; rejoined through {answered} initial peer(s)")
-            elif answered == 0 and not alone:
-                logger.warning(f"Our DHT has lost every peer; dialing the initial peers every {self.period:.0f}s")
-            alone = answered == 0
+                logger.warning(f"Our DHT had lost every peer; rejoined through {answered} known peer(s)")
+            elif answered == 0 and not self.alone:
+                logger.warning(f"Our DHT has lost every peer; dialing the initial and known peers every "
+                               f"{self.period:.0f}s")
+            self.alone = answered == 0
+
+    def check(self, note_peers: bool = True) -> int | None:
+        """One check (this thread, or a test): rejoin if alone, else (``note_peers``) note whom we are connected to
+        in the address book. Returns what ``rejoin_if_alone`` did."""
+        rejoin = functools.partial(rejoin_if_alone, addresses=list(self.addresses()))
+        answered = self.dht.run_coroutine(rejoin, return_future=True).result(timeout=self.period)
+        if answered is None and self.book is not None and note_peers:
+            neighbours = self.dht.run_coroutine(dht_neighbours, return_future=True).result(timeout=self.period)
+            self.book.remember(neighbours)
+            self._noted_at = time.monotonic()
+        return answered
 
     def stop(self) -> None:
         self._stopping.set()
 
 
-def keep_dht_connected(dht: hivemind.DHT, period: float = CHECK_PERIOD_S) -> DHTRejoiner:
-    """Start (once per DHT) the thread that re-bootstraps `dht` after it lost every peer; returns it."""
+def keep_dht_connected(dht: hivemind.DHT, period: float = CHECK_PERIOD_S,
+                       addresses: Callable[[], Sequence[str]] | None = None,
+                       book: AddressBook | None = None) -> DHTRejoiner:
+    """Start (once per DHT) the thread that re-bootstraps `dht` after it lost every peer, dialing ``addresses()``
+    (default: its initial peers), and keeps ``book`` up to date; returns it."""
     with _registry_lock:
         rejoiner = _rejoiners.get(dht)
         if rejoiner is None or not rejoiner.is_alive():
-            rejoiner = _rejoiners[dht] = DHTRejoiner(dht, period)
+            rejoiner = _rejoiners[dht] = DHTRejoiner(dht, period, addresses, book)
             rejoiner.start()
         return rejoiner
+
+
+def rejoiner_of(dht: hivemind.DHT) -> DHTRejoiner | None:
+    """The thread that keeps `dht` connected, if any (its ``alone`` tells whether our DHT knows anybody)."""
+    return _rejoiners.get(dht)
 
 
 def rejoin_count(dht: hivemind.DHT) -> int:
     """How often `dht` rejoined the swarm (0 if nobody keeps it connected)."""
     rejoiner = _rejoiners.get(dht)
     return 0 if rejoiner is None else rejoiner.rejoins
+
+
+async def _routing_table_size(_dht: hivemind.DHT, node: DHTNode) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def dht_peer_count(dht: hivemind.DHT | None, timeout: float = 3.0) -> int | None:
+    """How many other peers our DHT knows (its routing table); None when there is no DHT or it did not answer."""
+    if dht is None:
+        return None
+    try:
+        return int(dht.run_coroutine(_routing_table_size, return_future=True).result(timeout=timeout))
+    except Exception as error:  # busy or shutting down: the caller says it does not know
+        logger.debug(f"routing table size: {error!r}")
+        return None

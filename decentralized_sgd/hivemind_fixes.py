@@ -48,6 +48,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from decentralized_sgd.averager_shutdown import shut_down_averager
+from decentralized_sgd.end_with_parent import end_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -219,14 +220,45 @@ class _RequestsOfTheDead:
 
 
 class FixedDHT(hivemind.DHT):
-    """``hivemind.DHT`` that survives the death of a process that sent it a request (see _RequestsOfTheDead). DHT
-    owners create this instead (swarm.start_dht does); an averager restart on a plain hivemind.DHT can kill it."""
+    """``hivemind.DHT`` that survives the death of a process that sent it a request (see _RequestsOfTheDead) and
+    keeps its requests alive until they end (see _run_coroutine). DHT owners create this instead (swarm.start_dht
+    does); an averager restart on a plain hivemind.DHT can kill it."""
 
     def run(self) -> None:
-        """DHT process. Departures are one log line here too (see _DepartureIsOneLine)."""
+        """DHT process. Departures are one log line here too (see _DepartureIsOneLine); it ends with its p2p daemon
+        when the trainer is killed (end_with_parent)."""
+        end_with_parent()
+        self._requests_in_flight: set[asyncio.Task] = set()
         self._inner_pipe = _RequestsOfTheDead(self._inner_pipe)
         log_departures_in_one_line()
         super().run()
+
+    async def _run_coroutine(self, coro: Any, future: MPFuture) -> None:
+        """DHT process. hivemind's ``DHT.run`` keeps no reference to the task it makes for each request (its local
+        variable is overwritten by the next request), and asyncio holds tasks only weakly: a request that waits long,
+        such as a call to the p2p daemon on a loaded box, can be garbage-collected half-way. hivemind then logs
+        "Task was destroyed but it is pending!" and a GeneratorExit traceback, and the caller never gets an answer
+        (seen in the test suite, a routing-table read every 10 s at load 38 on 2 cores). Hold the task until it
+        ends; the same for get and store."""
+        async with self._held():
+            await super()._run_coroutine(coro, future)
+
+    async def _get(self, *args: Any, **kwargs: Any) -> None:
+        async with self._held():
+            await super()._get(*args, **kwargs)
+
+    async def _store(self, *args: Any, **kwargs: Any) -> None:
+        async with self._held():
+            await super()._store(*args, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def _held(self) -> AsyncIterator[None]:
+        task = asyncio.current_task()
+        self._requests_in_flight.add(task)
+        try:
+            yield
+        finally:
+            self._requests_in_flight.discard(task)
 
 
 class HivemindFixes(hivemind.DecentralizedAverager):
@@ -251,6 +283,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         down in order. Decode 8-bit parts with the NumPy 2 fix, finish parts without the cancelled-future error;
         do not log rounds without a group as errors, nor a departed groupmate with a traceback."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end_with_parent()  # a SIGKILLed trainer leaves no averager behind
         logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
         log_departures_in_one_line()
         with fixed_8bit_decoding(), fixed_part_reducer():

@@ -23,10 +23,12 @@ from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
 from hooks.normalize_prototypes_on_update_hook import NormalizePrototypesOnUpdateHook  # noqa: E402
 from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
 from hooks.stop_on_step_hook import StopOnStepHook  # noqa: E402
+from hooks.warn_when_alone_on_step_hook import ALONE_AFTER_S, WarnWhenAloneOnStepHook  # noqa: E402
 
 __all__ = ["AverageOnUpdateHook", "FollowSwarmScheduleOnStepHook", "FreezeParametersOnSwarmScheduleHook",
            "HoldParamsDuringUpdateHook", "LeaveSwarmOnEndHook", "LogProgressOnStepHook",
-           "NormalizePrototypesOnUpdateHook", "PublishProgressOnStepHook", "StopOnStepHook", "swarm_hook_generator"]
+           "NormalizePrototypesOnUpdateHook", "PublishProgressOnStepHook", "StopOnStepHook", "WarnWhenAloneOnStepHook",
+           "swarm_hook_generator"]
 
 
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
@@ -42,6 +44,7 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
     ``ctrl_c``). VISSL's prototype-freezing hook is replaced by one that counts the swarm's iterations.
     """
     log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
+    alone_after = float(cfg.get("SWARM", {}).get("alone_warning_after", ALONE_AFTER_S))
     vissl_hooks = default_hook_generator(cfg)
     normalizes = any(isinstance(hook, NormalizePrototypesHook) for hook in vissl_hooks)
     vissl_hooks = [FreezeParametersOnSwarmScheduleHook() if type(hook) is FreezeParametersHook else hook
@@ -53,6 +56,7 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
         HoldParamsDuringUpdateHook(),
         LogProgressOnStepHook(log_every=log_every),
         PublishProgressOnStepHook(publish_every=log_every),
+        WarnWhenAloneOnStepHook(alone_after_s=alone_after),
         LeaveSwarmOnEndHook(),
         FollowSwarmScheduleOnStepHook(),
         StopOnStepHook(),

@@ -46,6 +46,7 @@ class LogProgressOnStepHook(ClassyHook):
         self.log_every = max(1, log_every)
         self._rate = SamplesPerSecond()
         self._file = None
+        self._last_logged: int | None = None  # the iteration of the last line written
 
     def on_start(self, task) -> None:
         self._rate.start(task.iteration)
@@ -55,8 +56,10 @@ class LogProgressOnStepHook(ClassyHook):
             self._file = open(Path(task.checkpoint_folder) / name, "a")  # noqa: SIM115 (open for the whole run)
 
     def on_step(self, task) -> None:
-        if not task.train or task.iteration % self.log_every != 0:
-            return
+        if task.train and task.iteration % self.log_every == 0:
+            self._log(task)
+
+    def _log(self, task) -> None:
         rank, world_size = world_rank_and_size()
         entry = {"time": time.time(), "step": task.iteration}
         if world_size > 1:
@@ -67,6 +70,7 @@ class LogProgressOnStepHook(ClassyHook):
         if self._file is not None:
             self._file.write(json.dumps(entry) + "\n")
             self._file.flush()
+        self._last_logged = task.iteration
 
     def _progress_fields(self, task) -> dict:
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
@@ -111,8 +115,14 @@ class LogProgressOnStepHook(ClassyHook):
         return line
 
     def on_end(self, task) -> None:
+        """One last line for the final step, whatever LOG_FREQUENCY: a box whose swarm finished after a few of its
+        steps (or between two lines) still reports where it ended and what it averaged."""
+        trained = task.iteration > 0 and getattr(task, "last_batch", None) is not None
+        if trained and task.iteration != self._last_logged:
+            self._log(task)
+        self.on_exception(task)
+
+    def on_exception(self, task) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    on_exception = on_end

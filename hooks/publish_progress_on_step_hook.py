@@ -42,6 +42,7 @@ class PublishProgressOnStepHook(ClassyHook):
         self._pending: Any = None  # the MPFuture of the last store
         self._rate = SamplesPerSecond()
         self._warned = False
+        self._started = time.time()  # no_group_s counts from here until the first applied round
 
     def on_start(self, task) -> None:
         if getattr(task, "decentralized_sgd", None) is None or getattr(task, "dht", None) is None:
@@ -57,6 +58,7 @@ class PublishProgressOnStepHook(ClassyHook):
         self._key, self._subkey = metrics_key(run_id), owner_subkey()
         self._peer_id = str(task.dht.peer_id)  # asks the DHT process once; on_step never waits for it
         self._rate.start(task.iteration)
+        self._started = time.time()
 
     def on_step(self, task) -> None:
         if self._key is None or not task.train or task.iteration % self.publish_every != 0:
@@ -83,6 +85,7 @@ class PublishProgressOnStepHook(ClassyHook):
             group_size=last.get("group_size"), staleness_steps=last.get("staleness_steps"),
             rounds_ok=optimizer.counters["rounds_applied"], rounds_failed=optimizer.counters["rounds_failed"],
             averager_failures=optimizer.counters.get("averager_failures", 0), time=time.time(), peer_id=self._peer_id,
+            no_group_s=time.time() - (last.get("t_end") or self._started),
         )
         return record, interval
 

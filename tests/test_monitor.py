@@ -283,3 +283,24 @@ def test_bad_monitor_flags_fail_with_a_clear_error(flags: list[str], message: st
     result = subprocess.run([sys.executable, str(REPO / "run_monitor.py"), *flags], cwd=REPO, env=trainer_env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_table_lists_peers_that_average_with_nobody() -> None:
+    """A live peer without an applied round for over a minute (its no_group_s) is named under the table; a gone one,
+    or a peer of an older version (no such field), is not."""
+    from run_monitor import format_table, peer_rows, swarm_totals
+
+    now = 1_000.0
+
+    def published(peer_id: str, no_group_s: float | None, seen_at: float) -> dict:
+        record = make_record(step=10, samples_per_s=1.0, loss=1.0, group_size=None, staleness_steps=None,
+                             rounds_ok=0, rounds_failed=4, time=seen_at, peer_id=peer_id, no_group_s=no_group_s or 0)
+        return record if no_group_s is not None else {k: v for k, v in record.items() if k != "no_group_s"}
+
+    records = {b"a": published("QmLonelyPeer01", 95.0, now - 1), b"b": published("QmBusyPeer0002", 3.0, now - 1),
+               b"c": published("QmGonePeer0003", 500.0, now - 600), b"d": published("QmOlderPeer004", None, now - 1)}
+    rows = peer_rows(records, now, alive_window=60)
+    table = format_table(rows, swarm_totals(rows))
+    alone = [line for line in table.splitlines() if line.startswith("alone")]
+    assert alone == ["alone (no averaging round for over a minute; its log's warning says what to check): "
+                     "lyPeer01 (95 s)"]

@@ -21,9 +21,9 @@ SMALL_RUN = ["config.DATA.TRAIN.DATA_LIMIT=384", "config.OPTIMIZER.num_epochs=1"
              "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=8", "config.LOG_FREQUENCY=1"]
 
 
-def trainer_command(digits_dir: Path, checkpoint_dir: Path) -> list[str]:
+def trainer_command(digits_dir: Path, checkpoint_dir: Path, *flags: str) -> list[str]:
     return [sys.executable, str(REPO / "run_trainer.py"), "--config", "swav_tiny", "--data_path", str(digits_dir),
-            "--checkpoint_dir", str(checkpoint_dir), *SMALL_RUN]
+            "--checkpoint_dir", str(checkpoint_dir), *flags, *SMALL_RUN]
 
 
 def logged_iterations(checkpoint_dir: Path) -> list[dict]:
@@ -54,11 +54,13 @@ def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> 
     state = torch.load(checkpoint_dir / "model_iteration8.torch", map_location="cpu")
     assert state["iteration"] == 8
 
-    resumed = subprocess.run(trainer_command(digits_dir, checkpoint_dir), cwd=REPO, env=trainer_env(),
-                             capture_output=True, text=True, timeout=300)
+    # resumed alone, and told to say so after half a second (default: a minute) without an averaging round
+    resumed = subprocess.run(trainer_command(digits_dir, checkpoint_dir, "--alone_warning_after", "0.5"), cwd=REPO,
+                             env=trainer_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = resumed.stdout + resumed.stderr
     assert "Traceback" not in log, log[max(0, log.index("Traceback") - 500):][:4000]  # a normal end prints no traceback
+    assert "This box has averaged with nobody for" in log and "Our DHT knows no other peer" in log
     resume_line = next(line for line in log.splitlines() if "Resume from file" in line)
     resumed_from = int(resume_line.rsplit("model_iteration", 1)[1].split(".")[0])
     assert resumed_from >= 8

@@ -80,3 +80,35 @@ def test_a_joiner_nobody_answers_fails_clearly_and_frees_its_port() -> None:
     finally:
         loop.run_until_complete(silent.shutdown())
         loop.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_join_line_runs_as_printed(tmp_path: Path) -> None:
+    """The join line parses with run_trainer.py's own parser once its one placeholder is filled in: the same
+    interpreter as the README's commands, a fixed port and an identity of its own, and the addresses of this peer and
+    of the initial peers it joined through (any of them lets a new box in)."""
+    import os
+    import shlex
+
+    import run_trainer
+
+    first = swarm.start_dht(swarm.SwarmSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    joiner = None
+    try:
+        first_addresses = [str(address) for address in first.get_visible_maddrs()]
+        settings = swarm.SwarmSettings(run_id="joinline", config_name="swav_tiny", initial_peers=first_addresses,
+                                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        joiner = swarm.start_dht(settings)
+        line = swarm.join_command(joiner, settings)
+    finally:
+        for dht in (joiner, first):
+            if dht is not None:
+                dht.shutdown()
+    words = shlex.split(line.replace("<your ImageFolder dataset>", str(tmp_path)))
+    assert words[0] == "python" or os.access(words[0], os.X_OK), words[0]
+    assert words[1] == "run_trainer.py"
+    args = run_trainer.parse_args(words[2:])
+    assert args.config == "swav_tiny" and args.run_id == "joinline" and args.data_path == tmp_path
+    assert args.host_maddrs == [f"/ip4/0.0.0.0/tcp/{swarm.JOINER_PORT}"] and args.identity_path
+    assert set(first_addresses) < set(args.initial_peers)  # the joiner's own address too
+    assert run_trainer.swarm_settings(args).initial_peers == args.initial_peers

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from initial_model import weights_fingerprint
 from local_replicas import compare_replica_logs
-from local_swarm import LocalPeer, joined_or_started_again, read_jsonl, start_swarm, stop_all, wait_until
+from local_swarm import LocalPeer, fixed_address, joined_or_started_again, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
 from tests.test_recipe import build_task_model
@@ -77,14 +78,18 @@ def logged_fingerprint(peer: LocalPeer) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(digits_dir: Path, tmp_path: Path) -> None:
+def test_three_peers_average_survive_the_first_box_restarting_and_take_in_a_late_joiner(digits_dir: Path,
+                                                                                        tmp_path: Path) -> None:
     peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
     double_batch = ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=32"]  # peer1: twice the others' batch (GPUs)
+    # the first box as the README starts it: an identity file and a fixed port, no --initial_peers
+    first_flags, addresses = fixed_address(peers[0])
+    first_command = [*SWARM_FLAGS, *first_flags]
     try:
         # each peer its own seed (data order) and no download of the first peer's weights: the run's initial model
-        addresses = start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
-                                per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"]
-                                + (double_batch if peer is peers[1] else []))
+        start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
+                    per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"]
+                    + (double_batch if peer is peers[1] else []), first_flags=first_flags)
         fingerprints = [wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
                         for peer in peers]
         assert len(set(fingerprints)) == 1, f"the peers of one run built different initial models: {fingerprints}"
@@ -94,26 +99,30 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
             wait_until(lambda peer=peer: len([r for r in peer.applied_rounds() if r["group_size"] >= 2]) >= 2,
                        300, f"two averaging rounds on {peer.name}")
 
-        # 2. one peer is killed mid-training, once it has a checkpoint to resume (a peer killed before its first
-        #    checkpoint rejoins as a late joiner, step 4); the other two keep averaging with each other
-        wait_until(lambda: (peers[2].checkpoint_dir / "checkpoint.torch").is_file(), 120, "peer2's first checkpoint")
-        peers[2].kill()
+        # 2. the first box (the others' only --initial_peers) is killed mid-training, once it has a checkpoint to
+        #    resume and has noted the others in its address book; the other two keep averaging with each other
+        wait_until(lambda: (peers[0].checkpoint_dir / "checkpoint.torch").is_file()
+                   and len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2,
+                   120, "peer0's first checkpoint and the others in its address book")  # fmt: skip
+        peers[0].kill()
         killed_at = time.time()
-        for peer in peers[:2]:
+        for peer in peers[1:]:
             wait_until(lambda peer=peer: any(r["group_size"] == 2 for r in peer.applied_rounds(since=killed_at)),
                        180, f"a round of the two survivors on {peer.name}")
 
-        # 3. the killed peer restarts: VISSL resumes its checkpoint, which is behind the swarm by now, so it takes
-        #    over the swarm's weights and counts (its schedule continues at the swarm's position), then averages again
-        swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers[:2])
-        peers[2].start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
-        restarted_at = peers[2].started_at
-        wait_until(lambda: "Resume from file" in peers[2].log_text() and "is behind the swarm" in peers[2].log_text(),
-                   180, "peer2 resuming from its checkpoint, then catching up with the swarm")  # fmt: skip
-        wait_until(lambda: peers[2].applied_rounds(since=restarted_at)  # and a logged step (every 5th is logged)
-                   and any(e["time"] > restarted_at for e in peers[2].progress()),
-                   180, "peer2 averaging after its restart")  # fmt: skip
-        first_after_restart = next(e for e in peers[2].progress() if e["time"] > restarted_at)
+        # 3. the first box restarts with the command it was started with: it dials the peers it met (nobody dials
+        #    it: it has no --initial_peers, and the others have each other), VISSL resumes its checkpoint, which is
+        #    behind the swarm by now, so it takes over the swarm's weights and counts, then averages again
+        swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers[1:])
+        peers[0].start(digits_dir, [], first_command, SWARM_OVERRIDES + ["config.SEED_VALUE=0"])
+        restarted_at = peers[0].started_at
+        wait_until(lambda: "Resume from file" in peers[0].log_text() and "is behind the swarm" in peers[0].log_text(),
+                   180, "peer0 resuming from its checkpoint, then catching up with the swarm")  # fmt: skip
+        assert "back in the swarm" in peers[0].log_text()
+        wait_until(lambda: any(r["group_size"] >= 2 for r in peers[0].applied_rounds(since=restarted_at))
+                   and any(e["time"] > restarted_at for e in peers[0].progress()),  # and a logged step (every 5th)
+                   180, "peer0 averaging with the others after its restart")  # fmt: skip
+        first_after_restart = next(e for e in peers[0].progress() if e["time"] > restarted_at)
         assert first_after_restart["swarm_samples"] >= swarm_samples, (first_after_restart, swarm_samples)
         assert first_after_restart["step"] < first_after_restart["swarm_samples"] // 16  # its own steps: fewer
 
@@ -135,7 +144,7 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
     # its second log line after each start (one logging period), its position is the others' at the same moment,
     # and its LR schedule's position is that share of the run (the budgets are equal: 3000 epochs of 160 images)
     first_lines = {peer.name: next(entry["time"] for entry in peer.progress() if entry["time"] > start)
-                   for peer, start in ((peers[0], 0), (peers[1], 0), (peers[2], restarted_at), (late, joined_at))}
+                   for peer, start in ((peers[0], restarted_at), (peers[1], 0), (peers[2], 0), (late, joined_at))}
     wrong = off_schedule(peers, first_lines, share=0.2, slack=2000)
     assert not wrong, wrong[:10]
     for peer in peers:
@@ -148,7 +157,7 @@ def test_three_peers_average_survive_a_kill_rejoin_and_take_in_a_late_joiner(dig
         assert losses and all(math.isfinite(loss) for loss in losses), peer.name
         assert SWARM_SECRET not in peer.log_text(), f"{peer.name} logged the swarm secret"  # (VISSL logs its config)
         assert "diverged from the swarm" not in peer.log_text(), peer.name  # healthy peers are never refused
-        # each was stopped with Ctrl-C (peer2's SIGKILL leaves no text): a peer that leaves ends without a traceback
+        # each was stopped with Ctrl-C (peer0's SIGKILL leaves no text): a peer that leaves ends without a traceback
         assert "Traceback" not in peer.log_text(), peer.log_text()[peer.log_text().index("Traceback") - 500:][:4000]
     # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
     for peer in peers:

@@ -120,3 +120,24 @@ def test_a_run_stopped_with_ctrl_c_ends_with_vissls_line_not_a_logging_error(tmp
     assert result.returncode == 0, output[-3000:]  # VISSL swallows the KeyboardInterrupt and wraps up
     assert "Wrapping up, caught exception: KeyboardInterrupt()" in output, output[-3000:]
     assert "Logging error" not in output and "Traceback" not in output, output[-3000:]
+
+
+def test_the_cuda_events_warning_of_a_cpu_box_is_logged_once(caplog) -> None:
+    """VISSL's PerfStats, made at every phase start, warns each time on a box without CUDA; once is enough."""
+    import logging
+
+    import torch
+    from vissl.utils.perf_stats import PerfStats
+
+    vissl_compat.apply()
+    root = logging.getLogger(vissl_compat.VISSL_ROOT_LOGGERS[0])
+    saved = logging.root
+    logging.root = root  # as VISSL's setup_logging leaves it: logging.warning() goes to this logger
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(3):
+                PerfStats()
+    finally:
+        logging.root = saved
+    expected = 0 if torch.cuda.is_available() else 1
+    assert caplog.text.count(vissl_compat.CUDA_EVENTS_WARNING) == expected

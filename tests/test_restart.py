@@ -1,0 +1,166 @@
+"""A box comes back after a crash with the command it was started with (issue 18, item 1), at the DHT level:
+
+1. the address book keeps the peers a box met (newest first, at most ``keep``), in a file that survives it;
+2. a first box (no --initial_peers) started again dials the peers of its book and is back in their DHT;
+3. a SIGKILLed DHT owner leaves neither its DHT process nor its p2p daemon behind holding its port.
+The whole scenario with run_trainer.py processes is in test_swarm_training (the first box killed and restarted).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import swarm
+from decentralized_sgd.address_book import AddressBook
+from decentralized_sgd.dht_rejoin import dht_peer_count, rejoiner_of
+from decentralized_sgd.end_with_parent import child_pids, is_running
+from local_swarm import wait_until
+from tests.conftest import REPO
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def test_address_book_keeps_the_newest_peers_in_a_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "box" / "known_peers.json"
+    book = AddressBook(path, keep=2)
+    assert len(book) == 0 and book.addresses() == [] and not path.exists()
+    assert book.remember({"QmA": ["/ip4/10.0.0.1/tcp/1"], "QmB": ["/ip4/10.0.0.2/tcp/2"]}, now=1.0)
+    assert not book.remember({"QmA": ["/ip4/10.0.0.1/tcp/1"]}, now=2.0)  # seen again, same address: no new file
+    book.remember({"QmC": ["/ip4/10.0.0.3/tcp/3", "/ip4/10.0.0.3/tcp/4"], "QmEmpty": []}, now=3.0)
+    again = AddressBook(path, keep=2)  # what a restarted box reads: the two most recently seen, newest first
+    assert again.addresses() == ["/ip4/10.0.0.3/tcp/3/p2p/QmC", "/ip4/10.0.0.3/tcp/4/p2p/QmC",
+                                 "/ip4/10.0.0.1/tcp/1/p2p/QmA"]
+    assert again.addresses(exclude=["QmC"]) == ["/ip4/10.0.0.1/tcp/1/p2p/QmA"]  # our own id is never dialed
+    path.write_text("{not json")
+    assert len(AddressBook(path)) == 0 and "cannot be read" in caplog.text  # a broken file: a warning, no crash
+    memory_only = AddressBook(None)  # no checkpoint folder: remembers for this run only, writes nothing
+    memory_only.remember({"QmA": ["/ip4/10.0.0.1/tcp/1"]})
+    assert memory_only.addresses() == ["/ip4/10.0.0.1/tcp/1/p2p/QmA"]
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_first_box_dials_the_peers_it_met(tmp_path: Path) -> None:
+    book_path = str(tmp_path / "known_peers.json")
+    first = swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, address_book=book_path))
+    joiners, again = [], None
+    try:
+        addresses = [str(address) for address in first.get_visible_maddrs()]
+        joiners = [swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, initial_peers=addresses))
+                   for _ in range(2)]
+        rejoiner = rejoiner_of(first)
+        wait_until(lambda: rejoiner.check() is None and len(AddressBook(book_path)) == 2, 60,
+                   "both joiners in the first box's address book")
+        first.shutdown()
+        # the joiners still have each other: nobody dials the first box again
+        again = swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, address_book=book_path))
+        assert (dht_peer_count(again) or 0) >= 1  # back in the swarm at start, without --initial_peers
+        wait_until(lambda: all(str(again.peer_id) in neighbours(joiner) for joiner in joiners), 60,
+                   "the joiners knowing the restarted first box")
+    finally:
+        for dht in [*joiners, again]:
+            if dht is not None:
+                dht.shutdown()
+        first.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_the_whole_swarm_restarts_in_another_order(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """Three boxes as the README starts them (fixed ports, identity files; the others join through the first) are
+    all stopped, then started again last-joined first: the first to come back finds nobody and starts anyway (it met
+    peers before), the next joins it through its address book though its --initial_peers is still down, and the
+    first box, back last, dials them."""
+    from hivemind.p2p import P2P, PeerID
+
+    boxes = []
+    for index in range(3):
+        identity = tmp_path / f"box{index}.key"
+        P2P.generate_identity(str(identity))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        boxes.append({"identity": str(identity), "port": port,
+                      "address": f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"})
+
+    def start(index: int):
+        box = boxes[index]
+        return swarm.start_dht(swarm.SwarmSettings(
+            host_maddrs=[f"/ip4/127.0.0.1/tcp/{box['port']}"], identity_path=box["identity"], join_timeout=5,
+            initial_peers=[] if index == 0 else [boxes[0]["address"]],
+            address_book=str(tmp_path / f"box{index}" / "known_peers.json")))  # fmt: skip
+
+    dhts: dict[int, object] = {}
+    try:
+        for index in range(3):
+            dhts[index] = start(index)
+        for index in range(3):  # each has noted the two others (the rejoiner does it every 10 s; here at once)
+            wait_until(lambda index=index: rejoiner_of(dhts[index]).check() is None
+                       and len(AddressBook(tmp_path / f"box{index}" / "known_peers.json")) == 2, 60,
+                       f"box{index}'s address book")  # fmt: skip
+        for index in range(3):
+            dhts.pop(index).shutdown()
+        for index in (2, 1, 0):
+            dhts[index] = start(index)
+        assert "nobody answered yet" in capfd.readouterr().err  # box2, back first, found nobody and started anyway
+        ids = {index: str(dht.peer_id) for index, dht in dhts.items()}
+        wait_until(lambda: all(set(ids.values()) - {ids[index]} <= neighbours(dht) for index, dht in dhts.items()),
+                   60, "every box knowing the two others again")
+    finally:
+        for dht in dhts.values():
+            dht.shutdown()
+
+
+async def _routing_table_peer_ids(_dht, node) -> set[str]:
+    return {str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid}
+
+
+def neighbours(dht) -> set[str]:
+    return dht.run_coroutine(_routing_table_peer_ids)
+
+
+DHT_OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from decentralized_sgd import FixedDHT
+dht = FixedDHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{sys.argv[1]}"])
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_dht_owner_leaves_no_daemon_holding_its_port(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    owner = subprocess.Popen([sys.executable, "-c", DHT_OWNER, str(port), str(REPO)], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert owner.stdout.readline().strip() == "up", "the DHT owner did not start"
+        dht_processes = child_pids(owner.pid)
+        assert dht_processes and not port_is_free(port)
+        os.kill(owner.pid, signal.SIGKILL)  # the owner only, as the OOM killer would: not its process group
+        owner.wait()
+        wait_until(lambda: port_is_free(port) and not any(is_running(pid) for pid in dht_processes), 60,
+                   "the DHT process and its p2p daemon ending with their owner")
+    finally:
+        try:
+            os.killpg(owner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
