@@ -30,6 +30,7 @@ from tempfile import mkdtemp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook  # noqa: E402
 from demo import markdown_table  # noqa: E402
 from local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until  # noqa: E402
 
@@ -47,7 +48,8 @@ def one_restart(data: Path, out: Path, down_for: float) -> dict:
         for peer in peers:
             wait_until(lambda peer=peer: any(r["group_size"] >= 2 for r in peer.applied_rounds()), 300,
                        f"a round on {peer.name}")
-        wait_until(lambda: (peers[0].checkpoint_dir / "known_peers.json").is_file(), 120, "box0's address book")
+        wait_until(lambda: len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2, 120,
+                   "box1 and box2 in box0's address book")
         os.kill(peers[0].process.pid, signal.SIGKILL)  # the trainer only; its DHT and p2pd must end by themselves
         peers[0].process.wait()
         time.sleep(down_for)

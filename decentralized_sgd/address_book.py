@@ -62,7 +62,7 @@ class AddressBook:
         newest = sorted(self._peers.items(), key=lambda item: -item[1]["seen"])[: self.keep]
         changed |= len(newest) != len(self._peers)
         self._peers = dict(newest)
-        if self.path is not None and (changed or not self.path.exists()):
+        if self.path is not None and changed:
             self._write()
         return changed
 

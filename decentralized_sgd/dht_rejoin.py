@@ -95,8 +95,9 @@ class DHTRejoiner(threading.Thread):
         answered = self.dht.run_coroutine(rejoin, return_future=True).result(timeout=self.period)
         if answered is None and self.book is not None and note_peers:
             neighbours = self.dht.run_coroutine(dht_neighbours, return_future=True).result(timeout=self.period)
-            self.book.remember(neighbours)
-            self._noted_at = time.monotonic()
+            if neighbours:  # a first box alone has nobody to note yet: look again at the next check
+                self.book.remember(neighbours)
+                self._noted_at = time.monotonic()
         return answered
 
     def stop(self) -> None:
