@@ -36,6 +36,7 @@ class SwarmSettings:
     client_mode: bool = False
     use_auto_relay: bool = False
     use_relay: bool = True
+    force_reachability: str = ""  # "private"/"public": skip libp2p's AutoNAT guess (it never dials private addresses)
     target_group_size: int = 4
     min_matchmaking_time: float = 5.0
     request_timeout: float = 3.0
@@ -174,6 +175,7 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
                 client_mode=settings.client_mode,
                 use_auto_relay=settings.use_auto_relay,
                 use_relay=settings.use_relay,
+                force_reachability=settings.force_reachability or None,
                 startup_timeout=startup_timeout,
                 ensure_bootstrap_success=False,
             )
