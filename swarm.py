@@ -219,6 +219,26 @@ def visible_maddrs(dht: Any) -> list[str]:
     return public or addresses
 
 
+PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")  # RFC 1918 and carrier NAT
+
+
+def reachability_note(addresses: list[str]) -> str:
+    """A warning for the join line when every address of this box is behind NAT (10.x, 172.16-31.x, 192.168.x,
+    100.64-127.x) and none is a relay's (/p2p-circuit): boxes outside its LAN cannot dial it, so they cannot join
+    through it (tests/test_nat.py: a NATed box averages and serves its state only over connections it opened)."""
+    import ipaddress
+
+    networks = [ipaddress.ip_network(n) for n in PRIVATE_NETWORKS]
+    if not addresses or any("/p2p-circuit" in a or not a.startswith("/ip4/") for a in addresses):
+        return ""
+    hosts = sorted({a.split("/")[2] for a in addresses})
+    if not all(any(ipaddress.ip_address(h) in n for n in networks) for h in hosts):
+        return ""
+    return (f"Note: this box's addresses are private ({', '.join(hosts)}): only boxes in its LAN can join through "
+            "it. Boxes elsewhere should join through a box with a public address, or forward a port here and pass "
+            "--host_maddrs /ip4/0.0.0.0/tcp/<port> --announce_maddrs /ip4/<public ip>/tcp/<port>")
+
+
 def join_command(dht: Any, settings: SwarmSettings) -> str:
     """The exact command another box runs to join this peer's swarm (never with the secret itself)."""
     peers = " ".join(visible_maddrs(dht))

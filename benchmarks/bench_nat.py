@@ -23,6 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO = REPO / "tests" / "nat_scenario.py"
+sys.path.insert(0, str(REPO / "tests"))
+from nat_testbed import run_orchestrator  # noqa: E402
+
 MODES = ("public", "none", "client_mode", "auto_relay", "auto_relay_private")
 
 
@@ -36,7 +39,7 @@ def run_one(scenario: str, mode: str, out: Path, measure_s: float) -> dict:
     command = ["unshare", "-rn", sys.executable, str(SCENARIO), scenario, mode.replace("_private", ""), str(out),
                "--measure_s", str(measure_s), "--join", *flags]  # fmt: skip
     t0 = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    result = run_orchestrator(command, timeout=900)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     summary.update(mode=mode, wall_s=time.monotonic() - t0)
     if result.returncode != 0:

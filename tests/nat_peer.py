@@ -50,6 +50,11 @@ def settings(args: argparse.Namespace) -> SwarmSettings:
                          force_reachability=args.force_reachability, join_timeout=60.0)  # fmt: skip
 
 
+def write_atomically(path: Path, content: dict) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(content))
+    path.with_suffix(".tmp").replace(path)
+
+
 async def _connections(_dht, node) -> dict[str, list[str]]:
     return {str(info.peer_id): [str(a) for a in info.addrs] for info in await node.p2p.list_peers()}
 
@@ -59,8 +64,7 @@ def write_connections(dht, path: Path) -> None:
     while True:
         try:
             connections = dht.run_coroutine(_connections, return_future=True).result(timeout=10)
-            path.with_suffix(".tmp").write_text(json.dumps(connections))
-            path.with_suffix(".tmp").replace(path)
+            write_atomically(path, connections)
         except Exception as error:  # a busy DHT: try again next time
             print(f"list_peers failed: {error!r}", file=sys.stderr)
         time.sleep(2.0)
@@ -76,14 +80,14 @@ def main() -> None:
                             get_extra_state=lambda: {"donor": args.name}, **FAST)  # fmt: skip
     if args.no_state_sharing:
         peer.averager.allow_state_sharing = False
-    (args.out / "peer.json").write_text(json.dumps({"peer_id": str(dht.peer_id), "name": args.name,
-                                                    "maddrs": [str(a) for a in dht.get_visible_maddrs()]}))  # fmt: skip
+    info = {"peer_id": str(dht.peer_id), "name": args.name, "maddrs": [str(a) for a in dht.get_visible_maddrs()]}
+    write_atomically(args.out / "peer.json", info)  # the orchestrator reads it as soon as it exists
     threading.Thread(target=write_connections, args=(dht, args.out / "connections.json"), daemon=True).start()
     if args.join:
         t0 = time.monotonic()
         extra = peer.load_state_from_peers(timeout=30)
         joined = {"donor": None if extra is None else extra.get("donor"), "seconds": time.monotonic() - t0}
-        (args.out / "joined.json").write_text(json.dumps(joined))
+        write_atomically(args.out / "joined.json", joined)
         peer.shutdown()
         dht.shutdown()
         return

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nat_testbed import Box, NatTestbed, can_connect, listen_once, read_text_when_ready, stop  # noqa: E402
+import nat_testbed as tb  # noqa: E402
 
 PEER = Path(__file__).resolve().parent / "nat_peer.py"
 SCENARIOS = {"a": ("public", "public", "natted"), "b": ("public", "natted", "natted")}
@@ -46,25 +46,25 @@ def public_in_layout(scenario: str) -> list[str]:
     return [f"box{i}" for i, kind in enumerate(SCENARIOS[scenario]) if kind == "public"]
 
 
-def nat_check(bed: NatTestbed) -> dict:
+def nat_check(bed: tb.NatTestbed) -> dict:
     """Through the routers: can a public box dial a NATed box's own address, can a NATed box dial out?"""
     public = [b for b in bed.boxes if not b.natted][0]
     result = {"public_dials_natted": [], "natted_dials_public": []}
-    listener = listen_once(public, PROBE_PORT)
+    listener = tb.listen_once(public, PROBE_PORT)
     try:
-        result["natted_dials_public"] = [can_connect(b, public.address, PROBE_PORT) for b in bed.boxes if b.natted]
+        result["natted_dials_public"] = [tb.can_connect(b, public.address, PROBE_PORT) for b in bed.boxes if b.natted]
     finally:
-        stop(listener)
+        tb.stop(listener)
     for box in (b for b in bed.boxes if b.natted):
-        listener = listen_once(box, PROBE_PORT)
+        listener = tb.listen_once(box, PROBE_PORT)
         try:
-            result["public_dials_natted"].append(can_connect(public, box.address, PROBE_PORT, timeout=2.0))
+            result["public_dials_natted"].append(tb.can_connect(public, box.address, PROBE_PORT, timeout=2.0))
         finally:
-            stop(listener)
+            tb.stop(listener)
     return result
 
 
-def start_peer(box: Box, out: Path, args: argparse.Namespace, initial_peers: list[str], *extra: str):
+def start_peer(box: tb.Box, out: Path, args: argparse.Namespace, initial_peers: list[str], *extra: str):
     """tests/nat_peer.py on `box`. With --join, public boxes never share their state: a joiner's download then
     tells whether a NATed box can serve one (in the all-public baseline, the would-be NATed boxes serve)."""
     mode = args.mode if box.natted else "public"
@@ -91,7 +91,7 @@ def read_json(path: Path) -> dict:
         return {}
 
 
-def connection_kinds(out: Path, box: Box, ids: dict[str, str]) -> dict[str, str]:
+def connection_kinds(out: Path, box: tb.Box, ids: dict[str, str]) -> dict[str, str]:
     """For a NATed box: each other box it is connected to -> direct / relayed (a /p2p-circuit address) / both."""
     kinds = {}
     for peer_id, addresses in read_json(out / box.name / "connections.json").items():
@@ -101,7 +101,7 @@ def connection_kinds(out: Path, box: Box, ids: dict[str, str]) -> dict[str, str]
     return kinds
 
 
-def summarize(out: Path, bed: NatTestbed, ids: dict[str, str], window: tuple[float, float]) -> dict:
+def summarize(out: Path, bed: tb.NatTestbed, ids: dict[str, str], window: tuple[float, float]) -> dict:
     """Per box: applied rounds, those in a group of >= 2, those with a NATed box in the group; rounds/min per box
     over `window` (every peer running); for NATed boxes, how they are connected to the others."""
     natted_ids = {i for i, name in ids.items() if next(b for b in bed.boxes if b.name == name).natted}
@@ -122,22 +122,23 @@ def summarize(out: Path, bed: NatTestbed, ids: dict[str, str], window: tuple[flo
     return boxes
 
 
-def join(out: Path, joiner: Box, args: argparse.Namespace, bootstrap: list[str]) -> dict:
+def join(out: Path, joiner: tb.Box, args: argparse.Namespace, bootstrap: list[str]) -> dict:
     """A fresh public peer downloads the swarm's state: {"donor": the box that served it or None, "seconds"}."""
     process = start_peer(joiner, out, args, bootstrap, "--join")
     try:
-        return json.loads(read_text_when_ready(out / joiner.name / "joined.json", process, 240))
+        return json.loads(tb.read_text_when_ready(out / joiner.name / "joined.json", process, 240))
     except RuntimeError as error:
         return {"donor": None, "error": str(error)}
     finally:
-        stop(process)
+        tb.stop(process)
 
 
 def main(args: argparse.Namespace) -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    tb.exit_on_sigterm()
     summary: dict = {"scenario": args.scenario, "mode": args.mode, "force_private": args.force_private}
-    bed = NatTestbed()
+    bed = tb.NatTestbed()
     peers = []
     try:
         for i, kind in enumerate(SCENARIOS[args.scenario]):
@@ -150,10 +151,10 @@ def main(args: argparse.Namespace) -> None:
         boxes = [b for b in bed.boxes if b is not joiner]
         started = time.time()
         peers.append(start_peer(boxes[0], out, args, []))
-        bootstrap = json.loads(read_text_when_ready(out / boxes[0].name / "peer.json", peers[0], 120))["maddrs"]
+        bootstrap = json.loads(tb.read_text_when_ready(out / boxes[0].name / "peer.json", peers[0], 120))["maddrs"]
         for i, box in enumerate(boxes[1:], start=1):
             peers.append(start_peer(box, out, args, bootstrap, "--value", str(2.0 * i)))
-        infos = [json.loads(read_text_when_ready(out / box.name / "peer.json", process, 180))
+        infos = [json.loads(tb.read_text_when_ready(out / box.name / "peer.json", process, 180))
                  for box, process in zip(boxes, peers, strict=True)]
         ids = {info["peer_id"]: info["name"] for info in infos}
         summary["maddrs"] = {info["name"]: info["maddrs"] for info in infos}
@@ -176,7 +177,7 @@ def main(args: argparse.Namespace) -> None:
             summary["joined"] = join(out, joiner, args, bootstrap)
     finally:
         for process in peers:
-            stop(process)
+            tb.stop(process)
         bed.close()
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
 

@@ -198,6 +198,30 @@ def stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+def run_orchestrator(command: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a scenario process; past `timeout` stop it with SIGTERM (see ``exit_on_sigterm``: it then removes its
+    peers and namespaces, which SIGKILL would leave behind), then SIGKILL."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        stderr += f"\n(stopped after {timeout:g} s)"
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def exit_on_sigterm() -> None:
+    """Scenario process: SIGTERM and SIGINT raise, so its `finally` stops its peers and namespaces (a background
+    shell's children start with SIGINT ignored)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def read_text_when_ready(path: Path, process: subprocess.Popen, timeout: float) -> str:
     """The content of `path` once it exists; RuntimeError if `process` died first or `timeout` passed."""
     deadline = time.monotonic() + timeout
