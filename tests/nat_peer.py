@@ -34,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", required=True)
     parser.add_argument("--host", required=True, help="the box's own address (private behind NAT)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any)")
+    parser.add_argument("--identity_path", default="", help="private key file: a peer id known in advance")
     parser.add_argument("--initial_peers", nargs="*", default=[])
     parser.add_argument("--mode", choices=MODES, default="public")
     parser.add_argument("--force_reachability", default="", choices=["", "public", "private"])
@@ -45,9 +47,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def settings(args: argparse.Namespace) -> SwarmSettings:
-    return SwarmSettings(run_id="nat", initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
-                         client_mode=args.mode == "client_mode", use_auto_relay=args.mode == "auto_relay",
-                         force_reachability=args.force_reachability, join_timeout=60.0)  # fmt: skip
+    return SwarmSettings(
+        run_id="nat", initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        client_mode=args.mode == "client_mode", use_auto_relay=args.mode == "auto_relay",
+        identity_path=args.identity_path, force_reachability=args.force_reachability,
+        join_timeout=240.0,  # generous: every peer starts at once, the first one too
+    )
 
 
 def write_atomically(path: Path, content: dict) -> None:

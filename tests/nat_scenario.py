@@ -27,6 +27,7 @@ import nat_testbed as tb  # noqa: E402
 PEER = Path(__file__).resolve().parent / "nat_peer.py"
 SCENARIOS = {"a": ("public", "public", "natted"), "b": ("public", "natted", "natted")}
 PROBE_PORT = 7000
+BOOTSTRAP_PORT = 31337
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +45,19 @@ def parse_args() -> argparse.Namespace:
 def public_in_layout(scenario: str) -> list[str]:
     """The boxes that are public in the scenario's NAT layout (the others are NATed, or would be)."""
     return [f"box{i}" for i, kind in enumerate(SCENARIOS[scenario]) if kind == "public"]
+
+
+def bootstrap_identity(out: Path, box: tb.Box) -> tuple[list[str], list[str]]:
+    """The first peer's multiaddr known before it starts (an identity file, a fixed port), so that every peer can
+    start at once (on a busy 2-core machine one peer takes tens of seconds to start); and its extra flags."""
+    from hivemind.p2p import P2P, PeerID
+
+    (out / box.name).mkdir(parents=True, exist_ok=True)
+    path = out / box.name / "identity.key"
+    P2P.generate_identity(str(path))
+    peer_id = PeerID.from_identity(path.read_bytes())
+    return [f"/ip4/{box.address}/tcp/{BOOTSTRAP_PORT}/p2p/{peer_id}"], ["--identity_path", str(path), "--port",
+                                                                      str(BOOTSTRAP_PORT)]  # fmt: skip
 
 
 def nat_check(bed: tb.NatTestbed) -> dict:
@@ -150,8 +164,8 @@ def main(args: argparse.Namespace) -> None:
         summary["nat_check"] = nat_check(bed) if any(b.natted for b in bed.boxes) else {}
         boxes = [b for b in bed.boxes if b is not joiner]
         started = time.time()
-        peers.append(start_peer(boxes[0], out, args, []))
-        bootstrap = json.loads(tb.read_text_when_ready(out / boxes[0].name / "peer.json", peers[0], 120))["maddrs"]
+        bootstrap, first = bootstrap_identity(out, boxes[0])  # all peers start at once: they retry joining
+        peers.append(start_peer(boxes[0], out, args, [], *first))
         for i, box in enumerate(boxes[1:], start=1):
             peers.append(start_peer(box, out, args, bootstrap, "--value", str(2.0 * i)))
         infos = [json.loads(tb.read_text_when_ready(out / box.name / "peer.json", process, 180))
