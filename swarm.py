@@ -159,8 +159,9 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
     secret = settings.secret()
-    hint = ("check that the first peer is running and that its address and port are reachable from here "
-            "(open the port, or use --client_mode / --use_auto_relay behind NAT)" if settings.initial_peers
+    hint = ("check that the first peer is running and that its address and port are reachable from here (open "
+            "the port; a first peer behind NAT, whose join line shows only a private address, cannot be joined from "
+            "outside its LAN: start the swarm on a box with a public address)" if settings.initial_peers
             else "check --host_maddrs and --identity_path")
     deadline = time.monotonic() + settings.join_timeout
     while True:
@@ -225,7 +226,7 @@ PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0
 def reachability_note(addresses: list[str]) -> str:
     """A warning for the join line when every address of this box is behind NAT (10.x, 172.16-31.x, 192.168.x,
     100.64-127.x) and none is a relay's (/p2p-circuit): boxes outside its LAN cannot dial it, so they cannot join
-    through it (tests/test_nat.py: a NATed box averages and serves its state only over connections it opened)."""
+    through it (README, Behind NAT: a NATed box averages and serves its state over connections it opened)."""
     import ipaddress
 
     networks = [ipaddress.ip_network(n) for n in PRIVATE_NETWORKS]

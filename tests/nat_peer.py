@@ -4,7 +4,8 @@ It joins through ``swarm.start_dht`` with the same SwarmSettings as run_trainer.
 ``--use_auto_relay``, ``--force_reachability``), so the scenarios test the flags users pass. A trainer peer trains
 a tiny model (a local step adds a small constant to the weights) and writes into --out: ``peer.json`` (peer id,
 visible multiaddrs), ``rounds.jsonl`` (its round records), ``connections.json`` (every 2 s: each connected peer's
-connection addresses from p2pd, a ``/p2p-circuit`` one means relayed). A joiner (--join) downloads the swarm's state
+connection addresses from p2pd, a ``/p2p-circuit`` one means relayed) and ``maddrs.json`` (our visible multiaddrs now:
+a relay's ``/p2p-circuit`` one appears once auto relay reserved a slot). A joiner (--join) downloads the swarm's state
 once (``load_state_from_peers``), writes ``joined.json`` (which peer served it, or null) and exits.
 """
 
@@ -65,11 +66,12 @@ async def _connections(_dht, node) -> dict[str, list[str]]:
 
 
 def write_connections(dht, path: Path) -> None:
-    """Every 2 s: our p2pd's open connections (peer id -> remote addresses), written atomically."""
+    """Every 2 s: our p2pd's open connections (peer id -> remote addresses) and our visible multiaddrs."""
     while True:
         try:
             connections = dht.run_coroutine(_connections, return_future=True).result(timeout=10)
             write_atomically(path, connections)
+            write_atomically(path.with_name("maddrs.json"), {"maddrs": [str(a) for a in dht.get_visible_maddrs()]})
         except Exception as error:  # a busy DHT: try again next time
             print(f"list_peers failed: {error!r}", file=sys.stderr)
         time.sleep(2.0)

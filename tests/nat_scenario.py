@@ -35,7 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("mode", choices=["public", "none", "client_mode", "auto_relay"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--force_private", action="store_true", help="auto_relay: --force_reachability private")
+    parser.add_argument("--force_private", action="store_true",
+                        help="auto_relay: NATed boxes --force_reachability private, public ones public")
     parser.add_argument("--until_rounds", type=int, default=0, help="stop once every NATed box applied this many")
     parser.add_argument("--measure_s", type=float, default=60.0, help="at most this long after every peer started")
     parser.add_argument("--join", action="store_true", help="then check which box serves its state to a joiner")
@@ -88,6 +89,8 @@ def start_peer(box: tb.Box, out: Path, args: argparse.Namespace, initial_peers: 
                "--out", str(out / box.name), "--initial_peers", *initial_peers, *extra]  # fmt: skip
     if mode == "auto_relay" and args.force_private:
         command += ["--force_reachability", "private"]
+    if mode == "public" and args.mode == "auto_relay" and args.force_private:  # their relay service needs it
+        command += ["--force_reachability", "public"]
     (out / box.name).mkdir(parents=True, exist_ok=True)
     log = open(out / box.name / "log.txt", "w")  # the process outlives this function
     return box.ns.popen(command, stdout=log, stderr=log)
@@ -186,6 +189,7 @@ def main(args: argparse.Namespace) -> None:
             time.sleep(1.0)
         ended = time.time()
         summary["boxes"] = summarize(out, bed, ids, (running, ended))
+        summary["maddrs_at_end"] = {box.name: read_json(out / box.name / "maddrs.json").get("maddrs") for box in boxes}
         summary["window_s"] = ended - running
         if joiner is not None:
             summary["joined"] = join(out, joiner, args, bootstrap)

@@ -18,15 +18,18 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nat_testbed import missing_tools, run_orchestrator  # noqa: E402
+
+from swarm import reachability_note  # noqa: E402
 
 SCENARIO = Path(__file__).resolve().parent / "nat_scenario.py"
 NATTED = {"a": ["box2"], "b": ["box1", "box2"]}
 
 
-@pytest.fixture(autouse=True)
-def needs_the_tools() -> None:
+@pytest.fixture
+def nat_tools() -> None:
     missing = missing_tools()
     if missing:
         pytest.skip(f"the NAT test bed needs {', '.join(missing)}: apt-get install -y iptables util-linux iproute2")
@@ -44,7 +47,7 @@ def run_scenario(out: Path, scenario: str, mode: str) -> dict:
 
 
 @pytest.mark.timeout(420)
-def test_natted_boxes_average_through_a_real_nat(tmp_path):
+def test_natted_boxes_average_through_a_real_nat(tmp_path, nat_tools):
     """Both scenarios at once (each in its own namespaces; most of their time is waiting: p2pd start-up, matchmaking):
     (a) NATed box without a flag, (b) both NATed boxes in --client_mode."""
     cases = {"a": "none", "b": "client_mode"}
@@ -61,3 +64,13 @@ def test_natted_boxes_average_through_a_real_nat(tmp_path):
             assert boxes[name]["rounds_in_group_of_2_plus"] >= 2, (scenario, boxes)  # it averaged with others
         public = [b for b in boxes.values() if not b["natted"]]
         assert any(b["rounds_with_a_natted_box"] >= 1 for b in public), (scenario, boxes)  # a public box with it
+
+
+def test_the_join_line_warns_when_every_address_is_private():
+    """A first peer behind NAT prints a join line only its LAN can use: the trainer says so under it."""
+    natted = ["/ip4/192.168.1.2/tcp/31337/p2p/QmPeer", "/ip4/10.0.0.5/tcp/31337/p2p/QmPeer"]
+    assert "only boxes in its LAN" in reachability_note(natted)
+    assert "192.168.1.2" in reachability_note(natted)
+    assert reachability_note(["/ip4/203.0.113.5/tcp/31337/p2p/QmPeer", *natted]) == ""  # one public address
+    assert reachability_note([*natted, "/ip4/10.80.0.1/tcp/31337/p2p/QmRelay/p2p-circuit/p2p/QmPeer"]) == ""
+    assert reachability_note(["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"]) == ""  # a local swarm
