@@ -86,7 +86,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         kind = "NATed" if r["mode"] != "public" else "would-be NATed"
         served = f"{r['joiner_served_by']} ({kind if r['served_by_natted_box'] else 'public'})" \
             if r["joiner_served_by"] else "nobody"
-        relay = {None: "?", True: "yes", False: "no"}[r["relay_address"]]
+        relay = {None: "? (not recorded)", True: "yes", False: "no"}[r["relay_address"]]
+        relay = "-" if r["mode"] == "public" else relay
         blocks = "-" if r["nat_blocks_inbound"] is None else "yes" if r["nat_blocks_inbound"] else "NO"
         lines.append(f"| {r['scenario']} | {r['mode']} | {blocks} | {', '.join(map(str, r['natted_rounds_applied']))}"
                      f" | {served} | {r['rounds_per_min_per_box']:.1f} | {r['connections']} | {relay} |"
