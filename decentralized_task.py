@@ -222,6 +222,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                              f"from the checkpoint ({restored} boxes' counts)")
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
+        if note := swarm.reachability_note(swarm.visible_maddrs(self.dht)):
+            logging.warning(note)
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         if settings.averager == "hivemind_optimizer":  # hivemind.Optimizer put inside VISSL's LARC: a baseline

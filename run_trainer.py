@@ -76,6 +76,9 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--use_auto_relay", action="store_true",
                        help="be reachable through relays of public peers (behind NAT)")
     group.add_argument("--no_relay", action="store_true", help="disable libp2p circuit relays")
+    group.add_argument("--force_reachability", choices=["", "private", "public"], default="",
+                       help="tell libp2p whether this box can be dialed instead of letting AutoNAT guess "
+                            "(with --use_auto_relay behind NAT: private)")
     group.add_argument("--target_group_size", type=int, default=defaults.target_group_size,
                        help="average with up to this many peers per round")
     group.add_argument("--min_matchmaking_time", type=float, default=defaults.min_matchmaking_time,
@@ -136,7 +139,8 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
     settings = swarm.SwarmSettings(
         run_id=args.run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
         announce_maddrs=args.announce_maddrs, identity_path=args.identity_path, client_mode=args.client_mode,
-        use_auto_relay=args.use_auto_relay, use_relay=not args.no_relay, target_group_size=args.target_group_size,
+        use_auto_relay=args.use_auto_relay, use_relay=not args.no_relay,
+        force_reachability=args.force_reachability, target_group_size=args.target_group_size,
         min_matchmaking_time=args.min_matchmaking_time, averaging_timeout=args.averaging_timeout,
         next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
         compression=args.compression, average_optimizer_state=args.average_optimizer_state,

@@ -39,6 +39,7 @@ class SwarmSettings:
     client_mode: bool = False
     use_auto_relay: bool = False
     use_relay: bool = True
+    force_reachability: str = ""  # "private"/"public": skip libp2p's AutoNAT guess (it never dials private addresses)
     target_group_size: int = 4
     min_matchmaking_time: float = 5.0
     request_timeout: float = 3.0
@@ -168,8 +169,9 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
     book = AddressBook(settings.address_book or None)
     met_before = len(book.addresses())
-    hint = ("check that the first peer is running and that its address and port are reachable from here "
-            "(open the port, or use --client_mode / --use_auto_relay behind NAT)" if settings.initial_peers
+    hint = ("check that the first peer is running and that its address and port are reachable from here (open "
+            "the port; a first peer behind NAT, whose join line shows only a private address, cannot be joined from "
+            "outside its LAN: start the swarm on a box with a public address)" if settings.initial_peers
             else "check --host_maddrs and --identity_path")
     deadline = time.monotonic() + settings.join_timeout
     initial_peers = settings.initial_peers
@@ -226,6 +228,7 @@ def _start_dht_process(settings: SwarmSettings, initial_peers: list[str], startu
                 client_mode=settings.client_mode,
                 use_auto_relay=settings.use_auto_relay,
                 use_relay=settings.use_relay,
+                force_reachability=settings.force_reachability or None,
                 startup_timeout=startup_timeout,
                 ensure_bootstrap_success=False,
             )
@@ -264,6 +267,26 @@ def visible_maddrs(dht: Any) -> list[str]:
     addresses = [str(address) for address in dht.get_visible_maddrs()]
     public = [address for address in addresses if "/ip4/127." not in address and "/ip6/::1/" not in address]
     return public or addresses
+
+
+PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")  # RFC 1918 and carrier NAT
+
+
+def reachability_note(addresses: list[str]) -> str:
+    """A warning for the join line when every address of this box is behind NAT (10.x, 172.16-31.x, 192.168.x,
+    100.64-127.x) and none is a relay's (/p2p-circuit): boxes outside its LAN cannot dial it, so they cannot join
+    through it (README, Behind NAT: a NATed box averages and serves its state over connections it opened)."""
+    import ipaddress
+
+    networks = [ipaddress.ip_network(n) for n in PRIVATE_NETWORKS]
+    if not addresses or any("/p2p-circuit" in a or not a.startswith("/ip4/") for a in addresses):
+        return ""
+    hosts = sorted({a.split("/")[2] for a in addresses})
+    if not all(any(ipaddress.ip_address(h) in n for n in networks) for h in hosts):
+        return ""
+    return (f"Note: this box's addresses are private ({', '.join(hosts)}): only boxes in its LAN can join through "
+            "it. Boxes elsewhere should join through a box with a public address, or forward a port here and pass "
+            "--host_maddrs /ip4/0.0.0.0/tcp/<port> --announce_maddrs /ip4/<public ip>/tcp/<port>")
 
 
 def join_command(dht: Any, settings: SwarmSettings) -> str:

@@ -85,7 +85,8 @@ def load_state_from_peers(owner: DecentralizedSGD, timeout: float, accept: Calla
     except TimeoutError:
         loaded = None
     if loaded is None:
-        logger.info("load_state_from_peers: no peer could share its state")
+        logger.info("load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
+                    "README, Behind NAT)")
         return None
     metadata, tensors = loaded
     num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]
