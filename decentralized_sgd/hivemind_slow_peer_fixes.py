@@ -13,14 +13,27 @@ enough (``wait_timeout``, 3 s) to be blacklisted. Four hivemind behaviours put t
    ``CoalescedEvent``, at most one wake-up per second.
 2. ``Matchmaking.look_for_group`` returns only after ``PotentialLeaders`` withdrew our declaration from the DHT
    (``GroupKeyManager.declare_averager(looking_for_group=False)``, awaited in a ``finally``): the group has formed,
-   but the round waits for the slowest replica. Fix: ``BackgroundDeclarations`` runs hivemind's declare_averager in
-   a task of its own and returns at once (hivemind ignores its result); shutdown waits for those tasks
-   (``averager_shutdown``), so that none reaches the DHT after the averager process is gone.
+   but the round waits for the slowest replica. Fix: ``BackgroundDeclarations`` runs that withdrawal in a task of
+   its own and returns at once (hivemind ignores its result), at most one in flight per group key, none when the
+   declaration expires before it could land. Declarations
+   stay awaited: each carries an expiration computed when hivemind calls, and in the background (this fix's first
+   version) they queued behind each other and reached a loaded swarm's DHT already expired. Shutdown waits for
+   those tasks (``averager_shutdown``), so that none reaches the DHT after the averager process is gone.
 3. A leader that does not answer a join request within ``request_timeout`` is asked again at the next declaration
    (``PotentialLeaders.past_attempts`` lives for one search only). Fix: ``LeaderAvoidance`` skips it for a while
-   (exponential backoff), forgiven when a request to it gets a group.
+   (exponential backoff), forgiven when a request to it gets a group; only a leader that times out far more often
+   than the others, and never more than a quarter of the potential leaders at once.
 4. DHT lookups wait for a node that answers late, but hivemind's ``Blacklist`` only takes nodes that did not answer
-   at all. Fix: ``SlowReplyBlacklist`` puts a node that keeps answering late into that blacklist.
+   at all. Fix: ``SlowReplyBlacklist`` puts a node that answers late far more often than the others into that
+   blacklist, never more than a fifth of the nodes at once.
+
+A swarm that is slow everywhere (issue 18: 16 peers on a 2-core machine; a congested network) is not a swarm with
+a slow peer: every DHT node answers late now and then and many join requests time out. Fixes 3 and 4 therefore
+judge a node by its rate of late answers against the median rate of the others (``RelativeLateness``: when all
+are slow the median moves with them) and cap how many they exclude at once, never all (``RelativeLateness.cap``).
+Their first version counted "late" against the others' answer *times* but banned on a node's own count (2 of its
+last 4 answers late): in a loaded 16-peer swarm that banned 401 times in 120 s (7 to 56 per peer), scattering
+the DHT's replicas, and the swarm applied 11 rounds in all (no consensus) where hivemind alone reached it.
 
 Where they are patched in: 1-3 by ``SlowPeerFixes``, a mixin of our averager (``averager.Averager``), in the
 averager process and on that averager's own objects only; 4 by ``install_slow_reply_blacklist(dht)`` into the DHT a
@@ -41,6 +54,7 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -91,48 +105,139 @@ class CoalescedEvent(asyncio.Event):
 
 
 class BackgroundDeclarations:
-    """hivemind's ``GroupKeyManager.declare_averager``, run in a task of its own (fix 2). Averager process, event
-    loop. ``pending``: the tasks not done yet (the averager's shutdown waits for them)."""
+    """hivemind's ``GroupKeyManager.declare_averager``, its withdrawals (``looking_for_group=False``) run in a task of
+    their own (fix 2), at most one in flight per group key: a withdrawal while one is in flight replaces the one
+    still waiting (the DHT keeps the value with the latest expiration, which is the newest call's). Declarations
+    (``looking_for_group=True``) are awaited as hivemind does: hivemind's declaring loop computes each one's
+    expiration (min_matchmaking_time ahead) when it calls, so one that waited behind another store reached the
+    DHT already expired on a loaded machine, and nobody saw anybody (16 peers, declarations in the background too:
+    not one group in 120 s; the loop waiting for each store is what paces it to the DHT). Averager process, event
+    loop. ``pending``: the tasks not done yet (the averager's shutdown waits for them, and so for every call they
+    still hold). A withdrawal is not sent at all when the declaration it withdraws expires before a store could
+    land (``store_s``, how long the last declarations took): hivemind sends it anyway, and in a loaded swarm,
+    whose groups form as declarations expire, those stores only slowed the DHT further."""
 
     def __init__(self, declare_averager: Callable[..., Awaitable[bool]]):
         self._declare_averager = declare_averager
         self.pending: set[asyncio.Task] = set()
+        self._next: dict[Any, tuple[tuple, dict]] = {}  # group key -> the newest withdrawal not sent yet
+        self._senders: dict[Any, asyncio.Task] = {}  # group key -> the task sending its withdrawals, one at a time
+        self.store_s = 0.0  # how long a declaration takes to store (moving average)
 
-    async def declare_averager(self, *args: Any, **kwargs: Any) -> bool:
-        task = asyncio.create_task(self._declare_averager(*args, **kwargs))  # tasks start in order: a withdrawal
-        self.pending.add(task)  # is sent after the declaration it withdraws
-        task.add_done_callback(self._done)
-        return True  # hivemind ignores the result; our own DHT node stores it at once
+    async def declare_averager(self, group_key: Any, peer_id: PeerID, expiration_time: float,
+                               looking_for_group: bool = True) -> bool:  # fmt: skip
+        if looking_for_group:
+            started = time.monotonic()
+            try:
+                return await self._declare_averager(group_key, peer_id, expiration_time)
+            finally:
+                self.store_s = 0.7 * self.store_s + 0.3 * (time.monotonic() - started)
+        if expiration_time <= get_dht_time() + self.store_s:
+            return True  # the declaration expires before a withdrawal could land: sending it only loads the DHT
+        self._next[group_key] = ((group_key, peer_id, expiration_time), dict(looking_for_group=False))
+        if group_key not in self._senders:
+            task = asyncio.create_task(self._send(group_key))
+            self._senders[group_key] = task
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+        return True  # hivemind ignores the result
 
-    def _done(self, task: asyncio.Task) -> None:
-        self.pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.debug(f"declaring in the DHT failed: {task.exception()!r}")
+    async def _send(self, group_key: Any) -> None:
+        try:
+            while group_key in self._next:
+                args, kwargs = self._next.pop(group_key)
+                try:
+                    await self._declare_averager(*args, **kwargs)
+                except Exception as e:
+                    logger.debug(f"withdrawing from the DHT failed: {e!r}")
+        finally:
+            del self._senders[group_key]
+
+
+class RelativeLateness:
+    """Who is late *compared with the others* (fixes 3 and 4): each node's share of late answers over its last
+    `window` answers, against the median share of the other nodes that answered within `memory_s`. A node is an
+    outlier when it has answered at least `min_answers` times, its share is at least `min_share`, and at least
+    `margin` above that median. When every node is late about as often (a loaded machine, a congested network) the
+    median moves with them and nobody is an outlier; noise can still push a few above it, which is why the callers
+    also cap how many they exclude at once (``cap``)."""
+
+    def __init__(self, window: int = 16, min_answers: int = 8, min_share: float = 0.6, margin: float = 0.35,
+                 memory_s: float = 60.0):  # fmt: skip
+        self.window, self.min_answers, self.min_share, self.margin = window, min_answers, min_share, margin
+        self.memory_s = memory_s
+        self.late: dict[PeerID, deque[bool]] = {}
+        self.last_seen: dict[PeerID, float] = {}
+
+    def record(self, peer: PeerID, late: bool) -> None:
+        self.late.setdefault(peer, deque(maxlen=self.window)).append(late)
+        self.last_seen[peer] = time.monotonic()
+
+    def forget(self, peer: PeerID) -> None:
+        """Start its count afresh (after it was excluded: its next answers decide again)."""
+        self.late.pop(peer, None)
+
+    def known(self) -> list[PeerID]:
+        """The nodes seen within memory_s (excluded ones included: they were seen when they were excluded)."""
+        horizon = time.monotonic() - self.memory_s
+        return [peer for peer, seen in self.last_seen.items() if seen >= horizon]
+
+    def share(self, peer: PeerID) -> float:
+        late = self.late.get(peer)
+        return sum(late) / len(late) if late else 0.0
+
+    def outlier(self, peer: PeerID) -> bool:
+        late = self.late.get(peer)
+        if late is None or len(late) < self.min_answers or self.share(peer) < self.min_share:
+            return False
+        others = sorted(self.share(other) for other in self.known() if other != peer and other in self.late)
+        median = others[len(others) // 2] if others else 0.0
+        return self.share(peer) >= median + self.margin
+
+    @staticmethod
+    def cap(known: int, max_share: float) -> int:
+        """How many of `known` nodes may be excluded at once: `max_share` of them, at least one, never all."""
+        return max(0, min(known - 1, max(1, math.floor(max_share * known))))
 
 
 class LeaderAvoidance:
     """Leaders that left a join request unanswered for request_timeout are skipped for base_s, doubled after each
-    further time-out up to max_s; a request that gets a group forgives (fix 3). Averager process, event loop."""
+    further time-out up to max_s; a request that gets a group forgives (fix 3). Only a leader that times out far
+    more often than the others (``RelativeLateness``) is avoided, and never more than `max_share` of the potential
+    leaders we know, ourselves included (a peer that asks nobody leads its own group), so a swarm in which every
+    leader is slow to answer keeps asking them. Averager process, event loop."""
 
     def __init__(self, request_timeout: float, counts: SharedCounts | None = None, base_s: float = 5.0,
-                 max_s: float = 60.0):  # fmt: skip
-        self.request_timeout, self.base_s, self.max_s = request_timeout, base_s, max_s
+                 max_s: float = 30.0, max_share: float = 0.25, lateness: RelativeLateness | None = None):  # fmt: skip
+        self.request_timeout, self.base_s, self.max_s, self.max_share = request_timeout, base_s, max_s, max_share
         self.counts = counts if counts is not None else SharedCounts()
+        # join requests are fewer than DHT answers: a shorter memory, and two time-outs in a row may decide
+        self.lateness = lateness or RelativeLateness(window=8, min_answers=2, min_share=0.5, margin=0.3)
         self._until: dict[PeerID, float] = {}
         self._strikes: dict[PeerID, int] = {}
 
     def avoided(self, leader: PeerID) -> bool:
         return time.monotonic() < self._until.get(leader, -math.inf)
 
+    def _avoiding(self) -> int:
+        now = time.monotonic()
+        return sum(until > now for until in self._until.values())
+
     def record(self, leader: PeerID, got_group: bool, seconds: float) -> None:
+        timed_out = not got_group and seconds >= self.request_timeout  # a quick "no" (e.g. group full) is no reason
+        self.lateness.record(leader, timed_out)
         if got_group:
             self._until.pop(leader, None)
             self._strikes.pop(leader, None)
-        elif seconds >= self.request_timeout:  # not a quick "no": it timed out, or accepted and then went silent
+        elif timed_out:  # it timed out, or accepted and then went silent
+            self.counts.add("slow_leader_timeouts")
+            cap = RelativeLateness.cap(len(self.lateness.known()) + 1, self.max_share)  # +1: ourselves
+            if not self.lateness.outlier(leader) or self._avoiding() >= cap:
+                return  # late like the others, or already avoiding as many as we may: keep asking it
             strikes = self._strikes.get(leader, 0)
             self._strikes[leader] = strikes + 1
             self._until[leader] = time.monotonic() + min(self.base_s * 2**strikes, self.max_s)
-            self.counts.add("slow_leader_timeouts")
+            self.lateness.forget(leader)
             logger.debug(f"leader {leader} did not answer within {seconds:.2f}s: avoiding it for a while")
 
     def wrap(self, request_join_group: Callable[[PeerID], Awaitable[Any]]) -> Callable[[PeerID], Awaitable[Any]]:
@@ -151,22 +256,27 @@ class LeaderAvoidance:
 
 
 class SlowReplyBlacklist:
-    """DHT process: a DHT node that answered `late_of_last[0]` of its last `late_of_last[1]` find requests late
-    (more than `factor` times the median answer time of the *other* nodes, and more than `min_s`) goes into
-    hivemind's own blacklist, as if it had not answered (fix 4). hivemind blacklists a node only after wait_timeout
-    (3 s) without an answer, but a node that answers late, by up to a second, delays every DHT get and store (each
-    waits for every replica). The blacklist's backoff does the rest; one slow answer of a busy but healthy node is
-    no reason, and neither are slow answers from every node (a slow network: the median moves with them). A
-    blacklisted node still stores its own declarations on us: we still see it as a groupmate, we just do not wait
-    for its answers."""
+    """DHT process: a DHT node that answers find requests late far more often than the other nodes we ask goes into
+    hivemind's own blacklist, as if it had not answered (fix 4). An answer is late when it took more than `factor`
+    times the median answer time of the *other* nodes, and more than `min_s`; a node is banned when its share of
+    late answers is well above the median share of the others (``RelativeLateness``), and only while fewer than
+    `max_share` of the nodes we know are in the blacklist (never all of them). hivemind blacklists a node only after
+    wait_timeout (3 s) without an answer, but a node that answers late, by up to a second, delays every DHT get and
+    store (each waits for every replica). The blacklist's backoff does the rest. One slow answer of a busy but
+    healthy node is no reason, and neither are slow answers from every node: on a loaded machine every node answers
+    late now and then, and banning them all (as this fix did before it compared late-answer *rates*: 50 bans at one
+    peer of a 16-peer swarm in 2 minutes) scatters the DHT's replicas, so that peers no longer find each other's
+    group declarations. A blacklisted node still stores its own declarations on us: we still see it as a
+    groupmate, we just do not wait for its answers."""
 
     def __init__(self, counts: SharedCounts | None = None, factor: float = 4.0, min_s: float = 0.1,
-                 late_of_last: tuple[int, int] = (2, 4)):  # fmt: skip
+                 max_share: float = 0.2, lateness: RelativeLateness | None = None):  # fmt: skip
         self.counts = counts if counts is not None else SharedCounts()
-        self.factor, self.min_s, self.late_of_last = factor, min_s, late_of_last
+        self.factor, self.min_s, self.max_share = factor, min_s, max_share
+        self.lateness = lateness or RelativeLateness()
         self.recent: deque[tuple[PeerID, float]] = deque(maxlen=200)  # (node, answer time) of every node
-        self.late: dict[PeerID, deque[bool]] = {}
         self.bans: dict[PeerID, int] = {}
+        self.blacklisted: Callable[[PeerID], bool] | None = None  # install: hivemind's (it is pickled before)
 
     def threshold(self, peer_id: PeerID) -> float:
         """How long `peer_id` may take: compared with the other nodes (its own late answers must not count)."""
@@ -176,12 +286,15 @@ class SlowReplyBlacklist:
 
     def answered(self, peer_id: PeerID, seconds: float) -> bool:
         """Record one answer; True if the node should be blacklisted now."""
-        late = self.late.setdefault(peer_id, deque(maxlen=self.late_of_last[1]))
-        late.append(seconds > self.threshold(peer_id))
+        self.lateness.record(peer_id, seconds > self.threshold(peer_id))
         self.recent.append((peer_id, seconds))
-        if sum(late) < self.late_of_last[0]:
+        if not self.lateness.outlier(peer_id):
             return False
-        late.clear()
+        known = self.lateness.known()
+        banned = 0 if self.blacklisted is None else sum(map(self.blacklisted, known))
+        if banned >= RelativeLateness.cap(len(known), self.max_share):
+            return False  # as many banned as we may: waiting for it beats having no one to ask
+        self.lateness.forget(peer_id)
         self.bans[peer_id] = self.bans.get(peer_id, 0) + 1
         self.counts.add("slow_dht_node_bans")
         return True
@@ -194,6 +307,7 @@ class SlowReplyBlacklist:
             installed.counts = self.counts
             return
         node.slow_reply_blacklist = self
+        self.blacklisted = node.blacklist.__contains__
         original = node._call_find_with_blacklist
 
         async def call_find(peer_id: PeerID, keys: Any) -> Any:

@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""How fast a larger swarm agrees: N DecentralizedSGD peers (default 16) of the test suite's swarm reach consensus.
+
+Why (issue 18, item 5): the straggler regime of ``bench_averaging.py`` has 5 peers, one of them slow; the slow-peer
+fixes (``decentralized_sgd.hivemind_slow_peer_fixes``) were tuned there. A swarm of 16 on a 2-core machine is slow
+*everywhere*: every DHT node answers late and many leaders leave join requests unanswered. As issue 18 measured it,
+the fixes then banned node after node (no consensus in 120 s, ~45 failed rounds per peer) while hivemind alone
+agreed in 54 s (benchmarks/results/consensus16.md: before and after). This measures that case: the swarm of
+``tests/dsgd_swarm.py`` (peer i's values all i, target group 4, the suite's fast timeouts, no local updates: the
+trainer threads only call ``on_step_end``), run until every averaged value
+is within ``--tolerance`` of the swarm's mean or ``--deadline`` s have passed, once per mode.
+
+Metrics per mode: consensus_s (from the moment every trainer runs; None: not within the deadline), per peer
+rounds_applied / rounds_failed (a group formed, the AllReduce failed) / rounds_no_group (no group found) as
+min / median / max and the swarm's total, rounds_per_min (applied per peer per minute until consensus), DHT bans of
+late-answering nodes (every peer's DHT; peer 0's alone), leader time-outs and skipped join requests, starvation
+episodes, and the machine's load average.
+
+Usage:
+    python benchmarks/bench_consensus.py [--peers 16] [--group 4] [--deadline 120] [--modes fixes no_slow_peer_fixes]
+        [--tolerance 0.01] [--json PATH] [--markdown PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from dsgd_swarm import Swarm, averaged_tensors, make_model  # noqa: E402
+
+MODES = {"fixes": {}, "no_slow_peer_fixes": {"slow_peer_fixes": False}}  # DecentralizedSGD kwargs of each mode
+PER_PEER = ("rounds_applied", "rounds_failed", "rounds_no_group", "slow_dht_node_bans", "slow_leader_timeouts",
+            "slow_leader_requests_skipped", "starvation_episodes")  # fmt: skip
+
+
+def spread(peers: list) -> float:
+    """Largest distance of any peer's averaged value from the swarm's mean of that value."""
+    stacked = torch.stack([torch.cat([t.detach().flatten() for t in averaged_tensors(p)]) for p in peers])
+    return float((stacked - stacked.mean(dim=0)).abs().max())
+
+
+def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwargs: Any) -> dict[str, Any]:
+    """One swarm, from fresh processes to teardown; the measurement starts when every trainer thread runs."""
+    swarm = Swarm()
+    try:
+        t_setup = time.monotonic()
+        members = [swarm.peer(make_model(float(i)), target_group_size=group, **kwargs) for i in range(peers)]
+        setup_s = time.monotonic() - t_setup
+        for peer in members:
+            swarm.train(peer)
+        started, consensus_s = time.monotonic(), None
+        while time.monotonic() - started < deadline:
+            if spread(members) <= tolerance:
+                consensus_s = time.monotonic() - started
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - started
+        swarm.stop_training()
+        counters = [dict(p.counters) for p in members]
+        reasons = Counter(str(r.get("error"))[:80] for p in members for r in p.records if r.get("error"))
+        final_spread = spread(members)
+    finally:
+        swarm.close()
+    result: dict[str, Any] = dict(peers=peers, group=group, deadline_s=deadline, tolerance=tolerance,
+                                  consensus_s=consensus_s, elapsed_s=round(elapsed, 2), setup_s=round(setup_s, 2),
+                                  final_spread=final_spread, load_1min=os.getloadavg()[0])  # fmt: skip
+    for name in PER_PEER:
+        values = [c.get(name, 0) for c in counters]
+        result[name] = dict(min=min(values), median=statistics.median(values), max=max(values), total=sum(values))
+    result["slow_dht_node_bans"]["peer0"] = counters[0].get("slow_dht_node_bans", 0)
+    result["failure_reasons"] = dict(reasons.most_common(5))
+    result["rounds_per_min"] = round(result["rounds_applied"]["median"] * 60 / elapsed, 2)
+    return result
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()  # fmt: skip
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    def mmm(stat: dict) -> str:
+        return f"{stat['min']:g} / {stat['median']:g} / {stat['max']:g} ({stat['total']:g})"
+
+    lines = [f"# Consensus of {report['runs'][0]['peers']} peers (`benchmarks/bench_consensus.py`)", "",
+             f"commit `{report['commit']}`, {report['started']}, {os.cpu_count()} CPUs; per peer: min / median / "
+             "max (swarm total)", "",
+             "| mode | consensus s | rounds/min | applied | failed | no group | DHT bans (peer 0) | leader time-outs | "
+             "joins skipped | starved | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in report["runs"]:
+        consensus = "—" if run["consensus_s"] is None else f"{run['consensus_s']:.1f}"
+        lines.append(f"| {run['mode']} | {consensus} (of {run['deadline_s']:g}) | {run['rounds_per_min']} | "
+                     f"{mmm(run['rounds_applied'])} | {mmm(run['rounds_failed'])} | {mmm(run['rounds_no_group'])} | "
+                     f"{run['slow_dht_node_bans']['total']:g} ({run['slow_dht_node_bans']['peer0']:g}) | "
+                     f"{mmm(run['slow_leader_timeouts'])} | {mmm(run['slow_leader_requests_skipped'])} | "
+                     f"{run['starvation_episodes']['total']:g} | {run['load_1min']:.1f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", type=int, default=16)
+    parser.add_argument("--group", type=int, default=4, help="target_group_size")
+    parser.add_argument("--deadline", type=float, default=120.0, help="seconds to wait for consensus")
+    parser.add_argument("--tolerance", type=float, default=0.01)
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    report: dict[str, Any] = dict(commit=git_commit(), started=time.strftime("%F %T %Z"), argv=sys.argv[1:], runs=[])
+    for mode in args.modes:
+        run = run_swarm(args.peers, args.group, args.deadline, args.tolerance, **MODES[mode])
+        report["runs"].append({"mode": mode, **run})
+        print(json.dumps(report["runs"][-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
