@@ -9,11 +9,12 @@ because this machine is loaded during CI.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dsgd_swarm import averaged_tensors, make_model, wait_until
 
 PEERS, TOLERANCE = 16, 0.01
-DEADLINE_S = 600.0  # only bounds a broken swarm: this machine is loaded during CI (2 CPUs, other suites)
+DEADLINE_S = 300.0  # only bounds a broken swarm: this machine is loaded during CI (2 CPUs, other suites)
 
 
 def spread(peers: list) -> float:
@@ -21,6 +22,7 @@ def spread(peers: list) -> float:
     return float((stacked - stacked.mean(dim=0)).abs().max())
 
 
+@pytest.mark.timeout(480)
 def test_sixteen_peers_reach_consensus_with_the_slow_peer_fixes_on(swarm) -> None:
     peers = [swarm.peer(make_model(float(i)), target_group_size=4) for i in range(PEERS)]
     assert all(peer.slow_peer_fixes for peer in peers)
