@@ -85,7 +85,11 @@ def markdown(report: dict) -> str:
     for run in report["runs"]:
         lines.append(f"| {run['memory_gb']} | {run['query_block']} | {run['train_chunk']:,} | "
                      f"{run['peak_rss_mb']:,.0f} MB | {run['seconds_per_1000_queries']} |")
-    lines += ["", "The exact vote would need the whole similarity matrix: "
+    baseline = report["runs"][0]["rss_before_knn_mb"]
+    lines += ["", f"Peak RSS is the whole process's (VmHWM), {baseline:,.0f} MB of it Python, torch,"
+              " the queries and the labels before the vote started; the bank is read with file reads, so the "
+              "page cache holding it is not counted.",
+              "", "The exact vote would need the whole similarity matrix: "
               f"{report['queries']:,} x {report['rows']:,} float32 = {report['exact_matrix_gb']} GB here, "
               "~239 GiB for ImageNet's 50,000 val images, plus the bank itself in memory."]
     return "\n".join(lines) + "\n"
