@@ -19,13 +19,22 @@ Why not VISSL's own benchmark engine: the vissl 0.1.6 wheel ships neither the be
 (configs/config/benchmark/nearest_neighbor) nor the kNN (tools/nearest_neighbor_test.py), both only in its source
 repository, and its extract_features engine runs through launch_distributed (a torch.distributed process group,
 per-rank feature files on disk), heavy for a function a benchmark calls in a loop. So VISSL composes the config
-and builds the model, the checkpoint is VISSL's own format, and the ~15-line kNN vote is written here in torch.
+and builds the model, the checkpoint is VISSL's own format, and the kNN vote is written in torch (knn.py).
+
+Scale (ImageNet: 1.28M train images, 2048-dim features): the vote streams the train features in chunks with a
+running top-k per query (knn.py), its working memory bounded by ``--knn_memory_gb`` instead of a 50,000 x 1.28M
+similarity matrix. Extraction runs on CUDA when there is one (AMP autocast, ``--num_workers`` loader processes), and
+the features of each split are cached as .npy (default: ``eval_features/`` next to the checkpoint, or
+``--feature_cache DIR``), keyed by checkpoint path + mtime, data folder, split, config and --adapt_bn, so a second
+evaluation of the same checkpoint skips extraction; the cached train features are read memory-mapped.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -33,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from config_loading import ConfigError, available_configs, config_path
+from knn import DEFAULT_MEMORY_GB, knn_predictions
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"}
 SPLITS = ("train", "val")
@@ -71,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="recompute the trunk's BatchNorm statistics on DATA_PATH/train before extracting")
     parser.add_argument("--k", type=int, default=20, help="number of neighbours that vote")
     parser.add_argument("--batch_size", type=int, default=256, help="images per forward pass of the trunk")
+    parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes for decoding images")
+    parser.add_argument("--knn_memory_gb", type=float, default=DEFAULT_MEMORY_GB,
+                        help="working memory of the kNN vote (train chunk + similarity block), not counting the "
+                             "features themselves")
+    parser.add_argument("--feature_cache", type=Path, default=None,
+                        help="folder for cached features (default: eval_features/ next to the checkpoint; "
+                             "--random_init caches only with this flag)")
+    parser.add_argument("--no_feature_cache", action="store_true", help="always extract, write no cache")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here as JSON")
     return parser
 
@@ -177,7 +195,8 @@ def build_trunk(config_name: str, trunk_state: dict[str, Any] | None, source: Pa
     return trunk.eval(), config
 
 
-def image_loader(folder: Path, transform: Any, batch_size: int, shuffle_seed: int | None = None) -> Any:
+def image_loader(folder: Path, transform: Any, batch_size: int, shuffle_seed: int | None = None,
+                 num_workers: int = 0) -> Any:
     """Batches of one ImageFolder split, in file order or shuffled with a seeded generator."""
     import torch
     from torchvision.datasets import ImageFolder
@@ -185,10 +204,11 @@ def image_loader(folder: Path, transform: Any, batch_size: int, shuffle_seed: in
     dataset = ImageFolder(str(folder), transform=transform)
     generator = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle_seed is not None,
-                                       generator=generator, num_workers=0)
+                                       generator=generator, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available())
 
 
-def adapt_batchnorm(trunk: Any, folder: Path, transform: Any, batch_size: int) -> Any:
+def adapt_batchnorm(trunk: Any, folder: Path, transform: Any, batch_size: int, num_workers: int = 0) -> Any:
     """The trunk with every BatchNorm's running mean and variance recomputed over the images of ``folder``: a
     forward pass in train mode without gradients, momentum None (torch's cumulative average over all batches)."""
     import torch
@@ -199,39 +219,83 @@ def adapt_batchnorm(trunk: Any, folder: Path, transform: Any, batch_size: int) -
         norm.momentum = None
     trunk.train()
     with torch.no_grad():  # shuffled: the folder is sorted by class, and a batch of one class has skewed statistics
-        for images, _ in image_loader(folder, transform, batch_size, shuffle_seed=0):
-            trunk(images)
+        for images, _ in image_loader(folder, transform, batch_size, shuffle_seed=0, num_workers=num_workers):
+            trunk(images.to(trunk_device(trunk), non_blocking=True))
     return trunk.eval()
 
 
-def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int) -> tuple[Any, Any]:
-    """L2-normalized trunk features and labels of one ImageFolder split."""
+def trunk_device(trunk: Any) -> Any:
+    return next(trunk.parameters()).device
+
+
+def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int, num_workers: int = 0
+                     ) -> tuple[Any, Any]:
+    """L2-normalized trunk features and labels of one ImageFolder split, on the CPU (the bank may not fit on the
+    GPU); the forward passes on the trunk's device, under AMP autocast on CUDA (the trunk's features are only
+    compared by cosine similarity, which half precision keeps to ~3 digits)."""
     import torch
 
-    loader = image_loader(folder, transform, batch_size)
+    device = trunk_device(trunk)
+    loader = image_loader(folder, transform, batch_size, num_workers=num_workers)
     features, labels = [], []
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cuda", enabled=device.type == "cuda"):
         for images, targets in loader:
-            features.append(torch.nn.functional.normalize(trunk(images)[0].flatten(1).float(), dim=1))
+            output = trunk(images.to(device, non_blocking=True))[0].flatten(1).float()
+            features.append(torch.nn.functional.normalize(output, dim=1).cpu())
             labels.append(targets)
     return torch.cat(features), torch.cat(labels)
 
 
-def knn_top1(train_features: Any, train_labels: Any, val_features: Any, val_labels: Any, k: int,
-             temperature: float) -> float:
-    """Share of val images whose weighted vote among their k nearest train images picks the right class."""
+def cache_key(checkpoint: Path | None, data_path: Path, split: str, config: str, adapt_bn: bool) -> str:
+    """What makes two extractions equal: the checkpoint file and its mtime (a rewritten checkpoint.torch link target
+    is a new file), the data folder, the split, the config (transform, random-init seed) and --adapt_bn."""
+    stamp = os.stat(checkpoint).st_mtime_ns if checkpoint is not None else None
+    parts = [str(checkpoint.resolve()) if checkpoint else "random_init", stamp, str((data_path / split).resolve()),
+             split, config, adapt_bn]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+def cached_features(cache_dir: Path | None, key: str, split: str, extract: Any) -> tuple[Any, Any]:
+    """(features, labels) of a split from ``cache_dir``, else ``extract()``-ed and written there (atomically: a
+    killed evaluation leaves no half file). Cached features come back memory-mapped: the kNN reads them in chunks."""
+    import numpy as np
     import torch
 
-    num_classes = int(max(train_labels.max(), val_labels.max())) + 1
-    k = min(k, len(train_labels))
-    similarity, neighbours = (val_features @ train_features.T).topk(k, dim=1)
-    votes = torch.zeros(len(val_labels), num_classes)
-    votes.scatter_add_(1, train_labels[neighbours], (similarity / temperature).exp())
-    return float((votes.argmax(dim=1) == val_labels).float().mean())
+    if cache_dir is None:
+        return extract()
+    features_file, labels_file = cache_dir / f"{split}-{key}.npy", cache_dir / f"{split}-{key}.labels.npy"
+    if not (features_file.is_file() and labels_file.is_file()):
+        features, labels = extract()
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for tensor, target in ((features, features_file), (labels, labels_file)):
+            partial = target.with_name(target.name + f".{os.getpid()}.partial")
+            with open(partial, "wb") as handle:
+                np.save(handle, tensor.numpy())
+            partial.replace(target)
+    return np.load(features_file, mmap_mode="r"), torch.from_numpy(np.load(labels_file))
+
+
+def knn_top1(train_features: Any, train_labels: Any, val_features: Any, val_labels: Any, k: int,
+             temperature: float, memory_gb: float = DEFAULT_MEMORY_GB) -> float:
+    """Share of val images whose weighted vote among their k nearest train images picks the right class; the train
+    features (a tensor, an array or a memory-mapped .npy) streamed in chunks that fit ``memory_gb``."""
+    import torch
+
+    val_labels = torch.as_tensor(val_labels)
+    num_classes = int(max(int(train_labels.max()), int(val_labels.max()))) + 1
+    predictions = knn_predictions(train_features, train_labels, torch.as_tensor(val_features), k, temperature,
+                                  num_classes, memory_gb=memory_gb)
+    return float((predictions.cpu() == val_labels.cpu()).float().mean())
 
 
 def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20,
-             batch_size: int = 256, adapt_bn: bool = False) -> KnnResult:
+             batch_size: int = 256, adapt_bn: bool = False, num_workers: int = 0,
+             knn_memory_gb: float = DEFAULT_MEMORY_GB, feature_cache: Path | None = None,
+             use_cache: bool = True) -> KnnResult:
+    """Extract (or load cached) features of both splits and vote; see the module docstring."""
+    import numpy as np
+    import torch
+
     if k < 1:
         raise EvalError(f"--k must be at least 1, got {k}")
     try:
@@ -242,13 +306,29 @@ def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny"
     resolved = resolve_checkpoint(checkpoint) if checkpoint is not None else None
     trunk_state = load_trunk_state(resolved) if resolved is not None else None  # before VISSL: fail fast
     trunk, vissl_config = build_trunk(config, trunk_state, resolved)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trunk.to(device)
     transform = eval_transform(vissl_config)
-    if adapt_bn:
-        adapt_batchnorm(trunk, data_path / "train", transform, batch_size)
-    train = extract_features(trunk, data_path / "train", transform, batch_size)
-    val = extract_features(trunk, data_path / "val", transform, batch_size)
+    cache_dir = feature_cache or (resolved.parent / "eval_features" if resolved is not None else None)
+    cache_dir = cache_dir if use_cache else None
+    adapted = False
+
+    def extractor(split: str) -> Any:
+        def extract() -> tuple[Any, Any]:
+            nonlocal adapted
+            if adapt_bn and not adapted:  # only when something is extracted: a cache hit needs no trunk pass
+                adapt_batchnorm(trunk, data_path / "train", transform, batch_size, num_workers)
+                adapted = True
+            return extract_features(trunk, data_path / split, transform, batch_size, num_workers)
+        return extract
+
+    train, val = (cached_features(cache_dir, cache_key(resolved, data_path, split, config, adapt_bn), split,
+                                  extractor(split)) for split in SPLITS)
+    # the queries in memory, the train bank streamed
+    val_features = torch.from_numpy(np.array(val[0], dtype=np.float32)).to(device)
     temperature = float(vissl_config.NEAREST_NEIGHBOR.SIGMA)
-    return KnnResult(top1=knn_top1(*train, *val, k=k, temperature=temperature), k=min(k, len(train[1])),
+    top1 = knn_top1(train[0], train[1], val_features, val[1], k=k, temperature=temperature, memory_gb=knn_memory_gb)
+    return KnnResult(top1=top1, k=min(k, len(train[1])),
                      temperature=temperature, num_train=len(train[1]), num_val=len(val[1]),
                      feature_dim=int(train[0].shape[1]), checkpoint=str(resolved) if resolved else None,
                      config=config)
@@ -265,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = evaluate(None if args.random_init else args.checkpoint, args.data_path, args.config, args.k,
-                          args.batch_size, args.adapt_bn)
+                          args.batch_size, args.adapt_bn, args.num_workers, args.knn_memory_gb,
+                          args.feature_cache, not args.no_feature_cache)
     except EvalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

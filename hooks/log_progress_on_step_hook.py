@@ -47,6 +47,7 @@ class LogProgressOnStepHook(ClassyHook):
         self._rate = SamplesPerSecond()
         self._file = None
         self._last_logged: int | None = None  # the iteration of the last line written
+        self._last_loss = float("nan")  # VISSL resets task.last_batch (no loss) before the step that ends the data
 
     def on_start(self, task) -> None:
         self._rate.start(task.iteration)
@@ -56,6 +57,8 @@ class LogProgressOnStepHook(ClassyHook):
             self._file = open(Path(task.checkpoint_folder) / name, "a")  # noqa: SIM115 (open for the whole run)
 
     def on_step(self, task) -> None:
+        if task.train and getattr(task.last_batch, "loss", None) is not None:
+            self._last_loss = float(task.last_batch.loss.item())
         if task.train and task.iteration % self.log_every == 0:
             self._log(task)
 
@@ -74,8 +77,9 @@ class LogProgressOnStepHook(ClassyHook):
 
     def _progress_fields(self, task) -> dict:
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
-        fields = {"loss": float(task.last_batch.loss.item()), "samples_per_s": round(samples_per_s, 2),
-                  "lr": float(task.optimizer.options_view.lr)}
+        loss = getattr(task.last_batch, "loss", None)
+        fields = {"loss": float(loss.item()) if loss is not None else self._last_loss,
+                  "samples_per_s": round(samples_per_s, 2), "lr": float(task.optimizer.options_view.lr)}
         if getattr(task, "schedule", None) is not None:  # the swarm-wide schedule: where the swarm is
             fields["swarm_samples"] = int(task.schedule_position)
             fields["where"] = round(float(task.where), 6)

@@ -1,5 +1,6 @@
 """run_eval.py: kNN accuracy of a trunk that run_trainer.py really trained, of the random-init baseline, the kNN
-vote itself, and clear errors for unusable checkpoints and data."""
+vote itself (streamed in chunks: the same predictions as the whole similarity matrix), the feature cache, and clear
+errors for unusable checkpoints and data."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from run_eval import EvalError, knn_accuracy, knn_top1, resolve_checkpoint
+import run_eval as run_eval_module
+from knn import exact_knn_predictions, knn_predictions
+from run_eval import EvalError, evaluate, knn_accuracy, knn_top1, resolve_checkpoint
 from tests.conftest import REPO, run_trainer, trainer_env
 
 # 2 batches of 16 images, one epoch: a real VISSL checkpoint in seconds (alone, no swarm)
@@ -109,3 +113,45 @@ def test_missing_data_folder_is_named(trained_dir: Path, tmp_path: Path) -> None
     assert result.returncode == 2 and f"no folder {only_train / 'val'}" in result.stderr
     with pytest.raises(EvalError, match="no folder"):
         knn_accuracy(None, tmp_path / "nothing_here")
+
+
+def test_streaming_knn_equals_exact_on_random_features(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    train = torch.nn.functional.normalize(torch.randn(3000, 32, generator=generator), dim=1)
+    val = torch.nn.functional.normalize(torch.randn(400, 32, generator=generator), dim=1)
+    labels = torch.randint(0, 10, (3000,), generator=generator)
+    exact = exact_knn_predictions(train, labels, val, k=20, temperature=0.1, num_classes=10)
+    np.save(tmp_path / "bank.npy", train.numpy())
+    # chunks smaller than k, uneven last chunk and last query block; a bank on disk read in chunks; sizes derived
+    # from a tiny memory budget
+    for bank, sizes in ((train, {"query_block": 37, "train_chunk": 13}),
+                        (tmp_path / "bank.npy", {"query_block": 100, "train_chunk": 7}),
+                        (tmp_path / "bank.npy", {"memory_gb": 1e-4})):
+        streamed = knn_predictions(bank, labels.numpy(), val, k=20, temperature=0.1, num_classes=10, **sizes)
+        assert torch.equal(streamed, exact), sizes
+
+
+def test_features_are_cached_and_the_streamed_vote_is_exact(trained_dir: Path, digits_dir: Path, tmp_path: Path,
+                                                           one_thread: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    first = evaluate(trained_dir, digits_dir, feature_cache=cache)
+    cached = sorted(path.name for path in cache.iterdir())
+    assert len(cached) == 4 and all(name.startswith(("train-", "val-")) for name in cached)
+
+    def no_extraction(*args: object, **kwargs: object) -> None:
+        raise AssertionError("extracted again despite the cache")
+
+    monkeypatch.setattr(run_eval_module, "extract_features", no_extraction)
+    assert evaluate(trained_dir, digits_dir, feature_cache=cache) == first
+
+    # the digits features of a trained trunk: the streamed vote, in many chunks, predicts exactly as the full matrix
+    files = {name.split("-")[0] + (".labels" if "labels" in name else ""): cache / name for name in cached}
+    train, val = torch.from_numpy(np.load(files["train"])), torch.from_numpy(np.load(files["val"]))
+    train_labels, val_labels = (torch.from_numpy(np.load(files[f"{split}.labels"])) for split in ("train", "val"))
+    exact = exact_knn_predictions(train, train_labels, val, k=20, temperature=0.1, num_classes=10)
+    assert first.top1 == float((exact == val_labels).float().mean())
+    for sizes in ({}, {"query_block": 50, "train_chunk": 100}):
+        streamed = knn_predictions(files["train"], train_labels, val, k=20, temperature=0.1, num_classes=10,
+                                   **sizes)
+        assert torch.equal(streamed, exact), sizes
