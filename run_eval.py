@@ -220,7 +220,7 @@ def adapt_batchnorm(trunk: Any, folder: Path, transform: Any, batch_size: int, n
     trunk.train()
     with torch.no_grad():  # shuffled: the folder is sorted by class, and a batch of one class has skewed statistics
         for images, _ in image_loader(folder, transform, batch_size, shuffle_seed=0, num_workers=num_workers):
-            trunk(images.to(trunk_device(trunk), non_blocking=True))
+            trunk(images.to(trunk_device(trunk), non_blocking=True), [])  # [] as the trainer: ResNet needs it
     return trunk.eval()
 
 
@@ -240,7 +240,7 @@ def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int, 
     features, labels = [], []
     with torch.no_grad(), torch.autocast("cuda", enabled=device.type == "cuda"):
         for images, targets in loader:
-            output = trunk(images.to(device, non_blocking=True))[0].flatten(1).float()
+            output = trunk(images.to(device, non_blocking=True), [])[0].flatten(1).float()  # [] as the trainer
             features.append(torch.nn.functional.normalize(output, dim=1).cpu())
             labels.append(targets)
     return torch.cat(features), torch.cat(labels)

@@ -155,3 +155,22 @@ def test_features_are_cached_and_the_streamed_vote_is_exact(trained_dir: Path, d
         streamed = knn_predictions(files["train"], train_labels, val, k=20, temperature=0.1, num_classes=10,
                                    **sizes)
         assert torch.equal(streamed, exact), sizes
+
+
+def test_a_resnet50_trunk_is_evaluated_as_the_trainer_calls_it(digits_dir: Path, tmp_path: Path) -> None:
+    """VISSL's ResNet trunk needs the feature keys argument the trainer passes ([]), unlike the RegNet of swav_tiny:
+    feature extraction and the BatchNorm pass run on swav_resnet50's untrained trunk (a few digits, CPU)."""
+    import shutil
+
+    from run_eval import adapt_batchnorm, build_trunk, eval_transform, extract_features
+
+    folder = tmp_path / "few"
+    for label in ("0", "1"):
+        (folder / label).mkdir(parents=True)
+        for image in sorted((digits_dir / "val" / label).iterdir())[:2]:
+            shutil.copy(image, folder / label / image.name)
+    trunk, config = build_trunk("swav_resnet50", None, None)
+    transform = eval_transform(config)
+    adapt_batchnorm(trunk, folder, transform, batch_size=4)
+    features, labels = extract_features(trunk, folder, transform, batch_size=4)
+    assert features.shape == (4, 2048) and labels.tolist() == [0, 0, 1, 1]
