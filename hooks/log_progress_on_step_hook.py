@@ -6,6 +6,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
@@ -47,7 +48,8 @@ class LogProgressOnStepHook(ClassyHook):
         self._rate = SamplesPerSecond()
         self._file = None
         self._last_logged: int | None = None  # the iteration of the last line written
-        self._last_loss = float("nan")  # VISSL resets task.last_batch (no loss) before the step that ends the data
+        self._last_loss: Any = None  # the last step's loss tensor: VISSL resets task.last_batch before the step that
+        # ends the data; kept as a tensor (no .item(), which would wait for the GPU at every step)
 
     def on_start(self, task) -> None:
         self._rate.start(task.iteration)
@@ -58,7 +60,7 @@ class LogProgressOnStepHook(ClassyHook):
 
     def on_step(self, task) -> None:
         if task.train and getattr(task.last_batch, "loss", None) is not None:
-            self._last_loss = float(task.last_batch.loss.item())
+            self._last_loss = task.last_batch.loss.detach()
         if task.train and task.iteration % self.log_every == 0:
             self._log(task)
 
@@ -78,7 +80,8 @@ class LogProgressOnStepHook(ClassyHook):
     def _progress_fields(self, task) -> dict:
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
         loss = getattr(task.last_batch, "loss", None)
-        fields = {"loss": float(loss.item()) if loss is not None else self._last_loss,
+        loss = loss if loss is not None else self._last_loss
+        fields = {"loss": float(loss.item()) if loss is not None else float("nan"),
                   "samples_per_s": round(samples_per_s, 2), "lr": float(task.optimizer.options_view.lr)}
         if getattr(task, "schedule", None) is not None:  # the swarm-wide schedule: where the swarm is
             fields["swarm_samples"] = int(task.schedule_position)
