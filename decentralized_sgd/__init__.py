@@ -10,13 +10,14 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``rounds``: one round's states and transitions (which thread, which lock), and the book of rounds and records;
 - ``scheduler``: the background thread that moves rounds through their states, fills when the group forms;
 - ``exchange``: a round's tensor work (fill, trigger, the update from the average, the apply), apart from when;
-- ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer;
+- ``tensors``: what is averaged, and the result slots where finished updates wait for the trainer; ``tensor_ops``:
+  the fused copies and adds that the fill, the update and the apply share;
 - ``staging``: the host copies that fills, applies and state transfer go through (flat; on a GPU pinned, copied on
   a side stream without stalling the trainer), and what "a step boundary's values" means for BatchNorm;
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
 - ``starvation``: a peer that its own box starves of CPU leaves averaging until it recovers;
-- ``vetting``, ``guard``, ``outliers`` and ``secret``: diverged peers and outsiders (issue 13): the weight summaries
+- ``vetting``, ``guard``, ``outliers`` and ``secret``: diverged peers and outsiders: the weight summaries
   a group compares, whom it leaves out of its AllReduce, the update check, the heal, and the swarm secret;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
   an averager restart); ``hivemind_slow_peer_fixes``: those that keep a slow groupmate from slowing the others;

@@ -25,7 +25,7 @@ import torch
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .supervisor import AveragerSupervisor
-from .tensors import add_, averaged_minus_, copy_
+from .tensor_ops import add_, averaged_minus_, copy_
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedSGD

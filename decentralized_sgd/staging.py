@@ -24,7 +24,7 @@ The mark is taken on the stream that is current in the trainer's thread at ``on_
 optimizer step must run on that stream (it does unless the training loop switches streams around it).
 
 On a CPU (a CPU group) the same methods are plain copies: ``download_`` copies the tensors into the views once,
-the apply adds the views in (``tensors.add_``), as many copies as without a staging.
+the apply adds the views in (``tensor_ops.add_``), as many copies as without a staging.
 
 What "a step boundary's values" means. Parameters and optimizer state change only in the optimizer step and the
 apply, both under ``dsgd.lock``, before the boundary's mark: a fill (or a serve) takes the lock after the mark and
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tensors import add_, copy_
+from .tensor_ops import add_, copy_
 
 
 class StepBoundaryMarks:

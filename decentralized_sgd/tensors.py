@@ -104,30 +104,3 @@ class ResultSlots:
     def staging(self, slot: list[torch.Tensor]) -> FlatStaging:
         """The staging whose views ``slot`` is: it copies them to and from the trainer's devices."""
         return next(s for s in self._stagings if s.views is slot)
-
-
-def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """dst <- src, one fused op when devices and dtypes agree."""
-    assert len(dst) == len(src)
-    if all(a.device == b.device and a.dtype == b.dtype for a, b in zip(dst, src, strict=True)):
-        torch._foreach_copy_(list(dst), list(src))
-    else:
-        for a, b in zip(dst, src, strict=True):
-            a.copy_(b)
-
-
-def averaged_minus_(slot: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> None:
-    """slot <- averaged − slot (the delta rule's update from the snapshot in slot), in one pass over each tensor."""
-    assert len(slot) == len(averaged)
-    for mine, theirs in zip(slot, averaged, strict=True):
-        torch.sub(theirs, mine, out=mine)
-
-
-def add_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """dst += src (src: fp32 CPU), one fused op when dst is fp32 CPU too."""
-    assert len(dst) == len(src)
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in dst):
-        torch._foreach_add_(list(dst), list(src))
-    else:
-        for t, delta in zip(dst, src, strict=True):
-            t.add_(delta.to(t.device, t.dtype))

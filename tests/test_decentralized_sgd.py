@@ -119,13 +119,16 @@ def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule
     b = swarm.peer(b_model, delta_rule=delta_rule)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
 
-    drive(a, until=filled.is_set)  # A's first round is being filled with A's params (all zeros)
+    def filled_round() -> dict | None:  # a round before it may have found no group (B still starting): no fill
+        return next((r for r in a.records if r["step_at_snapshot"] is not None), None)
+
+    drive(a, until=filled.is_set)  # A's first filled round is being filled with A's params (all zeros)
     with a.lock, torch.no_grad():  # (waits for the fill) a local step while the round runs
         a_model[0].weight.add_(1.0)
-    drive(a, until=lambda: bool(a.records))
+    drive(a, until=lambda: filled_round() is not None)
     b_trainer.join(timeout=60)
 
-    record = a.records[0]
+    record = filled_round()
     assert record["applied"] and record["group_size"] == 2, record
     assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, 1.0))  # B only averaged: (0 + 2) / 2
     assert torch.equal(a_model[0].bias, torch.full_like(a_model[0].bias, 1.0))
@@ -139,13 +142,17 @@ def test_snapshot_is_taken_after_the_group_formed(swarm, refresh):
     a_model, b_model = make_model(0.0), make_model(0.0)
     a = swarm.peer(a_model, refresh_before_allreduce=refresh, pipeline=False)
     b = swarm.peer(b_model, refresh_before_allreduce=refresh, pipeline=False)
+    def filled_round() -> dict | None:  # a round before it may have found no group (B still starting): no fill
+        return next((r for r in a.records if r["step_at_snapshot"] is not None), None)
+
     # A's weight always equals its step counter, so the averaged value reveals which step the snapshot came from
-    swarm.train(a, update=lambda: a_model[0].weight.fill_(float(a.local_step + 1)), until=lambda: bool(a.records))
+    swarm.train(a, update=lambda: a_model[0].weight.fill_(float(a.local_step + 1)),
+                until=lambda: filled_round() is not None)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
-    wait_until(lambda: bool(a.records) and not b_trainer.is_alive(), 90, lambda: (a.counters, b.counters))
+    wait_until(lambda: filled_round() is not None and not b_trainer.is_alive(), 90, lambda: (a.counters, b.counters))
     swarm.stop_training()
 
-    record = a.records[0]
+    record = filled_round()
     assert record["applied"] and record["group_size"] == 2, record
     snapshot_step = record["step_at_snapshot"]
     assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, snapshot_step / 2))  # (S + 0) / 2
