@@ -1,4 +1,5 @@
-"""The README's commands and code run as written, so the README cannot drift from the code."""
+"""The README's commands and code run as written, and its numbers are the results files', so the README (and
+benchmarks/README.md) cannot drift from the code or from the measurements."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import torch
 from tests.conftest import REPO, trainer_env
 
 README = (REPO / "README.md").read_text()
+BENCHMARKS_README = (REPO / "benchmarks" / "README.md").read_text()
+DESIGN = (REPO / "docs" / "design.md").read_text()
+RESULTS = REPO / "benchmarks" / "results"
+DOCS = {"README.md": README, "benchmarks/README.md": BENCHMARKS_README}
 
 
 def readme_python_blocks() -> list[str]:
@@ -110,11 +115,153 @@ def cited_results(text: str) -> set[str]:
 
 def test_readme_cites_only_results_that_exist_and_holds_no_placeholder() -> None:
     """A number in the README comes with its results file; gpu_check's are written on a CUDA box (none has run),
-    learning's by the full learning benchmark (hours on 2 cores; not run yet: the README says so)."""
+    learning's by the full learning benchmark (hours on 2 cores; not run yet: the README says so). The benchmark
+    chapters and the design notes cite only results that exist too."""
     not_run_yet = {"gpu_check.json", "gpu_check.md", "learning.json", "learning.md", "learning.png"}
     assert {"soak.json"} | not_run_yet <= cited_results(README)
-    missing = sorted(n for n in cited_results(README) - not_run_yet
-                     if not (REPO / "benchmarks" / "results" / n).exists())  # fmt: skip
-    assert not missing, f"the README cites results that are not in benchmarks/results/: {missing}"
-    placeholders = re.findall(r"^[A-Z][A-Z_]{5,}$", README, flags=re.MULTILINE)
-    assert not placeholders, f"the README holds placeholders instead of measured tables: {placeholders}"
+    for name, text in {**DOCS, "docs/design.md": DESIGN}.items():
+        missing = sorted(n for n in cited_results(text) - not_run_yet if not (RESULTS / n).exists())
+        assert not missing, f"{name} cites results that are not in benchmarks/results/: {missing}"
+        placeholders = re.findall(r"^[A-Z][A-Z_]{5,}$", text, flags=re.MULTILINE)
+        assert not placeholders, f"{name} holds placeholders instead of measured tables: {placeholders}"
+
+
+# --- cited numbers -------------------------------------------------------------------------------------------------
+
+NUMBER = re.compile(r"(?<![\d.])\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+CITED_STEM = re.compile(r"results/(?:([\w-]+)\.\{[\w,]+\}|([\w-]+)\.(?:md|json|png))")
+
+
+def markdown_tables(text: str) -> list[tuple[str, list[str]]]:
+    """(caption, body rows) of every Markdown table. The caption is the text between the previous heading or table
+    and the table's header row (its command, its prose, the link to its results)."""
+    lines, tables, caption, i = text.splitlines(), [], [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.fullmatch(r"\|[-| :]+\|", lines[i + 1]):
+            body, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                body.append(lines[i])
+                i += 1
+            tables.append(("\n".join(caption), body))
+            caption = []
+            continue
+        if lines[i].startswith("#"):
+            caption = []
+        caption.append(lines[i])
+        i += 1
+    return tables
+
+
+def numbers_of(stems: list[str]) -> tuple[set[str], list[float]]:
+    """Every number written in results/<stem>.md and results/<stem>.json (thousands separators dropped)."""
+    tokens: set[str] = set()
+    for stem in stems:
+        for path in (RESULTS / f"{stem}.md", RESULTS / f"{stem}.json"):
+            if path.exists():
+                tokens |= set(NUMBER.findall(path.read_text().replace(",", "")))
+    return tokens, [float(t) for t in tokens]
+
+
+def occurs(number: str, tokens: set[str], values: list[float]) -> bool:
+    """Written the same way in the file, or a value of the file rounded to as many decimals as the table shows
+    (a JSON holds 0.98611..., the table 0.9861)."""
+    if number in tokens:
+        return True
+    shown = float(number)
+    if "e" in number:
+        return any(abs(v - shown) <= 1e-12 + 1e-3 * abs(shown) for v in values)
+    decimals = len(number.partition(".")[2])
+    return any(abs(round(v, decimals) - shown) < 1e-9 for v in values)
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_cited_numbers_occur_in_their_results_files(doc: str) -> None:
+    """The rule: a table whose caption (the text since the previous heading or table) names one or more results
+    files, ``results/X.md``, ``results/X.json``, ``results/X.png`` or ``results/X.{json,md}``, is a table of those
+    measurements, so every number in its body rows (labels included) must occur in ``results/X.md`` or
+    ``results/X.json`` of one of them: written the same way, or as a value that rounds to it at the table's
+    precision. A number copied wrong, or moved to a table with another results file, fails here. Files the caption
+    names that are not made yet (the full learning run) do not count; tables whose caption names no results file
+    (flags, recipes, the fault-injection tests) are not checked."""
+    checked, wrong = 0, []
+    for caption, body in markdown_tables(DOCS[doc]):
+        named = sorted({a or b for a, b in CITED_STEM.findall(caption)})
+        if not named:
+            continue
+        stems = [s for s in named if (RESULTS / f"{s}.md").exists() or (RESULTS / f"{s}.json").exists()]
+        assert stems, f"{doc}: a table cites only results that do not exist: {named}"
+        tokens, values = numbers_of(stems)
+        checked += 1
+        for row in body:
+            wrong += [(n, stems, row[:90]) for n in NUMBER.findall(row.replace(",", "")) if not occurs(n, tokens, values)]
+    assert checked, f"{doc} has no table that cites its results file"
+    assert not wrong, f"{doc}: numbers not in the results file their table cites: {wrong}"
+
+
+def test_the_number_rule_catches_a_wrong_number() -> None:
+    tokens, values = numbers_of(["soak"])
+    assert occurs("0.9861", tokens, values) and occurs("635", tokens, values)
+    assert not occurs("0.9871", tokens, values) and not occurs("636.5", tokens, values)
+
+
+# --- commands --------------------------------------------------------------------------------------------------------
+
+def bash_commands(text: str) -> list[str]:
+    """The command lines of the ```bash blocks, continuation lines joined and comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL):
+        for command in re.sub(r"\\\n\s*", " ", block).splitlines():
+            command = command.split(" #")[0].strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+@pytest.mark.timeout(300)
+def test_readme_commands_parse_with_the_scripts_own_parsers() -> None:
+    """Every run_trainer.py, run_monitor.py, run_eval.py and export_trunk.py command of the README and of
+    benchmarks/README.md is accepted by that script's argument parser (flags that exist, values of the right kind),
+    and every make target they name exists."""
+    import shlex
+
+    import export_trunk
+    import run_eval
+    import run_monitor
+    import run_trainer
+
+    parsers = {"run_trainer.py": run_trainer, "run_monitor.py": run_monitor, "run_eval.py": run_eval,
+               "export_trunk.py": export_trunk}
+    makefile = (REPO / "Makefile").read_text()
+    parsed = set()
+    for doc, text in DOCS.items():
+        for command in bash_commands(text):
+            words = shlex.split(command)
+            for script, module in parsers.items():
+                if script in words:
+                    module.build_parser().parse_args(words[words.index(script) + 1 :])
+                    parsed.add(script)
+            if words[0] == "make":
+                target = words[1]
+                assert re.search(rf"^{re.escape(target)}:", makefile, flags=re.MULTILINE), f"{doc}: make {target}"
+    assert parsed == set(parsers), f"the README shows no command of {set(parsers) - parsed}"
+
+
+def test_tuning_table_matches_run_trainer_help() -> None:
+    """The README's table of flags: each flag exists, and its default is run_trainer.py's (numbers, names, "off" for
+    a switch); every flag of run_trainer.py --help is named somewhere in the README."""
+    import run_trainer
+
+    actions = {a.option_strings[-1]: a for a in run_trainer.build_parser()._actions if a.option_strings}
+    rows = re.findall(r"^\| `(--\w+)` \| ([^|]+) \|", README, flags=re.MULTILINE)
+    assert len(rows) >= 15
+    for flag, default in rows:
+        assert flag in actions, f"README's table names {flag}, which run_trainer.py does not have"
+        expected, shown = actions[flag].default, default.strip()
+        if shown == "off":
+            assert expected is False, flag
+        elif re.match(r"-?\d", shown):
+            assert float(shown.split()[0]) == float(expected), f"{flag}: README {shown}, run_trainer.py {expected}"
+        elif not shown.startswith("("):
+            assert shown == expected, f"{flag}: README {shown}, run_trainer.py {expected}"
+    unnamed = sorted(f for f in actions if f not in ("-h", "--help") and f not in README)
+    assert not unnamed, f"run_trainer.py flags the README never names: {unnamed}"
