@@ -34,8 +34,10 @@ class Averaging(Protocol):
     @property
     def peer_id(self) -> PeerID: ...
 
-    def on_step_end(self, batch_size: int | None = None) -> None:
-        """Called once after every optimizer step, under no lock."""
+    def on_step_end(self, batch_size: int | None = None) -> int:
+        """Called once after every optimizer step, by the training thread, which may hold ``lock`` (re-entrant; the
+        VISSL hooks hold it from backward through the end of the update). Returns how many averaging results (rounds,
+        or a state taken over from the swarm) changed the parameters since the previous call."""
 
     def last_applied_record(self) -> dict | None:
         """The newest record with ``applied`` true, or None before the first applied round."""

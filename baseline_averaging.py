@@ -89,6 +89,7 @@ class OldDesignAverager:
         self.local_step = 0
         self.records: list[dict] = []
         self.counters: dict[str, float] = {"rounds_applied": 0, "rounds_failed": 0}
+        self._applied_at_last_step = 0
         buffers = [b for b in (model.buffers() if model is not None else ()) if b.is_floating_point()]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.averager = _TrainingAverager(
@@ -107,8 +108,12 @@ class OldDesignAverager:
     def peer_id(self) -> PeerID:
         return self.dht.peer_id
 
-    def on_step_end(self, batch_size: int | None = None) -> None:
+    def on_step_end(self, batch_size: int | None = None) -> int:
+        """Count the step; returns the rounds its thread applied since the previous step (between the steps)."""
         self.local_step += 1
+        applied, self._applied_at_last_step = self.counters["rounds_applied"] - self._applied_at_last_step, \
+            self.counters["rounds_applied"]
+        return int(applied)
 
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)

@@ -358,12 +358,13 @@ class HivemindOptimizerAverager:
     def peer_id(self) -> PeerID:
         return self.dht.peer_id
 
-    def on_step_end(self, batch_size: int | None = None) -> None:
-        """Count the step; the rounds hivemind applied inside it become records (and lines of the rounds file)."""
+    def on_step_end(self, batch_size: int | None = None) -> int:
+        """Count the step; the rounds hivemind applied inside it become records (and lines of the rounds file).
+        Returns how many of them were applied."""
         self.local_step += 1
-        self._take_rounds()
+        return self._take_rounds()
 
-    def _take_rounds(self) -> None:
+    def _take_rounds(self) -> int:
         optimizer = self.hivemind_optimizer
         self.counters["state_downloads"] = optimizer.state_downloads
         self.counters["seconds_in_step"] = round(optimizer.seconds_in_step, 3)
@@ -374,6 +375,7 @@ class HivemindOptimizerAverager:
         if finished and self.records_path:
             with open(self.records_path, "a") as file:
                 file.writelines(json.dumps(record) + "\n" for record in finished)
+        return sum(1 for record in finished if record["applied"])
 
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)

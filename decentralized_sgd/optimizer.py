@@ -224,31 +224,36 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         with self.lock:  # one hold: the step and its count are seen together by the scheduler and by late joiners
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            self._step_boundary(batch_size)
-        self._enforce_staleness_bound()
+            applied = self._step_boundary(batch_size)
+        applied += self._enforce_staleness_bound()
         self.vetting.heal_if_asked()
         return loss
 
-    def on_step_end(self, batch_size: int | None = None) -> None:
+    def on_step_end(self, batch_size: int | None = None) -> int:
         """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
         Applies the updates of finished rounds (cheap when nothing finished: no tensor copies), or takes the swarm's
-        state when a group found our weights diverged (``vetting``)."""
+        state when a group found our weights diverged (``vetting``). Returns how many of those changed the
+        parameters (rounds applied, plus 1 for a heal): a box with several GPUs then broadcasts them to its replicas.
+        """
         with self.lock:
-            self._step_boundary(batch_size)
-        self._enforce_staleness_bound()
-        self.vetting.heal_if_asked()  # a group found our weights diverged: take the swarm's state (see vetting)
+            applied = self._step_boundary(batch_size)
+        applied += self._enforce_staleness_bound()
+        healed = self.vetting.heal_if_asked()  # a group found our weights diverged: take the swarm's state (vetting)
+        return applied + int(healed)
 
-    def _step_boundary(self, batch_size: int | None) -> None:
+    def _step_boundary(self, batch_size: int | None) -> int:
+        """Trainer thread, holding self.lock: count the step and apply finished rounds; returns how many applied."""
         t0 = time.perf_counter()
         self.local_step += 1
         self.samples += batch_size or 1
         self._samples_since_fill += batch_size or 1
         self.boundaries += 1
         self.step_clock.tick()
-        self._apply_finished_rounds()
+        applied = self._apply_finished_rounds()
         self.boundary_marks.record()  # a fill copies this boundary's values (see staging)
         self._scheduler.wake()
         self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
+        return applied
 
     def _apply_finished_rounds(self) -> int:
         """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds (``exchange``).
@@ -267,14 +272,17 @@ class DecentralizedSGD(TorchOptimizerFacade):
         samples, self._samples_since_fill = self._samples_since_fill, 0
         return samples
 
-    def _enforce_staleness_bound(self) -> None:
+    def _enforce_staleness_bound(self) -> int:
+        """SSP, if asked for: returns how many rounds were applied while waiting."""
         if self.max_staleness is not None and self.local_step - self._last_sync_step > self.max_staleness:
-            self._wait_for_round()
+            return self._wait_for_round()
+        return 0
 
-    def _wait_for_round(self) -> None:
+    def _wait_for_round(self) -> int:
         """SSP: block until a round is applied, at most staleness_timeout seconds. Waiting is a step boundary: rounds
-        may start and fill, results are applied. ``dsgd.lock`` is released while asleep, even if the caller holds it."""
-        t0 = time.monotonic()
+        may start and fill, results are applied. ``dsgd.lock`` is released while asleep, even if the caller holds it.
+        Returns how many rounds were applied meanwhile."""
+        t0, applied = time.monotonic(), 0
         self.counters["ssp_waits"] += 1
         with self._round_applied:
             while self.local_step - self._last_sync_step > self.max_staleness and not self._closed:
@@ -288,10 +296,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
                     break
                 self._round_applied.wait(0.01)
                 self.boundaries += 1
-                self._apply_finished_rounds()
+                applied += self._apply_finished_rounds()
                 self.boundary_marks.record()
                 self._scheduler.wake()
         self.counters["ssp_wait_s"] += time.monotonic() - t0
+        return applied
 
     # --- records ---
     def last_record(self) -> dict | None:

@@ -191,10 +191,11 @@ class RoundVetting:
             for index in [index for index in self._pending if index <= rounds[-1].index]:
                 del self._pending[index]  # these, and older ones that were discarded
 
-    def heal_if_asked(self) -> None:
-        """At a step boundary, outside dsgd.lock: take the swarm's state if a group found us diverged."""
+    def heal_if_asked(self) -> bool:
+        """At a step boundary, outside dsgd.lock: take the swarm's state if a group found us diverged. Returns whether
+        it took it (the parameters changed)."""
         if not self._heal.is_set():
-            return
+            return False
         owner, t0 = self.owner, time.monotonic()
         averager = owner.averager
         sharing = averager.allow_state_sharing
@@ -224,3 +225,4 @@ class RoundVetting:
             logger.error("DecentralizedSGD: could not take the swarm's state (no peer shared it in time); this peer "
                          "keeps training and tries again when a group refuses it next")
         self._heal.clear()
+        return taken

@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
 from averaging_protocol import Averaging
 from decentralized_task import torch_optimizer
-from hooks.normalize_prototypes_on_update_hook import prototypes_norm_error
 from hooks.samples_per_second import SamplesPerSecond
 from local_replicas import replica_checksums
 
@@ -24,6 +24,18 @@ def world_rank_and_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def prototypes_norm_error(task) -> float | None:
+    """max |‖row‖ − 1| over the prototypes of a SwAV head that normalises them; None for other models. Logged so that
+    a run shows averaging never leaves them off the unit sphere (see AverageOnUpdateHook)."""
+    if task.config["LOSS"]["name"] != "swav_loss" or not task.config.LOSS["swav_loss"].normalize_last_layer:
+        return None
+    head = task.base_model.heads[0]
+    with torch.no_grad():
+        errors = [getattr(head, f"prototypes{j}").weight.float().norm(dim=1).sub(1).abs().max()
+                  for j in range(head.nmb_heads)]
+    return float(max(errors)) if errors else None
 
 
 class LogProgressOnStepHook(ClassyHook):

@@ -193,7 +193,8 @@ def test_cited_numbers_occur_in_their_results_files(doc: str) -> None:
         tokens, values = numbers_of(stems)
         checked += 1
         for row in body:
-            wrong += [(n, stems, row[:90]) for n in NUMBER.findall(row.replace(",", "")) if not occurs(n, tokens, values)]
+            numbers = NUMBER.findall(row.replace(",", ""))
+            wrong += [(n, stems, row[:90]) for n in numbers if not occurs(n, tokens, values)]
     assert checked, f"{doc} has no table that cites its results file"
     assert not wrong, f"{doc}: numbers not in the results file their table cites: {wrong}"
 

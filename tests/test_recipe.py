@@ -86,25 +86,18 @@ def test_the_vit_recipe_scales_dino_s_peak_lr_but_not_its_floor(digits_dir: Path
     assert config.LOSS.swav_loss.queue.queue_length == 960
 
 
-def test_prototypes_are_normalised_after_the_averaging_hook() -> None:
-    """In on_update, VISSL's normalisation would run before AverageOnUpdateHook applies a round; ours runs after,
-    and the averager's lock is released only after both (no round copies unnormalised prototypes)."""
+def test_prototypes_are_normalised_inside_the_averaging_hooks_lock_window() -> None:
+    """VISSL's normalisation hook, which would run on its own before a round is applied, is out of the hook list: the
+    averaging hook runs it inside its lock window, after the apply, whatever the order of the other hooks."""
     from vissl.hooks import NormalizePrototypesHook
 
-    from hooks import (
-        AverageOnUpdateHook,
-        HoldParamsDuringUpdateHook,
-        NormalizePrototypesOnUpdateHook,
-        swarm_hook_generator,
-    )
+    from hooks import AverageOnUpdateHook, swarm_hook_generator
 
     config, _ = compose_config("swav_tiny", [], has_gpu=False)
     hooks = swarm_hook_generator(config)
-    normalizing = [index for index, hook in enumerate(hooks) if isinstance(hook, NormalizePrototypesHook)]
-    averaging = next(index for index, hook in enumerate(hooks) if isinstance(hook, AverageOnUpdateHook))
-    assert len(normalizing) == 1 and isinstance(hooks[normalizing[0]], NormalizePrototypesOnUpdateHook)
-    releasing = next(index for index, hook in enumerate(hooks) if isinstance(hook, HoldParamsDuringUpdateHook))
-    assert releasing > normalizing[0] > averaging
+    assert not any(isinstance(hook, NormalizePrototypesHook) for hook in hooks)
+    averaging = [hook for hook in hooks if isinstance(hook, AverageOnUpdateHook)]
+    assert len(averaging) == 1 and isinstance(averaging[0].normalizer, NormalizePrototypesHook)
 
 
 # swav_vit_small's recipe on a ViT small enough for the CPU (2 layers, 64 wide, 8px patches of 32px crops) and on
