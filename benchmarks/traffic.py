@@ -87,6 +87,10 @@ def git_commit() -> str:
     return result.stdout.strip() + ("+changes" if dirty else "")
 
 
+def _amount(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| config | values averaged (params + buffers) | MB sent per round per box, group 2 / 4 (fp16) | "
              "GB per day per box, group 4, at 7.7 r/min (100 Mbit/s) / 11.8 r/min (1 Gbit/s) | rounds/min the link "
@@ -95,7 +99,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['config']} | {r['values']:,} ({r['params']:,} + {r['buffers']:,}) | "
             f"{r['sent_per_round_mb_group2']:.3g} / {r['sent_per_round_mb_group4']:.3g} | "
-            f"{r['sent_per_day_gb_100 Mbit/s']:.3g} / {r['sent_per_day_gb_1 Gbit/s']:.3g} | "
+            f"{_amount(r['sent_per_day_gb_100 Mbit/s'])} / {_amount(r['sent_per_day_gb_1 Gbit/s'])} | "
             f"{r['rounds_per_min_cap_100 Mbit/s']:.3g} / {r['rounds_per_min_cap_1 Gbit/s']:.3g} | {r['gpu_memory']} |"
         )
     return "\n".join(lines) + "\n"
