@@ -180,13 +180,19 @@ def _seconds(value: float) -> str:
     return f"{value:g}"
 
 
-def advise(measured: Measured, current: Settings, values: int | None = None) -> list[Advice]:
+def advise(measured: Measured, current: Settings, values: int | None = None,
+           link_mbit: float | None = None) -> list[Advice]:
     """The settings these measurements advise, each with its reason; a pure function of the numbers.
 
-    ``values``: advise for a model of that many averaged values instead of the measured one, at the measured link
-    rate and step time (the AllReduce scales with the bytes; a pessimistic projection when the measured rounds were
-    bound by overheads rather than by the link).
+    ``values``: advise for a model of that many averaged values instead of the measured one, at the same step time:
+    its AllReduce is the measured one plus the extra bytes at the link rate. ``link_mbit``: that rate, when the
+    link's own is known (e.g. a shaped link, or the contract of the boxes' uplinks); by default the measured
+    effective rate, which a small model's overhead-bound rounds put far below the link's (a pessimistic projection).
     """
+    if link_mbit is not None and not link_mbit > 0:
+        raise PreflightError(f"link_mbit must be a positive rate in Mbit/s, got {link_mbit}")
+    if values is not None and values <= 0:
+        raise PreflightError(f"values must be a positive number of averaged values, got {values}")
     if measured.steps <= 0 or measured.seconds <= 0:
         raise PreflightError(f"no training to advise on: {measured.steps} steps in {measured.seconds} s")
     if measured.rounds_applied == 0 or measured.link_mbit is None or measured.allreduce_max_s is None:
@@ -198,10 +204,15 @@ def advise(measured: Measured, current: Settings, values: int | None = None) -> 
                 Advice("--averaging_timeout", _seconds(current.averaging_timeout), why),
                 Advice("--compression", current.compression, why)]
     size = measured.values if values is None else values
-    scale = size / measured.values if measured.values else 1.0
-    allreduce_max, allreduce = measured.allreduce_max_s * scale, (measured.allreduce_s or 0.0) * scale
-    step_s, rate = measured.step_s, measured.link_mbit
+    step_s, rate = measured.step_s, link_mbit or measured.link_mbit
     seen = max(measured.boxes, 2)
+    typical_group = round(statistics.median(measured.group_sizes)) if measured.group_sizes else seen
+    per_value = bytes_per_value(measured.compression)
+    extra_bytes = allreduce_bytes(size, per_value, typical_group) - allreduce_bytes(measured.values, per_value,
+                                                                                    typical_group)
+    extra_s = extra_bytes * 8 / (rate * 1e6)  # the bytes a larger model adds, at the rate
+    allreduce_max = max(0.0, measured.allreduce_max_s + extra_s)
+    allreduce = max(0.0, (measured.allreduce_s or 0.0) + extra_s)
     advice = []
 
     # group size: no larger than the boxes that ran; on a slow link, 2 (each member sends 1.0x the model, not 1.5x)

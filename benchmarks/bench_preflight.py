@@ -80,7 +80,7 @@ def start_wan(peers: list[LocalPeer], data: Path, flags: list[str], mbit: float)
 def run_regime(name: str, mbit: float | None, boxes: int, seconds: float, data: Path, out: Path) -> dict[str, Any]:
     peers = [LocalPeer(f"box{index}", out / name) for index in range(boxes)]
     flags = [*FLAGS, "--preflight", f"{seconds:g}"]
-    started = time.time()
+    started, load_before = time.time(), [round(x, 2) for x in os.getloadavg()]
     try:
         if mbit is None:
             start_swarm_together(peers, data, flags, [])
@@ -107,11 +107,15 @@ def run_regime(name: str, mbit: float | None, boxes: int, seconds: float, data: 
                                              if key in preflight.Measured.__dataclass_fields__}
                                           | {"group_sizes": tuple(document["measured"]["group_sizes"])})
             current = preflight.Settings(**document["settings"])
-            row["advice_resnet50"] = [vars(a) for a in preflight.advise(measured, current, values=resnet50_values())]
+            big = resnet50_values()
+            row["advice_resnet50"] = [vars(a) for a in preflight.advise(measured, current, values=big)]
+            if mbit is not None:  # the same at the link's own rate, which the small model's rounds do not reach
+                row["advice_resnet50_at_link"] = [vars(a) for a in preflight.advise(measured, current, values=big,
+                                                                                    link_mbit=mbit)]
             row["table"] = log[log.index("pre-flight of this box"):].split("(as JSON")[0].rstrip()
         rows.append(row)
     return {"regime": name, "mbit": mbit, "boxes": boxes, "seconds": seconds, "wall_s": round(time.time() - started),
-            "rows": rows}
+            "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
 
 
 def advice_line(advice: list[dict]) -> str:
@@ -122,24 +126,27 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"`benchmarks/bench_preflight.py {' '.join(meta['argv'])}` at {meta['commit']} ({meta['started']}, "
              f"load before {meta['loadavg_before']}, {meta['cpus']} cores); {meta['resnet50_values']:,} values for "
              f"{RESNET50}.", "",
-             "| link | box | exit | rounds applied / failed / no group | groups | AllReduce s median / max | "
-             "sent per round | link rate (bytes / AllReduce s) | staleness median / max | steps per round | "
-             "s per step | advice | advice for swav_resnet50's size |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| link (load before, after) | box | exit | rounds applied / failed / no group | groups | AllReduce s "
+             "median / max | sent per round | link rate (bytes / AllReduce s) | staleness median / max | steps per "
+             "round | s per step | advice | advice for swav_resnet50's size at the measured rate | the same at the "
+             "link's rate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for row in result["rows"]:
             m = row.get("measured")
             if m is None:
-                lines.append(f"| {result['regime']} | {row['box']} | {row['exit_code']} | no report |||||||||")
+                lines.append(f"| {result['regime']} | {row['box']} | {row['exit_code']} | no report ||||||||||")
                 continue
             sizes = ", ".join(f"{size} x{m['group_sizes'].count(size)}" for size in sorted(set(m["group_sizes"])))
+            at_link = f"`{advice_line(row['advice_resnet50_at_link'])}`" if "advice_resnet50_at_link" in row else "-"
             lines.append(
-                f"| {result['regime']} | {row['box']} | {row['exit_code']} | {m['rounds_applied']} / "
+                f"| {result['regime']} ({result['loadavg_before'][0]:.0f}, {result['loadavg_after'][0]:.0f}) | "
+                f"{row['box']} | {row['exit_code']} | {m['rounds_applied']} / "
                 f"{m['rounds_failed']} / {m['rounds_no_group']} | {sizes} | {m['allreduce_s'] or 0:.2f} / "
                 f"{m['allreduce_max_s'] or 0:.2f} | {(m['bytes_per_round'] or 0) / 1e3:.1f} kB | "
                 f"{m['link_mbit'] or 0:.2f} Mbit/s | {m['staleness_steps'] or 0:.1f} / {m['staleness_max_steps']} | "
                 f"{m['steps_per_round'] or 0:.1f} | {m['step_s']:.3f} | `{advice_line(row['advice'])}` | "
-                f"`{advice_line(row['advice_resnet50'])}` |"
+                f"`{advice_line(row['advice_resnet50'])}` | {at_link} |"
             )
     lines.append("")
     for result in results:

@@ -70,11 +70,18 @@ def test_a_fast_link_and_a_slow_link_get_different_advice() -> None:
     assert crawl["--target_group_size"] == "2"
 
 
-def test_advice_for_a_larger_model_at_the_measured_rate() -> None:
+def test_advice_for_a_larger_model_at_the_measured_rate_and_at_a_known_one() -> None:
     tiny = measured()
     own, resnet = by_flag(advise(tiny, Settings())), by_flag(advise(tiny, Settings(), values=25_600_000))
-    assert float(resnet["--averaging_timeout"]) > float(own["--averaging_timeout"])  # 200x the bytes
+    assert float(resnet["--averaging_timeout"]) > float(own["--averaging_timeout"])  # 200x the bytes at 1.7 Mbit/s
     assert resnet["--target_group_size"] == "2"
+    # at a known link rate instead: 51 MB more per round is 0.41 s at 1 Gbit/s, 4.07 s at 100 Mbit/s (+0.6 s measured)
+    gigabit = by_flag(advise(tiny, Settings(), values=25_600_000, link_mbit=1000.0))
+    wan = by_flag(advise(tiny, Settings(), values=25_600_000, link_mbit=100.0))
+    assert gigabit["--averaging_timeout"] == wan["--averaging_timeout"] == "60"
+    assert float(gigabit["--min_matchmaking_time"]) < float(wan["--min_matchmaking_time"]) == 5.0
+    with pytest.raises(preflight.PreflightError):
+        advise(tiny, Settings(), link_mbit=0.0)
 
 
 def test_a_box_that_never_averaged_is_told_why_and_bad_numbers_are_refused() -> None:
