@@ -7,8 +7,9 @@
 Counts what the averager really sends: the tensors ``DecentralizedSGD`` averages (``decentralized_sgd.tensors``:
 the parameters VISSL's optimizer trains, and the model's float buffers, i.e. BatchNorm statistics; no optimizer
 state by default), at the default compression (fp16: 2 bytes per value, ``decentralized_sgd.compression``), times
-hivemind's butterfly AllReduce share ``2 (n-1)/n`` (``preflight.allreduce_bytes``). Left out: the 33-number
-summary per tensor every member gathers into a round (``vetting``) and protocol framing, both well under 1%.
+hivemind's butterfly AllReduce share ``2 (n-1)/n`` (``preflight.allreduce_bytes``). Left out: the summaries every
+member gathers into a round (``vetting``: 33 numbers for its weights, 33 for its last average, ~0.5 kB) and
+protocol framing.
 
 Per day: at the rounds/min measured in the README's "Bandwidth-limited links" (commit a92a56c,
 ``benchmarks/results/wan_{100mbit,1gbit}.json``: 3 peers, ResNet-50-sized fp16 tensors, ``improved``): 7.7 steady

@@ -13,6 +13,7 @@ import pytest
 import preflight
 from local_swarm import LocalPeer, start_swarm_together, wait_until
 from preflight import Advice, Measured, Settings, advise
+from tests.conftest import run_trainer
 
 FLAGS = ["--run_id", "pftest", "--preflight", "20", "--target_group_size", "2", "--min_matchmaking_time", "1",
          "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--load_state_timeout", "0"]
@@ -132,6 +133,23 @@ def test_the_traffic_count_is_what_a_real_averager_averages() -> None:
     assert counted["values"] == sum(t.numel() for t in tensors)
     row = traffic.config_row("swav_tiny", counted)
     assert row["sent_per_round_mb_group2"] == pytest.approx(counted["values"] * 2 / 1e6)  # fp16, half out + back
+
+
+def test_bad_preflight_flags_fail_with_a_clear_error_before_training() -> None:
+    import run_trainer as trainer
+    from swarm import SwarmError
+
+    result = run_trainer("--config", "swav_tiny", "--preflight", "0", timeout=240)  # as a user meets it
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--preflight takes a positive number of seconds, got 0.0" in result.stderr
+    assert "Traceback" not in result.stderr
+    for flags, message in ((["--preflight", "nan"], "--preflight takes a positive number"),
+                           (["--preflight", "--isolated"], "it runs neither with --isolated"),
+                           (["--preflight", "30", "--averager", "old"], "nor with --averager old")):
+        with pytest.raises(SwarmError, match=re.escape(message)):
+            trainer.swarm_settings(trainer.parse_args(["--config", "swav_tiny", *flags]))
+    settings = trainer.swarm_settings(trainer.parse_args(["--config", "swav_tiny", "--run_id", "r", "--preflight"]))
+    assert (settings.run_id, settings.preflight_s) == ("r-preflight", preflight.DEFAULT_SECONDS)
 
 
 def table_value(log: str, name: str) -> str:
