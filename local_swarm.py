@@ -54,6 +54,7 @@ class LocalPeer:
     started_at: float = 0.0
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # a command the trainer runs under (e.g. a network namespace's)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -67,7 +68,7 @@ class LocalPeer:
         """Start (or restart) the trainer; its output goes to ``<out_dir>/<name>.log``."""
         assert self.process is None or self.process.poll() is not None, f"{self.name} is still running"
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, str(REPO / "run_trainer.py"), "--config", self.config, "--data_path",
+        command = [*self.prefix, sys.executable, str(REPO / "run_trainer.py"), "--config", self.config, "--data_path",
                    str(data_path), "--checkpoint_dir", str(self.checkpoint_dir), "--host_maddrs", LOOPBACK, *flags]
         if initial_peers:
             command += ["--initial_peers", *initial_peers]

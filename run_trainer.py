@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import preflight
 import swarm
 import vissl_compat
 from config_loading import ConfigError, available_configs, check_overrides, config_path
@@ -123,6 +125,14 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--isolated", action="store_true",
                        help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline")
     swarm.add_secret_arguments(group)
+    group.add_argument("--preflight", type=float, nargs="?", const=preflight.DEFAULT_SECONDS, default=None,
+                       metavar="SECONDS",
+                       help="a pre-flight check before the long run: every box runs this command with --preflight "
+                            "at the same time; each trains SECONDS (default "
+                            f"{preflight.DEFAULT_SECONDS:g}) on a subset of the data under run id "
+                            f"<run_id>{preflight.SUFFIX}, in <checkpoint_dir>/{preflight.FOLDER}/<time>, then prints "
+                            "what it measured (groups, rounds, AllReduce seconds and bytes, link rate, staleness) and "
+                            "the settings it advises for these links")
 
 
 def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
@@ -136,8 +146,15 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
                                f"{args.alone_warning_after}")
     if "." in args.run_id or not args.run_id:
         raise swarm.SwarmError(f"--run_id must be a non-empty name without '.', got {args.run_id!r}")
+    if args.preflight is not None:
+        if not args.preflight > 0:  # also NaN
+            raise swarm.SwarmError(f"--preflight takes a positive number of seconds, got {args.preflight}")
+        if args.isolated or args.averager != "improved":
+            raise swarm.SwarmError("--preflight measures this example's averager in a swarm: it runs neither with "
+                                   "--isolated nor with --averager old or hivemind_optimizer")
+    run_id = args.run_id + (preflight.SUFFIX if args.preflight else "")
     settings = swarm.SwarmSettings(
-        run_id=args.run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
+        run_id=run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
         announce_maddrs=args.announce_maddrs, identity_path=args.identity_path, client_mode=args.client_mode,
         use_auto_relay=args.use_auto_relay, use_relay=not args.no_relay,
         force_reachability=args.force_reachability, target_group_size=args.target_group_size,
@@ -148,6 +165,7 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         swarm_lr=args.swarm_lr, join_timeout=args.join_timeout, weight_by_samples=not args.equal_weights,
         alone_warning_after=args.alone_warning_after,
         config_name=args.config,
+        preflight_s=args.preflight or 0.0,
         **swarm.secret_settings(args),
     )  # fmt: skip
     if args.averager != "improved" and settings.secret() is not None:
@@ -260,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         composed = compose_trainer_config(args.config, overrides, has_gpu=torch.cuda.is_available())
         config = composed.config
+        if args.preflight:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for change in preflight.configure(config, overrides, Path(config.CHECKPOINT.DIR), stamp):
+                print(f"[preflight] {change}", file=sys.stderr)
         check_resume_checkpoint(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -295,7 +317,27 @@ def main(argv: list[str] | None = None) -> int:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
     finally:  # an error of the training run propagates after this (a return here would swallow it)
         left = leave(leave_swarm, dht)
-    return 0 if left else 130
+    if not left:
+        return 130
+    return print_preflight_report(config, settings) if args.preflight else 0
+
+
+def print_preflight_report(config, settings: swarm.SwarmSettings) -> int:
+    """The pre-flight's table and advice on stdout (also as JSON next to its records); 4 if it measured nothing."""
+    from vissl.utils.checkpoint import get_checkpoint_folder
+
+    folder = Path(get_checkpoint_folder(config))
+    current = preflight.Settings(target_group_size=settings.target_group_size,
+                                 min_matchmaking_time=settings.min_matchmaking_time,
+                                 averaging_timeout=settings.averaging_timeout, compression=settings.compression)
+    try:
+        text, _ = preflight.report(folder, current)
+    except preflight.PreflightError as error:
+        print(f"error: the pre-flight measured nothing: {error}", file=sys.stderr)
+        return 4
+    print(text, flush=True)
+    print(f"(as JSON: {folder / preflight.REPORT_FILE})", flush=True)
+    return 0
 
 
 def leave(leave_swarm: Callable[[], None], dht: DHT | None) -> bool:

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 _shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
 SECRET_ENV = "SWAV_SWARM_SECRET"  # a secret from the environment (run_trainer.py moves it into a file: hide_secret)
 JOINER_PORT = 31337  # the port the join line gives a joining box (open it, or change it)
+PREFLIGHT_SUFFIX = "-preflight"  # a pre-flight's run id: the long run's plus this (preflight.SUFFIX)
 JOIN_RETRY_S = 3.0  # start_dht dials the initial peers again this often until one answers (or join_timeout)
 
 
@@ -57,6 +58,7 @@ class SwarmSettings:
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
     swarm_lr: str = "sqrt"  # with the swarm schedule: each box's LR x sqrt(swarm batch / box batch); see README
     config_name: str = ""
+    preflight_s: float = 0.0  # > 0: a pre-flight of that many seconds (run_id then ends with preflight.SUFFIX)
     swarm_secret_file: str = ""  # a file holding the swarm secret (see secret())
     swarm_secret: str = field(default="", repr=False)  # --swarm_secret itself: left out of to_config()
 
@@ -296,8 +298,11 @@ def join_command(dht: Any, settings: SwarmSettings) -> str:
     that the line still works while any of them runs."""
     peers = " ".join(dict.fromkeys([*visible_maddrs(dht), *settings.initial_peers]))
     secret = " --swarm_secret_file <a copy of the swarm's key file>" if settings.secret() is not None else ""
-    return (f"{interpreter()} run_trainer.py --config {settings.config_name or '<config>'} --run_id {settings.run_id} "
-            f"--data_path <your ImageFolder dataset>{secret} --host_maddrs /ip4/0.0.0.0/tcp/{JOINER_PORT} "
+    run_id, preflight = settings.run_id, ""
+    if settings.preflight_s > 0:  # the joiner's --preflight appends the suffix itself
+        run_id, preflight = run_id.removesuffix(PREFLIGHT_SUFFIX), f" --preflight {settings.preflight_s:g}"
+    return (f"{interpreter()} run_trainer.py --config {settings.config_name or '<config>'} --run_id {run_id}"
+            f"{preflight} --data_path <your ImageFolder dataset>{secret} --host_maddrs /ip4/0.0.0.0/tcp/{JOINER_PORT} "
             f"--identity_path peer.key --initial_peers {peers}")
 
 

@@ -19,13 +19,14 @@ from hooks.follow_swarm_schedule_on_step_hook import FollowSwarmScheduleOnStepHo
 from hooks.freeze_parameters_on_swarm_schedule_hook import FreezeParametersOnSwarmScheduleHook  # noqa: E402
 from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
 from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
+from hooks.preflight_on_step_hook import PreflightOnStepHook  # noqa: E402
 from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
 from hooks.stop_on_step_hook import StopOnStepHook  # noqa: E402
 from hooks.warn_when_alone_on_step_hook import ALONE_AFTER_S, WarnWhenAloneOnStepHook  # noqa: E402
 
 __all__ = ["AverageOnUpdateHook", "FollowSwarmScheduleOnStepHook", "FreezeParametersOnSwarmScheduleHook",
-           "LeaveSwarmOnEndHook", "LogProgressOnStepHook", "PublishProgressOnStepHook", "StopOnStepHook",
-           "WarnWhenAloneOnStepHook", "swarm_hook_generator"]
+           "LeaveSwarmOnEndHook", "LogProgressOnStepHook", "PreflightOnStepHook", "PublishProgressOnStepHook",
+           "StopOnStepHook", "WarnWhenAloneOnStepHook", "swarm_hook_generator"]
 
 
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
@@ -38,11 +39,13 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
     unit sphere). The progress hooks come after it so that they log the step's final weights;
     FollowSwarmScheduleOnStepHook then moves the swarm-wide schedule and may end training (it ends the step, so it
     comes after every hook that logs or checkpoints it), and a Ctrl-C pressed during the step stops the run after
-    all of that (StopOnStepHook, see ``ctrl_c``). VISSL's prototype-freezing hook is replaced by one that counts
-    the swarm's iterations.
+    all of that (StopOnStepHook, see ``ctrl_c``). A pre-flight (``SWARM.preflight_s``) ends training by time the
+    same way, before the swarm leaves (its on_end still sees the averager). VISSL's prototype-freezing hook is
+    replaced by one that counts the swarm's iterations.
     """
     log_every = int(cfg.get("SWARM", {}).get("log_every", 0) or cfg.LOG_FREQUENCY)
     alone_after = float(cfg.get("SWARM", {}).get("alone_warning_after", ALONE_AFTER_S))
+    preflight_s = float(cfg.get("SWARM", {}).get("preflight_s", 0.0) or 0.0)
     vissl_hooks = default_hook_generator(cfg)
     normalizer = next((hook for hook in vissl_hooks if isinstance(hook, NormalizePrototypesHook)), None)
     vissl_hooks = [FreezeParametersOnSwarmScheduleHook() if type(hook) is FreezeParametersHook else hook
@@ -53,6 +56,7 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
         LogProgressOnStepHook(log_every=log_every),
         PublishProgressOnStepHook(publish_every=log_every),
         WarnWhenAloneOnStepHook(alone_after_s=alone_after),
+        *([PreflightOnStepHook(preflight_s)] if preflight_s > 0 else []),
         LeaveSwarmOnEndHook(),
         FollowSwarmScheduleOnStepHook(),
         StopOnStepHook(),

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Network traffic per config: what one box sends (and receives) per averaging round and per day.
+
+    .venv/bin/python benchmarks/traffic.py --json benchmarks/results/traffic.json \
+        --markdown benchmarks/results/traffic.md
+
+Counts what the averager really sends: the tensors ``DecentralizedSGD`` averages (``decentralized_sgd.tensors``:
+the parameters VISSL's optimizer trains, and the model's float buffers, i.e. BatchNorm statistics; no optimizer
+state by default), at the default compression (fp16: 2 bytes per value, ``decentralized_sgd.compression``), times
+hivemind's butterfly AllReduce share ``2 (n-1)/n`` (``preflight.allreduce_bytes``). Left out: the summaries every
+member gathers into a round (``vetting``: 33 numbers for its weights, 33 for its last average, ~0.5 kB) and
+protocol framing.
+
+Per day: at the rounds/min measured in the README's "Bandwidth-limited links" (commit a92a56c,
+``benchmarks/results/wan_{100mbit,1gbit}.json``: 3 peers, ResNet-50-sized fp16 tensors, ``improved``): 7.7 steady
+rounds/min at 100 Mbit/s (bound by the link) and 11.8 at 1 Gbit/s (bound by ``min_matchmaking_time``'s 12/min, as
+any model whose AllReduce is shorter than 5 s is). The link's own cap is shown beside them: a smaller model at
+100 Mbit/s reaches the 12/min of matchmaking, a larger one fewer. No GPU on the machine this ran on: GPU memory is
+not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import vissl_compat  # noqa: E402
+
+vissl_compat.apply()
+
+from preflight import BYTES_PER_VALUE, allreduce_bytes  # noqa: E402
+
+MEASURED_ROUNDS_PER_MIN = {"100 Mbit/s": 7.7, "1 Gbit/s": 11.8}  # README "Bandwidth-limited links", a92a56c
+MEASURED_AT = "a92a56c"
+LINK_MBIT = {"100 Mbit/s": 100.0, "1 Gbit/s": 1000.0}
+MATCHMAKING_CAP_PER_MIN = 60 / 5.0  # one group per min_matchmaking_time (default 5 s)
+GROUP_SIZES = (2, 4)  # the smallest group, and the default --target_group_size
+
+
+def config_names() -> list[str]:
+    from config_loading import available_configs
+
+    return list(available_configs())
+
+
+def averaged_values(name: str) -> dict[str, int]:
+    """{"params", "buffers", "values", "tensors"} of config ``name``'s model as a peer builds it, counted as
+    ``AveragedTensors`` selects them: trainable parameters (what VISSL's optimizer holds) and float buffers."""
+    import swarm
+    from config_loading import compose_config
+    from decentralized_task import DecentralizedSelfSupervisionTask
+
+    config, _ = compose_config(name, [], has_gpu=False)
+    config.SWARM = swarm.SwarmSettings(run_id="traffic", config_name=name).to_config()
+    model = DecentralizedSelfSupervisionTask(config)._build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    return {"params": sum(p.numel() for p in params), "buffers": sum(b.numel() for b in buffers),
+            "values": sum(t.numel() for t in [*params, *buffers]), "tensors": len(params) + len(buffers)}
+
+
+def config_row(name: str, counts: dict[str, int], compression: str = "fp16") -> dict[str, Any]:
+    per_value = BYTES_PER_VALUE[compression]
+    row: dict[str, Any] = {"config": name, **counts, "compression": compression, "bytes_per_value": per_value}
+    for n in GROUP_SIZES:
+        row[f"sent_per_round_mb_group{n}"] = allreduce_bytes(counts["values"], per_value, n) / 1e6
+    sent = allreduce_bytes(counts["values"], per_value, max(GROUP_SIZES))
+    for link, rounds_per_min in MEASURED_ROUNDS_PER_MIN.items():
+        row[f"sent_per_day_gb_{link}"] = sent * rounds_per_min * 60 * 24 / 1e9
+        link_cap = 60 / (sent * 8 / (LINK_MBIT[link] * 1e6))  # one AllReduce at a time, link-bound
+        row[f"rounds_per_min_cap_{link}"] = min(link_cap, MATCHMAKING_CAP_PER_MIN)
+    row["gpu_memory"] = "not measured: no GPU here"
+    return row
+
+
+def git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()  # fmt: skip
+    return result.stdout.strip() + ("+changes" if dirty else "")
+
+
+def _amount(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| config | values averaged (params + buffers) | MB sent per round per box, group 2 / 4 (fp16) | "
+             "GB per day per box, group 4, at 7.7 r/min (100 Mbit/s) / 11.8 r/min (1 Gbit/s) | rounds/min the link "
+             "allows at group 4: 100 Mbit/s / 1 Gbit/s | GPU memory |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['values']:,} ({r['params']:,} + {r['buffers']:,}) | "
+            f"{r['sent_per_round_mb_group2']:.3g} / {r['sent_per_round_mb_group4']:.3g} | "
+            f"{_amount(r['sent_per_day_gb_100 Mbit/s'])} / {_amount(r['sent_per_day_gb_1 Gbit/s'])} | "
+            f"{r['rounds_per_min_cap_100 Mbit/s']:.3g} / {r['rounds_per_min_cap_1 Gbit/s']:.3g} | {r['gpu_memory']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="*", default=None, help="config names (default: every one in configs/)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    names = args.configs or config_names()
+    unknown = sorted(set(names) - set(config_names()))
+    if unknown:
+        print(f"error: unknown config(s) {', '.join(unknown)}; available: {', '.join(config_names())}",
+              file=sys.stderr)
+        return 2
+    started = time.time()
+    rows = [config_row(name, averaged_values(name)) for name in names]
+    table = markdown(rows)
+    print(table)
+    meta = {"commit": git_commit(), "rounds_per_min": MEASURED_ROUNDS_PER_MIN, "rounds_per_min_commit": MEASURED_AT,
+            "matchmaking_cap_per_min": MATCHMAKING_CAP_PER_MIN, "seconds": round(time.time() - started, 1),
+            "gpu": "none: GPU memory not measured"}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if args.markdown:
+        args.markdown.write_text(f"Generated by `benchmarks/traffic.py` at {meta['commit']}; rounds/min from the "
+                                 f"README at {MEASURED_AT}.\n\n{table}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

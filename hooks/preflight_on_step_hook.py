@@ -1,0 +1,80 @@
+"""End a pre-flight (``run_trainer.py --preflight SECONDS``) that many seconds after its first step, and write what
+only the trainer knows for the report (see ``preflight``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from classy_vision.hooks import ClassyHook
+
+import local_replicas
+import preflight
+from hooks.follow_swarm_schedule_on_step_hook import end_training_now
+
+
+def averaged_values(task) -> int:
+    """Values the averager sends per round: the tensors DecentralizedSGD really averages (parameters and float
+    buffers; momentum with --average_optimizer_state); for the baselines, the model's float tensors."""
+    optimizer = getattr(task, "decentralized_sgd", None)
+    tensors = getattr(optimizer, "averaged_tensors", None)
+    if tensors is not None:
+        return int(sum(t.numel() for t in tensors.local()))
+    model = task.base_model
+    return int(sum(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()))
+
+
+class PreflightOnStepHook(ClassyHook):
+    """Ends training at the first step boundary ``seconds`` after the first step (the time of the state download
+    and VISSL's start does not count), with the same stop the swarm schedule uses: VISSL ends the phase and writes
+    its final checkpoint. On a box of several GPUs local rank 0 decides and the others follow in the same step.
+    Local rank 0 writes ``preflight.RUN_FILE`` at the start and at the end."""
+
+    on_phase_start = ClassyHook._noop
+    on_forward = ClassyHook._noop
+    on_loss_and_meter = ClassyHook._noop
+    on_backward = ClassyHook._noop
+    on_update = ClassyHook._noop
+    on_phase_end = ClassyHook._noop
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self._started: float | None = None
+        self._first_iteration = 0
+        self._stopped = False
+
+    def on_start(self, task) -> None:
+        self._started, self._first_iteration = time.monotonic(), task.iteration
+        self._write(task)
+
+    def on_step(self, task) -> None:
+        if not task.train or self._stopped or self._started is None:
+            return
+        due = time.monotonic() - self._started >= self.seconds
+        if local_replicas.is_box():
+            due = local_replicas.broadcast_flag(due)
+        if due:
+            self._stopped = True
+            self._write(task)
+            end_training_now(task)
+            raise StopIteration
+
+    def on_end(self, task) -> None:
+        self._write(task)
+
+    on_exception = on_end
+
+    def _write(self, task) -> None:
+        folder = getattr(task, "checkpoint_folder", None)
+        optimizer = getattr(task, "decentralized_sgd", None)
+        if not folder or optimizer is None or self._started is None:  # not the box's swarm peer, or no swarm
+            return
+        run = {"values": averaged_values(task), "compression": task.swarm_settings.compression,
+               "peer": getattr(optimizer, "peer", None) or str(optimizer.peer_id),
+               "steps": int(task.iteration - self._first_iteration),
+               "seconds": round(time.monotonic() - self._started, 3), "preflight_s": self.seconds}
+        path = Path(folder) / preflight.RUN_FILE
+        path.with_suffix(".tmp").write_text(json.dumps(run))
+        path.with_suffix(".tmp").replace(path)
