@@ -14,7 +14,7 @@ import torch
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from initial_model import weights_fingerprint
 from local_replicas import compare_replica_logs
-from local_swarm import LocalPeer, fixed_address, joined_or_started_again, read_jsonl, start_swarm, stop_all, wait_until
+from local_swarm import LocalPeer, fixed_address, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
 from tests.test_recipe import build_task_model
@@ -131,7 +131,7 @@ def test_three_peers_average_survive_the_first_box_restarting_and_take_in_a_late
         late = LocalPeer("late", tmp_path)
         peers.append(late)
         late.start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
-        joined_or_started_again(late, digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
+        late.join_addresses()  # it keeps pinging the first box until it answers (start_dht): one start
         wait_until(lambda: late.progress(), 180, "the late joiner's first logged step")
         assert "Joined the swarm at its position" in late.log_text()
         assert late.progress()[0]["swarm_samples"] >= swarm_samples  # the swarm's schedule, not from warm-up
