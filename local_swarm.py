@@ -144,14 +144,16 @@ class LocalPeer:
 
 def start_swarm(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
                 per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
-                first_flags: list[str] = ()) -> list[str]:
+                first_flags: list[str] = (), per_peer_flags: Callable[[LocalPeer], list[str]] | None = None,
+                ) -> list[str]:
     """Start the first peer (with ``first_flags`` too), read its join line, start the others with it; return the
-    join addresses."""
+    join addresses. ``per_peer_flags``: flags of each peer's own after ``flags`` (e.g. ``fixed_address``'s)."""
     extra = per_peer_overrides or (lambda peer: [])
-    peers[0].start(data_path, [], [*flags, *first_flags], overrides + extra(peers[0]))
+    own_flags = per_peer_flags or (lambda peer: [])
+    peers[0].start(data_path, [], [*flags, *own_flags(peers[0]), *first_flags], overrides + extra(peers[0]))
     addresses = peers[0].join_addresses()
     for peer in peers[1:]:
-        peer.start(data_path, addresses, flags, overrides + extra(peer))
+        peer.start(data_path, addresses, [*flags, *own_flags(peer)], overrides + extra(peer))
     return addresses
 
 
@@ -190,10 +192,11 @@ def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[st
     return addresses
 
 
-def stop_all(peers: list[LocalPeer]) -> None:
-    """One Ctrl-C each, all at once (a second one would stop a peer at once instead of after its step)."""
+def stop_all(peers: list[LocalPeer], timeout: float = 30.0) -> None:
+    """One Ctrl-C each, all at once (a second one would stop a peer at once instead of after its step); a peer still
+    running ``timeout`` s later (counted from the wait for it) is SIGKILLed."""
     for peer in peers:
         if peer.is_running():
             os.killpg(peer.process.pid, signal.SIGINT)
     for peer in peers:
-        peer.stop(interrupt=False)
+        peer.stop(timeout=timeout, interrupt=False)
