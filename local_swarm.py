@@ -145,14 +145,16 @@ class LocalPeer:
 
 def start_swarm(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
                 per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
-                first_flags: list[str] = ()) -> list[str]:
+                first_flags: list[str] = (), per_peer_flags: Callable[[LocalPeer], list[str]] | None = None,
+                ) -> list[str]:
     """Start the first peer (with ``first_flags`` too), read its join line, start the others with it; return the
-    join addresses."""
+    join addresses. ``per_peer_flags``: flags of each peer's own after ``flags`` (e.g. ``fixed_address``'s)."""
     extra = per_peer_overrides or (lambda peer: [])
-    peers[0].start(data_path, [], [*flags, *first_flags], overrides + extra(peers[0]))
+    own_flags = per_peer_flags or (lambda peer: [])
+    peers[0].start(data_path, [], [*flags, *own_flags(peers[0]), *first_flags], overrides + extra(peers[0]))
     addresses = peers[0].join_addresses()
     for peer in peers[1:]:
-        peer.start(data_path, addresses, flags, overrides + extra(peer))
+        peer.start(data_path, addresses, [*flags, *own_flags(peer)], overrides + extra(peer))
     return addresses
 
 
@@ -177,8 +179,8 @@ def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[st
                          stagger: float = 1.5) -> list[str]:
     """Start all peers at about the same moment, so that none trains alone for the others' start-up (as after
     ``start_swarm``, which waits for the first peer's join line): the first peer gets an identity and port made
-    here, so its address is known before it runs. A joiner whose DHT came up before the first peer listened
-    (it exits: bootstrap failed) is started again once the first peer printed its join line."""
+    here, so its address is known before it runs. A joiner whose DHT comes up before the first peer listens, or
+    whose first pings the busy first peer misses, keeps dialing it (``swarm.start_dht``, for --join_timeout)."""
     extra = per_peer_overrides or (lambda peer: [])
     first = peers[0]
     first_flags, addresses = fixed_address(first)
@@ -186,30 +188,16 @@ def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[st
     time.sleep(stagger)
     for peer in peers[1:]:
         peer.start(data_path, addresses, flags, overrides + extra(peer))
-    first.join_addresses()
-    for peer in peers[1:]:
-        joined_or_started_again(peer, data_path, addresses, flags, overrides + extra(peer))
+    for peer in peers:
+        peer.join_addresses()  # a RuntimeError naming the peer and its last error line if it exited
     return addresses
 
 
-def joined_or_started_again(peer: LocalPeer, data_path: Path, initial_peers: list[str], flags: list[str],
-                            overrides: list[str]) -> list[str]:
-    """Wait for the join line of a started joiner; start it once more if it exited because its DHT could not
-    bootstrap: it came up before the first peer listened, or the first peer, busy training on a loaded machine,
-    did not answer its one ping within hivemind's wait_timeout (3 s; seen once in a clean-clone suite run)."""
-    try:
-        return peer.join_addresses()
-    except RuntimeError:
-        if "could not start or join the swarm" not in peer.log_text():
-            raise
-        peer.start(data_path, initial_peers, flags, overrides)
-        return peer.join_addresses()
-
-
-def stop_all(peers: list[LocalPeer]) -> None:
-    """One Ctrl-C each, all at once (a second one would stop a peer at once instead of after its step)."""
+def stop_all(peers: list[LocalPeer], timeout: float = 30.0) -> None:
+    """One Ctrl-C each, all at once (a second one would stop a peer at once instead of after its step); a peer still
+    running ``timeout`` s later (counted from the wait for it) is SIGKILLed."""
     for peer in peers:
         if peer.is_running():
             os.killpg(peer.process.pid, signal.SIGINT)
     for peer in peers:
-        peer.stop(interrupt=False)
+        peer.stop(timeout=timeout, interrupt=False)

@@ -134,15 +134,19 @@ class _DepartureIsOneLine(logging.Filter):
     a peer that leaves mid-round and on a peer stopped with Ctrl-C. The round's failure is recorded and counted
     (``rounds_failed``): say it in one line. So is whatever a task raised that hivemind cancelled on purpose and
     then awaited (``await_cancelled``: e.g. matchmaking's ``assert not self.assembled_group.done()`` when a
-    round is cancelled at shutdown while a leader answers). Other errors keep their traceback. On the handlers of
-    hivemind's package logger (every hivemind logger writes through them)."""
+    round is cancelled at shutdown while a leader answers), and a state download from a donor too busy to send
+    its next part in time (``averager.py``, ``_load_state_from_peers``, TimeoutError: hivemind tries the next
+    donor; seen when a whole swarm restarts on a loaded machine). Other errors keep their traceback. On the handlers
+    of hivemind's package logger (every hivemind logger writes through them)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         abandoned = (record.name, record.funcName) == ("hivemind.utils.asyncio", "await_cancelled")
-        if record.name.startswith("hivemind") and (isinstance(error, _DEPARTURE_ERRORS) or abandoned and error):
+        slow_donor = isinstance(error, TimeoutError) and record.funcName == "_load_state_from_peers"
+        if record.name.startswith("hivemind") and (isinstance(error, _DEPARTURE_ERRORS) or slow_donor
+                                                   or abandoned and error):
             message = record.getMessage().rstrip(":")
-            record.msg = message if message == str(error) else f"{message}: {error!r}"
+            record.msg = message if message == str(error) or repr(error) in message else f"{message}: {error!r}"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
 

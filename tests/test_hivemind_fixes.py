@@ -120,6 +120,11 @@ def test_a_departure_is_one_line_and_other_errors_keep_their_traceback():
     race = AssertionError()  # what a task that hivemind cancelled raised meanwhile: its work was abandoned anyway
     record = _record("hivemind.utils.asyncio", "await_cancelled", "Exception in <Task ...>:", race)
     assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    slow = TimeoutError()  # a donor too busy to send its next part in time: hivemind tries the next one
+    record = _record("hivemind.averaging.averager", "_load_state_from_peers", f"Failed to download state from Qm - "
+                     f"{slow!r}", slow)  # fmt: skip
+    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    assert record.getMessage() == "Failed to download state from Qm - TimeoutError()"
     ours = _record("decentralized_sgd.scheduler", "_tick", "unexpected", daemon_gone)
     assert _DepartureIsOneLine().filter(ours) and ours.exc_info is not None  # only hivemind's own records
 

@@ -3,7 +3,8 @@
 1. the address book keeps the peers a box met (newest first, at most ``keep``), in a file that survives it;
 2. a first box (no --initial_peers) started again dials the peers of its book and is back in their DHT;
 3. a SIGKILLed DHT owner leaves neither its DHT process nor its p2p daemon behind holding its port.
-The whole scenario with run_trainer.py processes is in test_swarm_training (the first box killed and restarted).
+The whole scenarios with run_trainer.py processes are in test_swarm_training: the first box killed and restarted,
+then the whole swarm stopped with Ctrl-C and started again in another order.
 """
 
 from __future__ import annotations

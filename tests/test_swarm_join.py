@@ -1,9 +1,13 @@
 """swarm.start_dht on real hivemind DHTs on 127.0.0.1: a joiner started before the first peer listens joins once it
-does, and a joiner that gives up leaves no p2p daemon holding its port."""
+does, a joiner whose first pings a busy first peer misses joins once it answers, and a joiner that gives up leaves
+no p2p daemon holding its port."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -59,6 +63,38 @@ def test_a_joiner_started_before_the_first_peer_joins_when_it_listens(tmp_path: 
 
 async def _neighbours(dht: hivemind.DHT, node) -> list:
     return list(node.protocol.routing_table.uid_to_peer_id.values())
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_joins_a_first_peer_too_busy_to_answer_its_first_pings(caplog: pytest.LogCaptureFixture,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first peer's DHT process answers nothing for a while (stopped, as a first box training on a loaded machine
+    may be busy): its p2p daemon takes the joiner's connection, so the joiner's DHT starts, but hivemind's one
+    bootstrap ping and start_dht's first pings go unanswered. The joiner keeps pinging and joins once the first peer
+    answers (7 s after start_dht's first ping), instead of failing on the first missed ping."""
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    addresses = [str(address) for address in first.get_visible_maddrs()]
+    joiner, resume = None, threading.Timer(7.0, os.kill, (first.pid, signal.SIGCONT))
+    pinging = swarm._joined
+
+    def resume_later(*args, **kwargs):  # start_dht's own pings begin: the first peer answers 7 s later
+        if not resume.is_alive():
+            resume.start()
+        return pinging(*args, **kwargs)
+
+    monkeypatch.setattr(swarm, "_joined", resume_later)
+    os.kill(first.pid, signal.SIGSTOP)  # the DHT process only: its p2p daemon still accepts connections
+    try:
+        with caplog.at_level(logging.WARNING, logger="swarm"):
+            joiner = swarm.start_dht(swarm.SwarmSettings(initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                                         join_timeout=60))
+        assert "answered a ping yet" in caplog.text  # it did miss pings while the first peer was stopped
+        assert first.peer_id in joiner.run_coroutine(_neighbours)
+    finally:
+        resume.cancel()
+        os.kill(first.pid, signal.SIGCONT)
+        for dht in [*([joiner] if joiner is not None else []), first]:
+            dht.shutdown()
 
 
 @pytest.mark.timeout(120)

@@ -14,8 +14,9 @@ import torch
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from initial_model import weights_fingerprint
 from local_replicas import compare_replica_logs
-from local_swarm import LocalPeer, fixed_address, joined_or_started_again, read_jsonl, start_swarm, stop_all, wait_until
+from local_swarm import LocalPeer, fixed_address, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
+from swarm_progress import SwarmProgress
 from tests.conftest import run_trainer
 from tests.test_recipe import build_task_model
 
@@ -44,6 +45,15 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a))
 
 
+def resumed_checkpoint(log: str) -> tuple[int, int]:
+    """The checkpoint VISSL says it resumed in ``log`` ("Resume from file: ..."; its pick, which may not be the file
+    checkpoint.torch links to: the phase's checkpoint written right after the step's): its iteration and the
+    swarm's samples it vouches for."""
+    state = torch.load(re.findall(r"Resume from file: (\S+)", log)[-1], map_location="cpu")
+    counts = state["classy_state_dict"].get("swarm_progress") or {}
+    return int(state["iteration"]), SwarmProgress.total_of(counts, counts.get("run", ""))
+
+
 def swarm_position_at(peer: LocalPeer, when: float) -> float | None:
     """The swarm's samples as ``peer`` logged them at ``when`` (linear between its two log lines around it, at most
     20 s apart); None where it logged nothing around that time."""
@@ -54,14 +64,16 @@ def swarm_position_at(peer: LocalPeer, when: float) -> float | None:
     return None
 
 
-def off_schedule(peers: list[LocalPeer], since: dict[str, float], share: float, slack: int) -> list[str]:
+def off_schedule(peers: list[LocalPeer], starts: dict[str, list[float]], share: float, slack: int) -> list[str]:
     """Log lines at which a box's swarm position differs from another box's at that moment by more than ``share``
-    of it plus ``slack`` samples (what the swarm trains while a count travels: a few seconds); ``since[name]``:
-    a box's lines after this time count (its first line after a start may still lag by a logging period)."""
+    of it plus ``slack`` samples (what the swarm trains while a count travels: a few seconds); ``starts[name]``:
+    when a box was started; its first line after each start is left out (it may still lag by a logging period)."""
     found = []
     for peer in peers:
-        for entry in peer.progress():
-            if entry["time"] <= since[peer.name]:
+        entries = peer.progress()
+        first_lines = {next((e["time"] for e in entries if e["time"] > start), None) for start in starts[peer.name]}
+        for entry in entries:
+            if entry["time"] <= starts[peer.name][0] or entry["time"] in first_lines:
                 continue
             for other in peers:
                 theirs = swarm_position_at(other, entry["time"]) if other is not peer else None
@@ -77,19 +89,25 @@ def logged_fingerprint(peer: LocalPeer) -> str:
     return match.group(1) if match else ""
 
 
-@pytest.mark.timeout(900)
-def test_three_peers_average_survive_the_first_box_restarting_and_take_in_a_late_joiner(digits_dir: Path,
-                                                                                        tmp_path: Path) -> None:
+@pytest.mark.timeout(1500)
+def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joiner_and_the_whole_swarm_restarting(
+        digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
     double_batch = ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=32"]  # peer1: twice the others' batch (GPUs)
-    # the first box as the README starts it: an identity file and a fixed port, no --initial_peers
-    first_flags, addresses = fixed_address(peers[0])
-    first_command = [*SWARM_FLAGS, *first_flags]
+    # every box as the README starts it: an identity file and a fixed port (the same address across restarts); the
+    # first box without --initial_peers, the others joining through it. commands: each box's (initial peers, flags,
+    # overrides), what it is started again with
+    identities = {peer.name: fixed_address(peer) for peer in peers}
+    addresses = identities["peer0"][1]
+    commands = {peer.name: ([] if index == 0 else addresses, [*SWARM_FLAGS, *identities[peer.name][0]],
+                            [*SWARM_OVERRIDES, f"config.SEED_VALUE={index}", *(double_batch if index == 1 else [])])
+                for index, peer in enumerate(peers)}
     try:
-        # each peer its own seed (data order) and no download of the first peer's weights: the run's initial model
+        # each peer its own seed (data order) and, at this first start only, no download of the first peer's
+        # weights: each builds the run's initial model
         start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
-                    per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"]
-                    + (double_batch if peer is peers[1] else []), first_flags=first_flags)
+                    per_peer_overrides=lambda peer: commands[peer.name][2][len(SWARM_OVERRIDES):],
+                    per_peer_flags=lambda peer: identities[peer.name][0])
         fingerprints = [wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
                         for peer in peers]
         assert len(set(fingerprints)) == 1, f"the peers of one run built different initial models: {fingerprints}"
@@ -110,11 +128,11 @@ def test_three_peers_average_survive_the_first_box_restarting_and_take_in_a_late
             wait_until(lambda peer=peer: any(r["group_size"] == 2 for r in peer.applied_rounds(since=killed_at)),
                        180, f"a round of the two survivors on {peer.name}")
 
-        # 3. the first box restarts with the command it was started with: it dials the peers it met (nobody dials
-        #    it: it has no --initial_peers, and the others have each other), VISSL resumes its checkpoint, which is
-        #    behind the swarm by now, so it takes over the swarm's weights and counts, then averages again
+        # 3. the first box restarts with its README command: it dials the peers it met (nobody dials it: it has no
+        #    --initial_peers, and the others have each other), VISSL resumes its checkpoint, which is behind the
+        #    swarm by now, so it takes over the swarm's weights and counts, then averages again
         swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers[1:])
-        peers[0].start(digits_dir, [], first_command, SWARM_OVERRIDES + ["config.SEED_VALUE=0"])
+        peers[0].start(digits_dir, *commands["peer0"])
         restarted_at = peers[0].started_at
         wait_until(lambda: "Resume from file" in peers[0].log_text() and "is behind the swarm" in peers[0].log_text(),
                    180, "peer0 resuming from its checkpoint, then catching up with the swarm")  # fmt: skip
@@ -126,38 +144,90 @@ def test_three_peers_average_survive_the_first_box_restarting_and_take_in_a_late
         assert first_after_restart["swarm_samples"] >= swarm_samples, (first_after_restart, swarm_samples)
         assert first_after_restart["step"] < first_after_restart["swarm_samples"] // 16  # its own steps: fewer
 
-        # 4. a late joiner without a checkpoint takes over the swarm's weights and its position in the schedule
+        # 4. a late joiner without a checkpoint (the join line's command: a fixed port and an identity file) takes
+        #    over the swarm's weights and its position in the schedule
         swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers)
         late = LocalPeer("late", tmp_path)
         peers.append(late)
-        late.start(digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
-        joined_or_started_again(late, digits_dir, addresses, SWARM_FLAGS, SWARM_OVERRIDES)
+        commands["late"] = (addresses, [*SWARM_FLAGS, *fixed_address(late)[0]], SWARM_OVERRIDES)
+        late.start(digits_dir, *commands["late"])
+        late.join_addresses()  # it keeps pinging the first box until it answers (start_dht): one start
         wait_until(lambda: late.progress(), 180, "the late joiner's first logged step")
         assert "Joined the swarm at its position" in late.log_text()
         assert late.progress()[0]["swarm_samples"] >= swarm_samples  # the swarm's schedule, not from warm-up
         wait_until(lambda: late.applied_rounds(), 180, "the late joiner averaging")
         joined_at = late.started_at
+
+        # 5. the whole swarm is stopped with Ctrl-C (README: stopping and restarting the whole swarm), once every box
+        #    has a checkpoint and knows the three others; each finishes its step and exits 0
+        wait_until(lambda: all((peer.checkpoint_dir / "checkpoint.torch").is_file()
+                               and len(AddressBook(peer.checkpoint_dir / KNOWN_PEERS_FILE)) >= 3 for peer in peers),
+                   240, "a checkpoint of every box, and the three others in its address book")  # fmt: skip
+        stop_all(peers, timeout=180)
+        assert all(peer.process.returncode == 0 for peer in peers), [peer.exit_message() for peer in peers]
+        stopped_at = time.time()
+        last_steps = {peer.name: peer.progress()[-1]["step"] for peer in peers}  # logged every 5th step
+
+        # 6. all started again with the same commands, the last joined first and the first box last: each of the
+        #    three joiners finds its --initial_peers (the first box) down, starts anyway after --join_timeout (it
+        #    met peers before) and dials those; the first box dials the peers it met
+        log_sizes = {peer.name: len(peer.log_text()) for peer in peers}
+
+        def this_life(peer: LocalPeer) -> str:
+            return peer.log_text()[log_sizes[peer.name]:]
+
+        back_order = [late, peers[2], peers[1], peers[0]]
+        for peer in back_order[:-1]:
+            peer.start(digits_dir, *commands[peer.name])
+            time.sleep(3)  # one after the other, as boxes restarted by hand
+        wait_until(lambda: all("starting without --initial_peers" in this_life(peer) for peer in back_order[:-1]),
+                   180, "the three joiners starting without their --initial_peers")  # fmt: skip
+        peers[0].start(digits_dir, *commands["peer0"])
+        swarm_started_at = {peer.name: peer.started_at for peer in peers}
+        for peer in back_order:  # VISSL resumes each box's own checkpoint (its steps go on from there), then rounds
+            wait_until(lambda peer=peer: "Resume from file" in this_life(peer)
+                       and any(r["group_size"] >= 2 for r in peer.applied_rounds(since=swarm_started_at[peer.name]))
+                       and any(e["time"] > swarm_started_at[peer.name] for e in peer.progress()),
+                       300, f"{peer.name} resuming its checkpoint and averaging after the whole swarm's restart")
+        assert "peers this box met before" in this_life(peers[0])  # the first box dialed its address book
     finally:
-        stop_all(peers)
+        stop_all(peers, timeout=180)
+    assert all(peer.process.returncode == 0 for peer in peers), [peer.exit_message() for peer in peers]
+
+    # after the whole swarm's restart each box went on from its own checkpoint, of its last steps before the stop
+    # (one every 10th step and at each epoch's end), not from step 0, and from the swarm's count it held; once back
+    # together, the swarm's count is at least the largest any checkpoint held
+    resumes = {peer.name: resumed_checkpoint(this_life(peer)) for peer in peers}
+    for peer in peers:
+        after = [e for e in peer.progress() if e["time"] > swarm_started_at[peer.name]]
+        iteration, samples = resumes[peer.name]
+        assert iteration > 0 and last_steps[peer.name] - 10 <= iteration <= last_steps[peer.name] + 10, peer.name
+        assert after[0]["step"] > iteration, (peer.name, iteration, after[0])
+        assert after[0]["step"] <= iteration + 40, (peer.name, iteration, after[0])  # no restart from 0
+        assert after[0]["swarm_samples"] >= samples, (peer.name, samples, after[0])
+        assert after[-1]["swarm_samples"] >= max(held for _, held in resumes.values()), (peer.name, after[-1])
+        assert any(r["group_size"] >= 2 for r in peer.applied_rounds(since=swarm_started_at[peer.name])), peer.name
 
     # every box, the one at twice the batch, the restarted one and the late joiner, is on the swarm's schedule: from
     # its second log line after each start (one logging period), its position is the others' at the same moment,
     # and its LR schedule's position is that share of the run (the budgets are equal: 3000 epochs of 160 images)
-    first_lines = {peer.name: next(entry["time"] for entry in peer.progress() if entry["time"] > start)
-                   for peer, start in ((peers[0], restarted_at), (peers[1], 0), (peers[2], 0), (late, joined_at))}
-    wrong = off_schedule(peers, first_lines, share=0.2, slack=2000)
+    starts = {name: [start, swarm_started_at[name]] for name, start in
+              (("peer0", restarted_at), ("peer1", 0), ("peer2", 0), ("late", joined_at))}
+    wrong = off_schedule(peers, starts, share=0.2, slack=2000)
     assert not wrong, wrong[:10]
     for peer in peers:
         assert all(abs(e["where"] - e["swarm_samples"] / 480_000) < 1e-5 for e in peer.progress()), peer.name
     # the box at twice the batch counts twice the samples per step (its first life: no checkpoint resumed)
-    assert all(e["own_samples"] == 32 * e["step"] for e in peers[1].progress()), peers[1].progress()[:3]
+    first_life = [e for e in peers[1].progress() if e["time"] < stopped_at]
+    assert all(e["own_samples"] == 32 * e["step"] for e in first_life), first_life[:3]
 
     for peer in peers:
         losses = [entry["loss"] for entry in peer.progress()]
         assert losses and all(math.isfinite(loss) for loss in losses), peer.name
         assert SWARM_SECRET not in peer.log_text(), f"{peer.name} logged the swarm secret"  # (VISSL logs its config)
         assert "diverged from the swarm" not in peer.log_text(), peer.name  # healthy peers are never refused
-        # each was stopped with Ctrl-C (peer0's SIGKILL leaves no text): a peer that leaves ends without a traceback
+        # each was stopped with Ctrl-C twice (peer0's SIGKILL leaves no text): a peer that leaves ends without a
+        # traceback, and a restarted one starts without one
         assert "Traceback" not in peer.log_text(), peer.log_text()[peer.log_text().index("Traceback") - 500:][:4000]
     # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
     for peer in peers:
