@@ -85,7 +85,7 @@ def test_a_joiner_joins_a_first_peer_too_busy_to_answer_its_first_pings(caplog: 
     monkeypatch.setattr(swarm, "_joined", resume_later)
     os.kill(first.pid, signal.SIGSTOP)  # the DHT process only: its p2p daemon still accepts connections
     try:
-        with caplog.at_level(logging.WARNING, logger="swarm"):
+        with caplog.at_level(logging.WARNING, logger="vissl_swarm.swarm"):
             joiner = swarm.start_dht(swarm.SwarmSettings(initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                                          join_timeout=60))
         assert "answered a ping yet" in caplog.text  # it did miss pings while the first peer was stopped
