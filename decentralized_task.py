@@ -32,12 +32,11 @@ from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
 from vissl.utils.misc import set_torch_seed
 
-import local_replicas
-import swarm
-from averaging_protocol import Averaging
 from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
-from initial_model import initial_model_seed, weights_fingerprint
-from swarm_progress import SwarmProgress, SwarmSchedule, swarm_lr_factor
+from vissl_swarm import local_replicas, swarm
+from vissl_swarm.averaging_protocol import Averaging
+from vissl_swarm.initial_model import initial_model_seed, weights_fingerprint
+from vissl_swarm.swarm_progress import SwarmProgress, SwarmSchedule, swarm_lr_factor
 
 TASK_NAME = "decentralized_self_supervision_task"
 ROUNDS_FILE = "averaging_rounds.jsonl"
@@ -151,7 +150,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         return local_rank == 0
 
     def _build_model(self):
-        """VISSL's model, initialised from the run's seed (initial_model.py): every peer of the run starts from
+        """VISSL's model, initialised from the run's seed (initial_model): every peer of the run starts from
         the same weights; the peer's own seed still drives data order and augmentations."""
         settings = self.swarm_settings
         seed = initial_model_seed(settings.run_id, settings.config_name)
@@ -227,13 +226,13 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         if settings.averager == "hivemind_optimizer":  # hivemind.Optimizer put inside VISSL's LARC: a baseline
-            from hivemind_optimizer_baseline import HivemindOptimizerAverager
+            from baselines.hivemind_optimizer import HivemindOptimizerAverager
 
             return HivemindOptimizerAverager.install(self, settings, records_path)
         wrapper = DecentralizedSGD
         options = {"swarm_secret": settings.secret(), "weight_by_samples": settings.weight_by_samples}
         if settings.averager == "old":  # no secret there (run_trainer.py refuses the combination)
-            from baseline_averaging import OldDesignAverager as wrapper
+            from baselines.old_design import OldDesignAverager as wrapper
 
             options = {}
         return wrapper(

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from statistics import mean
 
-from local_swarm import REPO, LocalPeer, start_swarm, stop_all, wait_until
+from vissl_swarm.local_swarm import REPO, LocalPeer, start_swarm, stop_all, wait_until
 
 MARKER = ".made_by_demo"  # in --out: the folder is ours to empty
 START_TIMEOUT_S = 300.0  # from launching the first peer until every peer trains (VISSL's start is slow on 2 cores)

@@ -19,10 +19,10 @@ Why not VISSL's own benchmark engine: the vissl 0.1.6 wheel ships neither the be
 (configs/config/benchmark/nearest_neighbor) nor the kNN (tools/nearest_neighbor_test.py), both only in its source
 repository, and its extract_features engine runs through launch_distributed (a torch.distributed process group,
 per-rank feature files on disk), heavy for a function a benchmark calls in a loop. So VISSL composes the config
-and builds the model, the checkpoint is VISSL's own format, and the kNN vote is written in torch (knn.py).
+and builds the model, the checkpoint is VISSL's own format, and the kNN vote is written in torch (vissl_swarm.knn).
 
 Scale (ImageNet: 1.28M train images, 2048-dim features): the vote streams the train features in chunks with a
-running top-k per query (knn.py), its working memory bounded by ``--knn_memory_gb`` instead of a 50,000 x 1.28M
+running top-k per query (vissl_swarm.knn), its working memory bounded by ``--knn_memory_gb`` instead of a 50,000 x 1.28M
 similarity matrix. Extraction runs on CUDA when there is one (AMP autocast, ``--num_workers`` loader processes), and
 the features of each split are cached as .npy (default: ``eval_features/`` next to the checkpoint, or
 ``--feature_cache DIR``), keyed by checkpoint path + mtime, data folder, split, config and --adapt_bn, so a second
@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from config_loading import ConfigError, available_configs, config_path
-from knn import DEFAULT_MEMORY_GB, knn_predictions
+from vissl_swarm.config_loading import ConfigError, available_configs, config_path
+from vissl_swarm.knn import DEFAULT_MEMORY_GB, knn_predictions
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"}
 SPLITS = ("train", "val")
@@ -175,12 +175,12 @@ def build_trunk(config_name: str, trunk_state: dict[str, Any] | None, source: Pa
     """The config's trunk in eval mode, with the checkpoint's weights or its seeded random init."""
     import torch
 
-    import vissl_compat
+    from vissl_swarm import vissl_compat
 
     vissl_compat.apply()
     from vissl.models import build_model
 
-    from config_loading import compose_config
+    from vissl_swarm.config_loading import compose_config
 
     config, _ = compose_config(config_name, [], has_gpu=False)
     torch.manual_seed(config.SEED_VALUE)

@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import vissl_compat
+from vissl_swarm import vissl_compat
 
 vissl_compat.silence_known_warnings()  # torch's deprecation noise when hivemind imports it (no VISSL is imported)
 
-import swarm  # noqa: E402
-from swarm_metrics import fetch_metrics, metrics_validators  # noqa: E402
+from vissl_swarm import swarm  # noqa: E402
+from vissl_swarm.swarm_metrics import fetch_metrics, metrics_validators  # noqa: E402
 
 MIN_ALIVE_WINDOW_S = 60.0
 ALONE_S = 60.0  # a live peer without an applied round for this long is listed as alone (the trainers warn too)

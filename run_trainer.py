@@ -20,11 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import preflight
-import swarm
-import vissl_compat
-from config_loading import ConfigError, available_configs, check_overrides, config_path
-from ctrl_c import ctrl_c
+from vissl_swarm import preflight, swarm, vissl_compat
+from vissl_swarm.config_loading import ConfigError, available_configs, check_overrides, config_path
+from vissl_swarm.ctrl_c import ctrl_c
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -111,7 +109,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--averager", choices=["improved", "old", "hivemind_optimizer"], default=defaults.averager,
                        help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
                             "round at a time; hivemind_optimizer: hivemind.Optimizer(use_local_updates=True) inside "
-                            "VISSL's LARC, an averaging round every global epoch (hivemind_optimizer_baseline.py); "
+                            "VISSL's LARC, an averaging round every global epoch (baselines/hivemind_optimizer.py); "
                             "old and hivemind_optimizer are the baselines of benchmarks/bench_learning.py")
     group.add_argument("--schedule", choices=["swarm", "local"], default=defaults.schedule,
                        help="swarm: the recipe (num_epochs) is the whole swarm's budget, its LR schedule follows the "
@@ -270,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vissl.utils.distributed_launcher import launch_distributed
 
-    from config_loading import compose_trainer_config
     from decentralized_task import TASK_NAME, leave_swarm
     from hooks import swarm_hook_generator
-    from swarm_metrics import metrics_validators
+    from vissl_swarm.config_loading import compose_trainer_config
+    from vissl_swarm.swarm_metrics import metrics_validators
 
     try:
         composed = compose_trainer_config(args.config, overrides, has_gpu=torch.cuda.is_available())
@@ -288,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for change in composed.compat_changes:
         print(f"[compat] {change}", file=sys.stderr)
-    for line in composed.recipe:  # the values that depend on this box's batch and dataset (recipe.py)
+    for line in composed.recipe:  # the values that depend on this box's batch and dataset (vissl_swarm/recipe.py)
         print(f"[recipe] {line}", file=sys.stderr)
     if not args.isolated:
         print(f"[recipe] {schedule_line(args.schedule, args.swarm_lr, config)}", file=sys.stderr)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Memory and time of the streaming kNN (knn.py) on an ImageNet-sized feature bank: 1.3M x 2048 float32.
+"""Memory and time of the streaming kNN (vissl_swarm/knn.py) on an ImageNet-sized feature bank: 1.3M x 2048 float32.
 
 Not a test (tests/test_eval.py checks that the streaming vote equals the exact one): a benchmark that shows the
 bank no longer has to fit in memory, and what each 1,000 queries cost on this machine's CPUs.
@@ -53,7 +53,7 @@ def measure(bank_path: Path, queries: int, memory_gb: float, num_classes: int) -
     """One streaming kNN over the bank (this process only): peak RSS and seconds per 1,000 queries."""
     import torch
 
-    from knn import block_sizes, knn_predictions
+    from vissl_swarm.knn import block_sizes, knn_predictions
 
     bank = np.load(bank_path, mmap_mode="r")
     labels = np.load(bank_path.with_suffix(".labels.npy"))

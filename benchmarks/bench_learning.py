@@ -82,14 +82,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from demo import markdown_table  # noqa: E402
-from local_swarm import LocalPeer, read_jsonl, start_swarm_together, stop_all  # noqa: E402
 from run_eval import IMAGE_SUFFIXES, knn_top1  # noqa: E402
+from vissl_swarm.local_swarm import LocalPeer, read_jsonl, start_swarm_together, stop_all  # noqa: E402
 
 MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp", "random_init", "raw_pixels")
 TRAINED = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
 SWARM_MODES = {"swarm": "improved", "old": "old", "hivemind_optimizer": "hivemind_optimizer"}
 FLOOR_ROWS = {"random_init": "--", "raw_pixels": ":"}  # kNN rows drawn as horizontal lines
-HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # hivemind_optimizer_baseline.TARGET_BATCH_ENV
+HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # baselines.hivemind_optimizer.TARGET_BATCH_ENV
 DEFAULTS = {"data_path": REPO / "data/fashion", "config": "swav_fashion", "epochs": 4, "seeds": 3, "curve_points": 8,
             "heldout_images": 1024, "heldout_batch": 64}
 QUICK = {"data_path": REPO / "data/digits", "config": "swav_tiny", "epochs": 2, "seeds": 1, "curve_points": 3,
@@ -233,7 +233,7 @@ def count_images(folder: Path) -> int:
 
 
 def batch_per_box(config_name: str, overrides: list[str]) -> int:
-    from config_loading import ConfigError, compose_config
+    from vissl_swarm.config_loading import ConfigError, compose_config
 
     try:
         config, _ = compose_config(config_name, overrides, has_gpu=False)
@@ -304,14 +304,14 @@ class Evaluator:
 
     def __init__(self, config_name: str, overrides: list[str], data_path: Path, knn_train: int,
                  heldout_images: int, heldout_batch: int) -> None:
-        import vissl_compat
+        from vissl_swarm import vissl_compat
 
         vissl_compat.apply()
         from classy_vision.generic.distributed_util import set_cpu_device
         from vissl.models import build_model
 
-        from config_loading import compose_config
         from run_eval import eval_transform
+        from vissl_swarm.config_loading import compose_config
 
         set_cpu_device()  # the evaluation runs on the CPU (SwAV's Sinkhorn would move its tensors to a GPU otherwise)
         # the held-out loss without a queue: a fresh loss has an empty one, which would enter the Sinkhorn
@@ -453,14 +453,14 @@ def write_initial_model(seed: int, folder: Path, config_name: str, overrides: li
                         evaluator: Evaluator) -> InitialModel:
     """The model the swarm boxes of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id and
     config name), saved as VISSL weights: alone and ddp load it with MODEL.WEIGHTS_INIT."""
-    import vissl_compat
+    from vissl_swarm import vissl_compat
 
     vissl_compat.apply()
     from vissl.models import build_model
     from vissl.utils.misc import set_torch_seed
 
-    from config_loading import compose_config
-    from initial_model import initial_model_seed, weights_fingerprint
+    from vissl_swarm.config_loading import compose_config
+    from vissl_swarm.initial_model import initial_model_seed, weights_fingerprint
 
     config, _ = compose_config(config_name, overrides, has_gpu=False)
     init_seed = initial_model_seed(run_id(seed), config_name)

@@ -20,7 +20,7 @@ Modes:
                       compression none, ``min_matchmaking_time`` 1 s). A full group forms as soon as its 3 peers are
                       in (min_matchmaking_time only holds back a group that is not full), so on loopback rounds
                       follow one another every few tenths of a second: ~20 local steps per round, as measured.
-  old                 the same with the old design, ``baseline_averaging.OldDesignAverager`` (hivemind's
+  old                 the same with the old design, ``baselines.old_design.OldDesignAverager`` (hivemind's
                       TrainingAverager one round at a time); its lock is held from forward to step
                       (``needs_lock_for_forward``: it applies a round from its own thread).
   hivemind_optimizer  ``hivemind.Optimizer(use_local_updates=True)`` set up as its docstring tells a user: its own
@@ -49,8 +49,8 @@ total batch per step (for equal peers local_samples x 3). That is what the produ
 boxes (the schedule follows the swarm's progress, not the box's own). The position is nominal: it assumes the
 peers advance at the same pace, which the start barrier and equal work make nearly true.
 
-How each peer's LR scales with the swarm's total batch (issue 17, item 2; ``--swarm_lr``), with peak LR ``lr`` for
-batch B (``--lr``) and a box's own LR ``lr·b/B`` for its batch b (linear per box, as ``recipe.py``'s ``scale_lr``):
+How each peer's LR scales with the swarm's total batch (``--swarm_lr``), with peak LR ``lr`` for
+batch B (``--lr``) and a box's own LR ``lr·b/B`` for its batch b (linear per box, as ``recipe.scale_lr``):
   box     every peer keeps the LR of its own batch (lr·b/B);
   sqrt    lr·b/B · sqrt(total batch / b);
   linear  lr · total batch / B, as DDP does for the global batch.
@@ -510,7 +510,7 @@ class OldDriver(Driver):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: PeerConfig, spec: RunSpec):
         super().__init__(model, optimizer)
-        from baseline_averaging import OldDesignAverager
+        from baselines.old_design import OldDesignAverager
 
         self.dht = start_dht(config, user_dht=False)
         self.averager = OldDesignAverager(

@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
 
-import preflight  # noqa: E402
-from local_swarm import LocalPeer, fixed_address, start_swarm_together, wait_until  # noqa: E402
+from vissl_swarm import preflight  # noqa: E402
+from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm_together, wait_until  # noqa: E402
 
 RESNET50 = "swav_resnet50"
 FLAGS = ["--run_id", "benchpf", "--load_state_timeout", "0"]  # the README's defaults otherwise

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook  # noqa: E402
 from demo import markdown_table  # noqa: E402
-from local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until  # noqa: E402
+from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until  # noqa: E402
 
 FLAGS = ["--run_id", "restart", "--target_group_size", "3", "--min_matchmaking_time", "2", "--averaging_timeout",
          "20", "--next_chunk_timeout", "4", "--compression", "none"]

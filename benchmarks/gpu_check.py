@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from local_swarm import LOOPBACK, LocalPeer, read_jsonl, stop_all, wait_until  # noqa: E402
+from vissl_swarm.local_swarm import LOOPBACK, LocalPeer, read_jsonl, stop_all, wait_until  # noqa: E402
 
 CONFIGS = ("swav_resnet50", "swav_vit_small")
 RUN_ID = "gpucheck"
@@ -138,7 +138,7 @@ def measure(plan: RunPlan, work_dir: Path, timeout: float) -> dict:
     finally:
         stop_all([trainer, simulated])
     if plan.box:
-        from local_replicas import compare_replica_logs
+        from vissl_swarm.local_replicas import compare_replica_logs
 
         rank1_log = trainer.checkpoint_dir / "progress_rank1.jsonl"
         outcome["replicas"] = compare_replica_logs(trainer.progress(), read_jsonl(rank1_log))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import vissl_compat
+from vissl_swarm import vissl_compat
 
 vissl_compat.apply()
 

@@ -20,7 +20,7 @@ import hivemind
 import torch
 
 from decentralized_sgd import DecentralizedSGD
-from local_swarm import LOOPBACK
+from vissl_swarm.local_swarm import LOOPBACK
 
 
 def run(args: argparse.Namespace) -> int:

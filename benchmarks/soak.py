@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from demo import markdown_table  # noqa: E402
-from local_swarm import LocalPeer, start_swarm, stop_all, wait_until  # noqa: E402
+from vissl_swarm.local_swarm import LocalPeer, start_swarm, stop_all, wait_until  # noqa: E402
 
 # fast rounds on a small machine, as in tests/test_swarm_training.py
 FLAGS = ["--run_id", "soak", "--target_group_size", "3", "--min_matchmaking_time", "2", "--averaging_timeout", "20",

@@ -32,11 +32,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import vissl_compat  # noqa: E402
+from vissl_swarm import vissl_compat  # noqa: E402
 
 vissl_compat.apply()
 
-from preflight import BYTES_PER_VALUE, allreduce_bytes  # noqa: E402
+from vissl_swarm.preflight import BYTES_PER_VALUE, allreduce_bytes  # noqa: E402
 
 MEASURED_ROUNDS_PER_MIN = {"100 Mbit/s": 7.7, "1 Gbit/s": 11.8}  # README "Bandwidth-limited links", a92a56c
 MEASURED_AT = "a92a56c"
@@ -46,7 +46,7 @@ GROUP_SIZES = (2, 4)  # the smallest group, and the default --target_group_size
 
 
 def config_names() -> list[str]:
-    from config_loading import available_configs
+    from vissl_swarm.config_loading import available_configs
 
     return list(available_configs())
 
@@ -54,9 +54,9 @@ def config_names() -> list[str]:
 def averaged_values(name: str) -> dict[str, int]:
     """{"params", "buffers", "values", "tensors"} of config ``name``'s model as a peer builds it, counted as
     ``AveragedTensors`` selects them: trainable parameters (what VISSL's optimizer holds) and float buffers."""
-    import swarm
-    from config_loading import compose_config
     from decentralized_task import DecentralizedSelfSupervisionTask
+    from vissl_swarm import swarm
+    from vissl_swarm.config_loading import compose_config
 
     config, _ = compose_config(name, [], has_gpu=False)
     config.SWARM = swarm.SwarmSettings(run_id="traffic", config_name=name).to_config()

@@ -6,7 +6,7 @@ hands it to VISSL's ``launch_distributed``.
 
 from __future__ import annotations
 
-import vissl_compat
+from vissl_swarm import vissl_compat
 
 vissl_compat.apply()
 

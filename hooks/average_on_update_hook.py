@@ -9,9 +9,9 @@ import time
 from classy_vision.hooks import ClassyHook
 from vissl.hooks import NormalizePrototypesHook
 
-import local_replicas
-from averaging_protocol import Averaging
 from decentralized_task import torch_optimizer
+from vissl_swarm import local_replicas
+from vissl_swarm.averaging_protocol import Averaging
 
 
 class AverageOnUpdateHook(ClassyHook):
@@ -28,7 +28,7 @@ class AverageOnUpdateHook(ClassyHook):
     the other hooks, nothing else sees the parameters in between. An SSP wait inside ``on_step_end`` releases the
     lock while it sleeps (DecentralizedSGD waits on a Condition of it).
 
-    The old design (``baseline_averaging``) applies rounds from its own thread at any time, so there the lock is
+    The old design (``baselines.old_design``) applies rounds from its own thread at any time, so there the lock is
     held from the end of one step through the next forward, backward and update (an in-place apply between forward
     and backward would break autograd), released only between steps, and the prototypes are normalised again when
     the lock is taken back (its apply may have moved them).

@@ -7,7 +7,7 @@ import logging
 
 from classy_vision.hooks import ClassyHook
 
-import local_replicas
+from vissl_swarm import local_replicas
 
 
 def sync_position(task) -> int:

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from classy_vision.hooks import ClassyHook
 
-from averaging_protocol import Averaging
 from decentralized_task import torch_optimizer
 from hooks.samples_per_second import SamplesPerSecond
-from local_replicas import replica_checksums
+from vissl_swarm.averaging_protocol import Averaging
+from vissl_swarm.local_replicas import replica_checksums
 
 PROGRESS_FILE = "progress.jsonl"
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 from classy_vision.hooks import ClassyHook
 
-import local_replicas
-import preflight
 from hooks.follow_swarm_schedule_on_step_hook import end_training_now
+from vissl_swarm import local_replicas, preflight
 
 
 def averaged_values(task) -> int:

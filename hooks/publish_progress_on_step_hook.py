@@ -9,9 +9,9 @@ from typing import Any
 from classy_vision.hooks import ClassyHook
 from hivemind.utils import get_dht_time
 
-from averaging_protocol import Averaging
 from hooks.samples_per_second import SamplesPerSecond
-from swarm_metrics import make_record, metrics_key, metrics_validators, owner_subkey
+from vissl_swarm.averaging_protocol import Averaging
+from vissl_swarm.swarm_metrics import make_record, metrics_key, metrics_validators, owner_subkey
 
 
 class PublishProgressOnStepHook(ClassyHook):

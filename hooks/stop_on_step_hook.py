@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from classy_vision.hooks import ClassyHook
 
-from ctrl_c import ctrl_c
+from vissl_swarm.ctrl_c import ctrl_c
 
 
 class StopOnStepHook(ClassyHook):

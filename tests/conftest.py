@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import vissl_compat  # noqa: E402  (before any test imports VISSL or classy_vision)
+from vissl_swarm import vissl_compat  # noqa: E402  (before any test imports VISSL or classy_vision)
 
 vissl_compat.apply()
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsgd_swarm import FAST, make_model  # noqa: E402
 
 from decentralized_sgd import DecentralizedSGD  # noqa: E402
-from swarm import SwarmSettings, start_dht  # noqa: E402
+from vissl_swarm.swarm import SwarmSettings, start_dht  # noqa: E402
 
 MODES = ("public", "none", "client_mode", "auto_relay")  # public: a box with a public address, no flag
 

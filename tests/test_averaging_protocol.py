@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from averaging_protocol import Averaging  # noqa: E402
-from baseline_averaging import OldDesignAverager  # noqa: E402
+from baselines.old_design import OldDesignAverager  # noqa: E402
 from decentralized_sgd import DecentralizedSGD  # noqa: E402
 from tests.dsgd_swarm import LOCAL, make_model  # noqa: E402
+from vissl_swarm.averaging_protocol import Averaging  # noqa: E402
 
 DESIGNS = {"improved": DecentralizedSGD, "old": OldDesignAverager}
 

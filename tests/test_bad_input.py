@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import vissl_compat
 from tests.conftest import run_trainer
+from vissl_swarm import vissl_compat
 
 
 class _FailsWhenSaved:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config_loading import ConfigError, available_configs, compose_config
+from vissl_swarm.config_loading import ConfigError, available_configs, compose_config
 
 
 def test_all_three_configs_are_shipped() -> None:

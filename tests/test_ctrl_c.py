@@ -1,4 +1,4 @@
-"""Ctrl-C during training stops at the next step boundary; before training, or pressed twice, at once (ctrl_c.py)."""
+"""Ctrl-C during training stops at the next step boundary; before training, or pressed twice, at once (ctrl_c)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.conftest import REPO
 SCRIPT = """
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
-from ctrl_c import ctrl_c
+from vissl_swarm.ctrl_c import ctrl_c
 ctrl_c.install()
 try:
     os.kill(os.getpid(), signal.SIGINT)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import run_eval as run_eval_module
-from knn import exact_knn_predictions, knn_predictions
 from run_eval import EvalError, evaluate, knn_accuracy, knn_top1, resolve_checkpoint
 from tests.conftest import REPO, run_trainer, trainer_env
+from vissl_swarm.knn import exact_knn_predictions, knn_predictions
 
 # 2 batches of 16 images, one epoch: a real VISSL checkpoint in seconds (alone, no swarm)
 SHORT_RUN = ["--isolated", "config.DATA.TRAIN.DATA_LIMIT=32", "config.OPTIMIZER.num_epochs=1",

@@ -36,12 +36,12 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_vissl_disk_folder_reads_the_export(digits_dir: Path) -> None:
-    import vissl_compat
+    from vissl_swarm import vissl_compat
 
     vissl_compat.apply()
     from vissl.data.disk_dataset import DiskImageDataset
 
-    from config_loading import compose_config
+    from vissl_swarm.config_loading import compose_config
 
     config, _ = compose_config("swav_tiny", [], has_gpu=False)
     dataset = DiskImageDataset(config, "disk_folder", str(digits_dir / "train"), split="TRAIN", dataset_name="digits")

@@ -164,12 +164,12 @@ def test_command_line(idx_dir: Path, tmp_path: Path) -> None:
 
 def test_vissl_disk_folder_reads_the_export(idx_dir: Path, tmp_path: Path) -> None:
     """swav_fashion's data source loads the grey PNGs as the RGB images its transforms expect."""
-    import vissl_compat
+    from vissl_swarm import vissl_compat
 
     vissl_compat.apply()
     from vissl.data.disk_dataset import DiskImageDataset
 
-    from config_loading import compose_config
+    from vissl_swarm.config_loading import compose_config
 
     export_fashion_mnist(tmp_path, idx_dir)
     config, _ = compose_config("swav_fashion", [], has_gpu=False)

@@ -30,7 +30,7 @@ def build_vissl_model(config_name: str) -> Any:
     """The config's model (trunk and SwAV head) as VISSL builds it, seeded like run_eval's random init."""
     from vissl.models import build_model
 
-    from config_loading import compose_config
+    from vissl_swarm.config_loading import compose_config
 
     config, _ = compose_config(config_name, [], has_gpu=False)
     torch.manual_seed(config.SEED_VALUE)

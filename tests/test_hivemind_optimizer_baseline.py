@@ -15,20 +15,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from averaging_protocol import Averaging
-from hivemind_optimizer_baseline import (
+from baselines.hivemind_optimizer import (
     DEFAULT_STEPS_PER_EPOCH,
     TARGET_BATCH_ENV,
     HivemindOptimizerAverager,
     VisslHivemindOptimizer,
     target_batch_size,
 )
-from local_swarm import LocalPeer, start_swarm_together, stop_all, wait_until
+from vissl_swarm.averaging_protocol import Averaging
+from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, stop_all, wait_until
 
 
 def test_no_swarm_secret_with_hivemind_optimizer() -> None:
     import run_trainer
-    import swarm
+    from vissl_swarm import swarm
 
     with pytest.raises(swarm.SwarmError, match="need the improved averager .*hivemind_optimizer"):
         run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--averager", "hivemind_optimizer",
@@ -55,7 +55,7 @@ class _Larc:
 
 @pytest.mark.timeout(120)
 def test_installed_inside_larc_vissl_lr_reaches_the_sgd() -> None:
-    import swarm
+    from vissl_swarm import swarm
 
     dht = swarm.start_dht(swarm.SwarmSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import local_replicas
 from tests.conftest import REPO
+from vissl_swarm import local_replicas
 
 COLLECTIVES = {"broadcast", "broadcast_object_list", "all_reduce", "all_gather", "all_gather_object", "reduce",
                "scatter", "gather", "barrier", "all_to_all", "reduce_scatter"}

@@ -28,9 +28,9 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from local_swarm import LocalPeer, stop_all, wait_until
-from swarm_metrics import fetch_metrics, make_record, metrics_key, metrics_validators, owner_subkey
 from tests.conftest import REPO, trainer_env
+from vissl_swarm.local_swarm import LocalPeer, stop_all, wait_until
+from vissl_swarm.swarm_metrics import fetch_metrics, make_record, metrics_key, metrics_validators, owner_subkey
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FORGED_STEP = 10**6
@@ -165,9 +165,9 @@ def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture
 
 def publishing_hooks() -> list:
     """The publishing hooks that run_trainer.py hands to VISSL for the tiny config."""
-    from config_loading import compose_config
     from hooks import swarm_hook_generator
     from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook
+    from vissl_swarm.config_loading import compose_config
 
     config, _ = compose_config("swav_tiny", ["config.LOG_FREQUENCY=2"], has_gpu=False)
     return [hook for hook in swarm_hook_generator(config) if isinstance(hook, PublishProgressOnStepHook)]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nat_testbed import missing_tools, run_orchestrator  # noqa: E402
 
-from swarm import reachability_note  # noqa: E402
+from vissl_swarm.swarm import reachability_note  # noqa: E402
 
 SCENARIO = Path(__file__).resolve().parent / "nat_scenario.py"
 NATTED = {"a": ["box2"], "b": ["box1", "box2"]}

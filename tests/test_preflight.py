@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import preflight
-from local_swarm import LocalPeer, start_swarm_together, wait_until
-from preflight import Advice, Measured, Settings, advise
 from tests.conftest import run_trainer
+from vissl_swarm import preflight
+from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, wait_until
+from vissl_swarm.preflight import Advice, Measured, Settings, advise
 
 FLAGS = ["--run_id", "pftest", "--preflight", "20", "--target_group_size", "2", "--min_matchmaking_time", "1",
          "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--load_state_timeout", "0"]
@@ -137,7 +137,7 @@ def test_the_traffic_count_is_what_a_real_averager_averages() -> None:
 
 def test_bad_preflight_flags_fail_with_a_clear_error_before_training() -> None:
     import run_trainer as trainer
-    from swarm import SwarmError
+    from vissl_swarm.swarm import SwarmError
 
     result = run_trainer("--config", "swav_tiny", "--preflight", "0", timeout=240)  # as a user meets it
     assert result.returncode == 2, result.stderr[-2000:]

@@ -9,12 +9,12 @@ from statistics import mean
 import pytest
 import torch
 
-import swarm
-from config_loading import TrainerConfig, compose_config, compose_trainer_config
-from initial_model import weights_fingerprint
-from local_swarm import read_jsonl
-from recipe import count_images
 from tests.conftest import run_trainer
+from vissl_swarm import swarm
+from vissl_swarm.config_loading import TrainerConfig, compose_config, compose_trainer_config
+from vissl_swarm.initial_model import weights_fingerprint
+from vissl_swarm.local_swarm import read_jsonl
+from vissl_swarm.recipe import count_images
 
 
 def build_task_model(run_id: str, seed_value: int) -> torch.nn.Module:

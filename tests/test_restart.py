@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-import swarm
 from decentralized_sgd.address_book import AddressBook
 from decentralized_sgd.dht_rejoin import dht_peer_count, rejoiner_of
 from decentralized_sgd.end_with_parent import child_pids, is_running
-from local_swarm import wait_until
 from tests.conftest import REPO
+from vissl_swarm import swarm
+from vissl_swarm.local_swarm import wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 

@@ -318,9 +318,9 @@ class WorkerFacts(torch.utils.data.Dataset):
 
 
 def test_vissl_data_loader_workers_run_at_lower_priority_and_keep_vissl_seeding(digits_dir: Path) -> None:
-    import swarm
-    from config_loading import compose_config
     from decentralized_task import DATA_WORKER_NICENESS, DecentralizedSelfSupervisionTask
+    from vissl_swarm import swarm
+    from vissl_swarm.config_loading import compose_config
 
     train = str(digits_dir / "train")
     config, _ = compose_config("swav_tiny", [f"config.DATA.TRAIN.DATA_PATHS=[{train}]",

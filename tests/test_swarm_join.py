@@ -16,7 +16,7 @@ import hivemind
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-import swarm
+from vissl_swarm import swarm
 
 
 def free_port() -> int:

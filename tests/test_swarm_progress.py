@@ -1,4 +1,4 @@
-"""The swarm's sample count (swarm_progress.py) on real hivemind DHTs on 127.0.0.1: every box ends up with the
+"""The swarm's sample count (swarm_progress) on real hivemind DHTs on 127.0.0.1: every box ends up with the
 same count, a box that left stays counted, counts travel in checkpoints and downloads, and a forged count is
 refused."""
 
@@ -8,8 +8,8 @@ import hivemind
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from local_swarm import wait_until
-from swarm_progress import SignedCount, SwarmProgress
+from vissl_swarm.local_swarm import wait_until
+from vissl_swarm.swarm_progress import SignedCount, SwarmProgress
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 RUN = "progresstest"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from local_swarm import LocalPeer, start_swarm_together, stop_all, wait_until
+from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, stop_all, wait_until
 
 # one box alone: 40 iterations per epoch (640 images, batch 16) x 40 epochs = 1600 steps. Long enough that the
 # joiners' start-up (a few seconds in which the first box trains alone) is a small part of each box's share

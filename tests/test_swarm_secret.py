@@ -132,8 +132,8 @@ def test_only_peers_with_the_secret_read_and_write_the_swarm_records():
 def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environment(tmp_path, monkeypatch):
     import run_monitor
     import run_trainer
-    import swarm
-    from swarm_metrics import metrics_validators
+    from vissl_swarm import swarm
+    from vissl_swarm.swarm_metrics import metrics_validators
 
     key = tmp_path / "swarm.key"
     key.write_text("s3cret\n")

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
-from initial_model import weights_fingerprint
-from local_replicas import compare_replica_logs
-from local_swarm import LocalPeer, fixed_address, read_jsonl, start_swarm, stop_all, wait_until
 from run_eval import resolve_checkpoint
-from swarm_progress import SwarmProgress
 from tests.conftest import run_trainer
 from tests.test_recipe import build_task_model
+from vissl_swarm.initial_model import weights_fingerprint
+from vissl_swarm.local_replicas import compare_replica_logs
+from vissl_swarm.local_swarm import LocalPeer, fixed_address, read_jsonl, start_swarm, stop_all, wait_until
+from vissl_swarm.swarm_progress import SwarmProgress
 
 # 10 batches of 16 real images per epoch, plenty of epochs (for the whole swarm: the swarm-wide schedule): the test
 # decides when peers stop

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import vissl_compat
-from config_loading import compose_config
 from tests.conftest import REPO, trainer_env
+from vissl_swarm import vissl_compat
+from vissl_swarm.config_loading import compose_config
 
 
 def test_classy_vision_dataset_imports_after_kinetics_alias() -> None:
-    code = "import vissl_compat; vissl_compat.apply(); import classy_vision.dataset; print('ok')"
+    code = "from vissl_swarm import vissl_compat; vissl_compat.apply(); import classy_vision.dataset; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], env=trainer_env(), cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     import torchvision.datasets.kinetics as kinetics
@@ -100,9 +100,10 @@ def test_gradient_clipping_under_torch_amp_clips_the_unscaled_gradient() -> None
 
 
 CTRL_C_SCRIPT = """
-import sys, vissl_compat
+import sys
+from vissl_swarm import vissl_compat
 vissl_compat.apply()
-from config_loading import compose_config
+from vissl_swarm.config_loading import compose_config
 from vissl.utils.distributed_launcher import launch_distributed
 
 def ctrl_c(cfg):  # VISSL calls the hook generator inside its training engine, after its logging is set up

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import vissl_compat
-from recipe import RecipeError, apply_recipe
+from vissl_swarm import vissl_compat
+from vissl_swarm.recipe import RecipeError, apply_recipe
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 _OVERRIDE_PATTERN = re.compile(r"^\+?config(\.[A-Za-z_][A-Za-z0-9_]*)+=.*$", re.DOTALL)
 
 
@@ -65,7 +65,7 @@ def compose_config(
 
 def compose_trainer_config(name: str, overrides: list[str], has_gpu: bool) -> TrainerConfig:
     """The config a peer trains with: composed, adapted to this stack, its recipe scaled to this box and dataset
-    (``recipe.py``), then completed by VISSL's own inference and dumped to the checkpoint folder."""
+    (``vissl_swarm/recipe.py``), then completed by VISSL's own inference and dumped to the checkpoint folder."""
     return _compose(name, overrides, has_gpu, dump_config=True, scale_recipe=True)
 
 

@@ -333,7 +333,7 @@ class HivemindOptimizerAverager:
     def install(cls, task: Any, settings: Any, records_path: Any) -> HivemindOptimizerAverager:
         """Build it around the task's torch optimizer and put the hivemind.Optimizer where that optimizer was:
         inside LARC (``task.optimizer.optimizer.optim``), or as ClassyOptimizer's optimizer without LARC."""
-        import local_replicas
+        from vissl_swarm import local_replicas
 
         if local_replicas.is_box():
             raise RuntimeError("--averager hivemind_optimizer runs one process per box: drop "

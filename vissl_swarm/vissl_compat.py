@@ -1,6 +1,6 @@
 """Work-arounds that make VISSL 0.1.6 and classy_vision 0.7.0 (2021) run on today's stack.
 
-Import this module before anything from ``vissl`` or ``classy_vision``: ``import vissl_compat`` then
+Import this module before anything from ``vissl`` or ``classy_vision``: ``from vissl_swarm import vissl_compat`` then
 ``vissl_compat.apply()``. Each patch is small, names the upstream bug it works around, and is tested
 (``tests/test_vissl_compat.py``; checkpoints and unreadable images in ``tests/test_bad_input.py``).
 Config-level fixes live in :func:`adapt_config`, which ``run_trainer.py`` applies to every composed config,

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import swarm
+from vissl_swarm import swarm
 
 DEFAULT_SECONDS = 180.0  # of training per box, from its first step: a few minutes
 SUFFIX = swarm.PREFLIGHT_SUFFIX  # appended to --run_id
@@ -58,7 +58,7 @@ def configure(config: Any, overrides: Sequence[str], checkpoint_root: Path, stam
     changes = [f"checkpoints, records and the report in {folder}"]
     given = {override.split("=", 1)[0] for override in overrides}
     if "config.DATA.TRAIN.DATA_LIMIT" not in given:
-        from recipe import RecipeError, training_images
+        from vissl_swarm.recipe import RecipeError, training_images
 
         box_batch = int(config.DATA.TRAIN.BATCHSIZE_PER_REPLICA) * int(config.DISTRIBUTED.NUM_PROC_PER_NODE)
         limit = BATCHES_PER_EPOCH * box_batch

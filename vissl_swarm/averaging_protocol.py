@@ -1,7 +1,7 @@
 """What the VISSL task and hooks may ask of an averager: the one interface both averagers implement.
 
 ``decentralized_task.py`` and ``hooks/`` are written against :class:`Averaging`, never against a concrete class,
-so that ``--averager old`` (``baseline_averaging.OldDesignAverager``, the benchmarks' baseline) and the default
+so that ``--averager old`` (``baselines.old_design.OldDesignAverager``, the benchmarks' baseline) and the default
 ``decentralized_sgd.DecentralizedSGD`` are interchangeable under the stock VISSL trainer. Before this interface
 existed the hooks called whatever ``DecentralizedSGD`` had, and the old design crashed at start and at the first
 progress line. ``runtime_checkable``: ``isinstance(averager, Averaging)`` checks that every member is there.
