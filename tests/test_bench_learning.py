@@ -52,7 +52,9 @@ def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, 
         assert run["same_initial_model"], mode  # both started from the seed's initial model
         assert 0.0 < run["knn"] <= 1.0 and finite(run["heldout_loss"]) and run["heldout_loss"] > 0
         curve = run["curve"]
-        assert curve[0]["steps"] == 0 and curve[0]["samples"] == 0 and len(curve) >= 3
+        # the initial model, the checkpoints every box has, the final ones: a swarm box that started late on a loaded
+        # machine may end (the swarm's budget done) before its first checkpoint, leaving no shared middle point
+        assert curve[0]["steps"] == 0 and curve[0]["samples"] == 0 and len(curve) >= (3 if mode == "alone" else 2)
         assert all(finite(point[key]) for point in curve for key in ("steps", "samples", "knn", "heldout_loss"))
         assert [point["steps"] for point in curve] == sorted(point["steps"] for point in curve)
     alone, swarm = runs["alone"], runs["swarm"]
