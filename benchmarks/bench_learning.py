@@ -92,7 +92,7 @@ FLOOR_ROWS = {"random_init": "--", "raw_pixels": ":"}  # kNN rows drawn as horiz
 HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # baselines.hivemind_optimizer.TARGET_BATCH_ENV
 DEFAULTS = {"data_path": REPO / "data/fashion", "config": "swav_fashion", "epochs": 4, "seeds": 3, "curve_points": 8,
             "heldout_images": 1024, "heldout_batch": 64}
-QUICK = {"data_path": REPO / "data/digits", "config": "swav_tiny", "epochs": 2, "seeds": 1, "curve_points": 3,
+QUICK = {"data_path": REPO / "data/digits", "config": "swav_tiny", "epochs": 6, "seeds": 1, "curve_points": 3,
          "heldout_images": 128, "heldout_batch": 32}
 NORMAL_MATCHMAKING_S, SLOW_MATCHMAKING_S = 3.0, 30.0
 NORMAL_HIVEMIND_STEPS, SLOW_HIVEMIND_STEPS = 20, 200

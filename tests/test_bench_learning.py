@@ -41,7 +41,7 @@ def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, 
     settings = result["settings"]
     assert settings["git"]["commit"] and isinstance(settings["git"]["dirty"], bool)
     recipe = settings["recipe"]
-    assert recipe["config"] == "swav_tiny" and recipe["epochs"] == 2 and recipe["boxes"] == 3
+    assert recipe["config"] == "swav_tiny" and recipe["epochs"] == 6 and recipe["boxes"] == 3
     assert recipe["budget_samples"] == recipe["alone_steps"] * recipe["batch"]
     assert settings["dataset"]["val_images"] == settings["evaluation"]["knn_queries"]  # the whole val split
     runs = {run["mode"]: run for run in result["runs"]}
