@@ -3,7 +3,6 @@ the benchmarks, so that all of them exercise exactly what a user runs."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,21 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vissl_swarm.preflight import read_jsonl  # noqa: F401  (re-exported: tests and benchmarks read records with it)
+
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The lines written so far; a line being written right now is skipped."""
-    if not path.exists():
-        return []
-    entries = []
-    for line in path.read_text().splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return entries
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:

@@ -311,6 +311,7 @@ def format_report(measured: Measured, advice: Sequence[Advice]) -> str:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The lines written so far; a line being written right now is skipped."""
     if not path.exists():
         return []
     entries = []
