@@ -151,6 +151,26 @@ class _DepartureIsOneLine(logging.Filter):
         return True
 
 
+class _AbandonedDepartureIsOneLine(logging.Filter):
+    """A race in hivemind's ``_step`` (averager.py): when a round is cancelled (our shutdown cancels every step) at
+    the moment its matchmaking task (``find_peers_or_notify_cancel``) fails on a departure, e.g. a join request
+    written to a p2p daemon that Ctrl-C already ended (``ConnectionResetError: Connection lost``), hivemind cancels
+    the already finished task and never awaits it. asyncio then logs "Task exception was never retrieved" with a
+    traceback when the task is collected (seen on a box of a whole swarm stopped with Ctrl-C). The round was
+    cancelled anyway, nothing is lost: one line, as a warning. Other abandoned errors keep their traceback. On
+    asyncio's logger (its records reach the root logger's handlers, not hivemind's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if message.startswith("Task exception was never retrieved") and isinstance(error, _DEPARTURE_ERRORS):
+            task = "hivemind's matchmaking" if "find_peers_or_notify_cancel" in message else "a background"
+            record.msg = f"{task} task ended on a departure while its round was cancelled: {error!r}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def cancel_step_first(control: StepControl) -> bool:
     """Trainer's process: cancel a round's hivemind step, the step itself first.
 
@@ -168,10 +188,14 @@ def cancel_step_first(control: StepControl) -> bool:
 
 
 def log_departures_in_one_line() -> None:
-    """In this process (the DHT's or the averager's, at their start): hivemind's handler gets the filter above."""
+    """In this process (the DHT's or the averager's, at their start): hivemind's handler gets the filter for
+    departures, asyncio's logger the one for abandoned tasks."""
     for handler in get_logger("hivemind").handlers:  # get_logger: hivemind's handler exists from here on
         if not any(isinstance(f, _DepartureIsOneLine) for f in handler.filters):
             handler.addFilter(_DepartureIsOneLine())
+    abandoned = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedDepartureIsOneLine) for f in abandoned.filters):
+        abandoned.addFilter(_AbandonedDepartureIsOneLine())
 
 
 class LockedConnection:

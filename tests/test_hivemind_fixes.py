@@ -10,6 +10,7 @@ SIGINT in the averager process by test_ctrl_c_still_stops_the_trainer_after_the_
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -33,6 +34,7 @@ from decentralized_sgd.hivemind_fixes import (
     AveragerUnresponsive,
     FixedDHT,
     LockedConnection,
+    _AbandonedDepartureIsOneLine,
     _DepartureIsOneLine,
     _NoGroupIsNoError,
     cancel_step_first,
@@ -127,6 +129,45 @@ def test_a_departure_is_one_line_and_other_errors_keep_their_traceback():
     assert record.getMessage() == "Failed to download state from Qm - TimeoutError()"
     ours = _record("decentralized_sgd.scheduler", "_tick", "unexpected", daemon_gone)
     assert _DepartureIsOneLine().filter(ours) and ours.exc_info is not None  # only hivemind's own records
+
+
+def test_an_abandoned_task_that_failed_on_a_departure_is_one_warning_and_other_errors_keep_their_traceback():
+    """Real asyncio: tasks that fail and that nobody awaits, as hivemind's matchmaking task in the race of _step."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.addHandler(handler)
+    asyncio_logger.addFilter(one_line := _AbandonedDepartureIsOneLine())
+
+    async def find_peers_or_notify_cancel(error: BaseException) -> None:
+        try:
+            await asyncio.sleep(60)  # a join request in flight
+        except asyncio.CancelledError:
+            raise error from None  # its stream fails meanwhile: the task ends on that error, not cancelled
+
+    async def abandon(error: BaseException) -> None:
+        task = asyncio.create_task(find_peers_or_notify_cancel(error))
+        await asyncio.sleep(0.01)
+        task.cancel()  # hivemind's _step cancels its matchmaking task and never awaits it
+        await asyncio.sleep(0.01)
+        del task
+
+    try:
+        for error in (ConnectionResetError("Connection lost"), KeyError("a bug")):
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(abandon(error))
+            loop.close()
+            gc.collect()  # asyncio reports a never retrieved exception when the task is collected
+    finally:
+        asyncio_logger.removeHandler(handler)
+        asyncio_logger.removeFilter(one_line)
+    departure, bug = records
+    assert departure.levelno == logging.WARNING and departure.exc_info is None
+    assert departure.getMessage() == ("hivemind's matchmaking task ended on a departure while its round was "
+                                      "cancelled: ConnectionResetError('Connection lost')")  # fmt: skip
+    assert bug.levelno == logging.ERROR and bug.exc_info is not None  # not a departure: full traceback
+    assert "Task exception was never retrieved" in bug.getMessage()
 
 
 def test_locked_connection_keeps_concurrent_messages_whole():
