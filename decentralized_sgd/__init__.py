@@ -6,7 +6,9 @@ design, each round (1) fills the averager with the *latest* local parameters as 
 made during the round are kept, and (3) looks for the next group while the current AllReduce is still running.
 Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, are the design:
 
-- ``optimizer``: ``DecentralizedSGD``, what the training loop calls (the lock contract, the step boundary, SSP);
+- ``optimizer``: ``DecentralizedSGD``, what the training loop calls (the lock contract, the step boundary, SSP); it
+  builds the parts below and hands each what it needs (none of them imports it);
+- ``settings`` and ``trainer_state``: the round settings, and the trainer's lock and counts, that the parts share;
 - ``rounds``: one round's states and transitions (which thread, which lock), and the book of rounds and records;
 - ``scheduler``: the background thread that moves rounds through their states, fills when the group forms;
 - ``exchange``: a round's tensor work (fill, trigger, the update from the average, the apply), apart from when;

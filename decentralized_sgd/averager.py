@@ -6,7 +6,7 @@ the scheduler sees hivemind's stage only at its next tick, so its own times woul
 a tick and add that to our overhead in the staleness (issue 11). It also stamps when the latest groupmate's part that
 it had to refuse arrived (``early_part_refused_at``): a group we were too late to trigger, whose groupmates dropped us.
 
-It serves the trainer's *live* state to late joiners (``get_current_state`` asks the optimizer, which copies under
+It serves the trainer's *live* state to late joiners (``get_current_state`` asks ``state_transfer``, which copies under
 its lock) instead of hivemind's default, the averager's buffers, which hold whatever the last round left there.
 And it guards its groups (``guard.GroupGuard``): outsiders and recent outliers are refused at matchmaking, a group's
 outliers are left out of its AllReduce.

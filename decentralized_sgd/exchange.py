@@ -18,17 +18,18 @@ import asyncio
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
+from .settings import RoundSettings
 from .supervisor import AveragerSupervisor
 from .tensor_ops import add_, averaged_minus_, copy_
-
-if TYPE_CHECKING:
-    from .optimizer import DecentralizedSGD
+from .tensors import AveragedTensors
+from .trainer_state import TrainerState
+from .vetting import RoundVetting
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,15 @@ def fail_from_control(r: Round, book: RoundBook) -> None:
 
 
 class RoundExchange:
-    """Moves one DecentralizedSGD's tensors in and out of its rounds (whose settings it reads from ``owner``)."""
+    """Moves one peer's tensors in and out of its rounds. ``before_allreduce``: the caller's hook, run under
+    ``dsgd.lock`` right before a fill reads the tensors (hivemind has no such hook)."""
 
-    def __init__(self, owner: DecentralizedSGD, supervisor: AveragerSupervisor, book: RoundBook):
-        self.owner, self.supervisor, self.book = owner, supervisor, book
+    def __init__(self, settings: RoundSettings, trainer: TrainerState, tensors: AveragedTensors, book: RoundBook,
+                 supervisor: AveragerSupervisor, vetting: RoundVetting, counters: dict[str, float],
+                 before_allreduce: Callable[[], None] | None = None):  # fmt: skip
+        self.settings, self.trainer, self.tensors, self.book = settings, trainer, tensors, book
+        self.supervisor, self.vetting, self.counters = supervisor, vetting, counters
+        self.before_allreduce = before_allreduce
 
     # --- scheduler thread ---
     def fill_and_trigger(self, r: Round) -> bool:
@@ -59,20 +65,20 @@ class RoundExchange:
         the copy is done, so what hivemind does first (our trigger reaching its process, its load balancing) runs
         while we copy. False if the round could not be filled now (the trainer holds its lock: the next tick tries
         again)."""
-        owner = self.owner
-        with self.supervisor.averager.buffers(owner.averager_timeout) as buffers:
-            if not owner.lock.acquire(timeout=LOCK_POLL_S):
+        trainer = self.trainer
+        with self.supervisor.averager.buffers(self.settings.averager_timeout) as buffers:
+            if not trainer.lock.acquire(timeout=LOCK_POLL_S):
                 return False
             started, filled = time.perf_counter(), False
             try:
-                if owner.before_allreduce is not None:
-                    owner.before_allreduce()
+                if self.before_allreduce is not None:
+                    self.before_allreduce()
                 with self.book.lock:
                     pending = [o.slot for o in self.book.rounds if o.state is S.DONE]
                     slot = self.book.slots.take()
                 try:
                     to_add, included = self._read_snapshot(slot, r, pending)
-                    step, samples = owner.local_step, owner.take_samples_since_fill()
+                    step, samples = trainer.local_step, trainer.take_samples_since_fill()
                     with self.book.lock:
                         filled = r.fill(step, samples, slot, included)
                 finally:
@@ -80,7 +86,7 @@ class RoundExchange:
                         with self.book.lock:
                             self.book.slots.give_back(slot)
             finally:
-                owner.lock.release()
+                trainer.lock.release()
             if not filled:
                 return False
             locked = time.perf_counter() - started
@@ -89,6 +95,17 @@ class RoundExchange:
             self.trigger(r, buffers)
         self._count_fill(r, locked, time.perf_counter() - started)
         return True
+
+    def early_snapshot(self) -> tuple[list[torch.Tensor], int] | None:
+        """Scheduler thread, ``refresh_before_allreduce=False`` (the old design's snapshot, taken when matchmaking
+        starts): host copies of the tensors and the step they hold; None if the trainer held its lock meanwhile."""
+        if not self.trainer.lock.acquire(timeout=LOCK_POLL_S):
+            return None
+        try:
+            copies = [t.detach().to("cpu", torch.float32, copy=True) for t in self.tensors.local()]
+            return copies, self.trainer.local_step
+        finally:
+            self.trainer.lock.release()
 
     def _read_snapshot(self, slot: list[torch.Tensor], r: Round, pending: list[list[torch.Tensor]]
                        ) -> tuple[list[list[torch.Tensor]], int]:  # fmt: skip
@@ -99,16 +116,16 @@ class RoundExchange:
         if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
             staging.write_(r.early_snapshot)
             return [], 0
-        if pending and not self.owner.delta_rule:  # overwriting: the params will be the newest pending average
+        if pending and not self.settings.delta_rule:  # overwriting: the params will be the newest pending average
             staging.write_(pending[-1])
             return [], len(pending)
-        staging.download_(self.owner.averaged_tensors.local())  # from a GPU: one wait, in this thread (staging)
+        staging.download_(self.tensors.local())  # from a GPU: one wait, in this thread (staging)
         return pending, len(pending)
 
     def _count_fill(self, r: Round, locked_s: float, seconds: float) -> None:
         """What the fill cost: ``fill_locked_s`` is how long it held dsgd.lock (all a trainer can wait for),
         ``fill_s`` the whole fill and trigger; ``fill_ms`` in the round's record."""
-        counters = self.owner.counters
+        counters = self.counters
         counters["fills"] += 1
         counters["fill_s"] += seconds
         counters["fill_locked_s"] += locked_s
@@ -120,11 +137,11 @@ class RoundExchange:
         if r.control.done():  # the group broke up meanwhile
             fail_from_control(r, self.book)
             return
-        finite = self.owner.averaged_tensors.all_finite(r.slot)  # checked on the host copies: no GPU syncs
+        finite = self.tensors.all_finite(r.slot)  # checked on the host copies: no GPU syncs
         if not finite:  # contribute zeros with weight 0 rather than poison the group
             logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
             torch._foreach_zero_(r.slot)
-        weight = float(max(r.samples, 1) if self.owner.weight_by_samples else 1) if finite else 0.0
+        weight = float(max(r.samples, 1) if self.settings.weight_by_samples else 1) if finite else 0.0
         with self.book.lock:
             triggered = r.trigger(weight, local_nonfinite=not finite)
         if triggered:
@@ -139,7 +156,7 @@ class RoundExchange:
             with self.book.lock:
                 r.fail(repr(e))
             return
-        vetting = self.owner.vetting
+        vetting, delta_rule = self.vetting, self.settings.delta_rule
         judgement = vetting.judge(r, gathered)  # logged and counted; asks for a heal if we are refused
         group = judgement.group
         if r.local_nonfinite or r.stale:
@@ -151,15 +168,15 @@ class RoundExchange:
                 r.discard(judgement.refusal, group)
             return
         refusal = None
-        with self.supervisor.averager.buffers(self.owner.averager_timeout) as buffers:
+        with self.supervisor.averager.buffers(self.settings.averager_timeout) as buffers:
             reference = vetting.reference_of(buffers)
-            if self.owner.delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
+            if delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
                 averaged_minus_(r.slot, buffers)  # iff the average is)
             else:
                 copy_(r.slot, buffers)
-            norm = self.owner.averaged_tensors.norm(r.slot)
+            norm = self.tensors.norm(r.slot)
             finite = math.isfinite(norm)
-            if finite and self.owner.delta_rule:
+            if finite and delta_rule:
                 refusal = vetting.check_update(r, judgement, norm)
             if finite and refusal is None:  # before DONE: the trainer may apply it right after
                 vetting.accepted(r, reference, norm)
@@ -182,22 +199,22 @@ class RoundExchange:
             finished = [r for r in book.rounds if r.state is S.DONE]
         if not finished:
             return []
-        started, local = time.perf_counter(), self.owner.averaged_tensors.local()
+        started, local = time.perf_counter(), self.tensors.local()
         with torch.no_grad():
             for r in finished:  # host → device without waiting on a GPU (see staging)
                 staging = book.slots.staging(r.slot)
-                (staging.add_to_ if self.owner.delta_rule else staging.copy_to_)(local)
+                (staging.add_to_ if self.settings.delta_rule else staging.copy_to_)(local)
         self._count_apply(finished, time.perf_counter() - started)
         with book.lock:
             for r in finished:
                 r.apply()
-            book.retire(self.owner.local_step, self.owner.peer)
+            book.retire(self.trainer.local_step)
         return finished
 
     def _count_apply(self, finished: list[Round], seconds: float) -> None:
         """What the apply cost the trainer's thread (on a GPU: queueing the copies and adds, not waiting for them);
         ``apply_ms`` in each applied round's record."""
-        counters = self.owner.counters
+        counters = self.counters
         counters["applies"] += 1
         counters["apply_s"] += seconds
         for r in finished:

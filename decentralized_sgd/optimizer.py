@@ -24,20 +24,24 @@ import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from . import state_transfer, vetting
+from . import vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
+from .dht_rejoin import rejoin_count
+from .exchange import RoundExchange
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .rounds import RoundBook
-from .rounds import RoundState as S
 from .scheduler import RoundScheduler
-from .secret import SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
+from .secret import MembershipCheck, SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
+from .settings import RoundSettings
 from .staging import FlatStaging, StagingCache, StepBoundaryMarks
 from .starvation import STARVATION_COUNTS, StarvationMonitor
+from .state_transfer import StateTransfer
 from .step_clock import StepClock
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors, ResultSlots
-from .vetting import RoundVetting
+from .trainer_state import TrainerState
+from .vetting import GroupChecks, RoundVetting
 
 logger = logging.getLogger(__name__)
 
@@ -140,63 +144,81 @@ class DecentralizedSGD(TorchOptimizerFacade):
     ):
         assert "." not in prefix, "prefix may not contain '.'"
         self.optimizer, self.dht, self.model = optimizer, dht, model
-        self.min_matchmaking_time, self.next_chunk_timeout = min_matchmaking_time, next_chunk_timeout
-        self.allreduce_timeout, self.averager_timeout = allreduce_timeout, averager_timeout
+        self.settings = RoundSettings(
+            min_matchmaking_time=min_matchmaking_time, next_chunk_timeout=next_chunk_timeout,
+            allreduce_timeout=allreduce_timeout, averager_timeout=averager_timeout,
+            boundary_wait_share=boundary_wait_share, weight_by_samples=weight_by_samples, delta_rule=delta_rule,
+            refresh_before_allreduce=refresh_before_allreduce, pipeline=pipeline, fill_when_formed=fill_when_formed,
+        )  # fmt: skip
         self.max_staleness, self.staleness_timeout = max_staleness, staleness_timeout
-        self.weight_by_samples, self.delta_rule = weight_by_samples, delta_rule
-        self.refresh_before_allreduce, self.pipeline = refresh_before_allreduce, pipeline
-        self.fill_when_formed = fill_when_formed  # False: the ablation of issue 11, see scheduler
-        if not 0.0 <= boundary_wait_share < 1.0:
-            raise ValueError(f"boundary_wait_share must be in [0, 1) (a share of an AllReduce's time; 0: never wait "
-                             f"for a step boundary before a fill), got {boundary_wait_share}")
-        self.boundary_wait_share = boundary_wait_share  # see scheduler, step 2
         self.slow_peer_fixes = slow_peer_fixes  # False: hivemind's behaviour with a slow groupmate (an ablation)
-        self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
-        self.starvation: StarvationMonitor | None = None  # started with the averager (if slow_peer_fixes)
-        self.get_extra_state = get_extra_state
-        self.before_allreduce = before_allreduce  # hivemind has no such hook: run right before the buffers are filled
-
-        self.lock = threading.RLock()  # guards local params/optimizer: trainer step vs. filling vs. serving state
+        self.trainer = TrainerState()
+        self.lock = self.trainer.lock  # the contract: change the parameters only while holding it
         # SSP waits on it: Condition.wait releases self.lock entirely, also the holds of a caller that calls
         # on_step_end inside ``with dsgd.lock:`` (the README's contract), so the scheduler can fill meanwhile
         self._round_applied = threading.Condition(self.lock)
-        self.local_step = self.samples = 0
-        self.boundaries = 0  # step boundaries passed: one per step, and one per poll while waiting for SSP
-        self.step_clock = StepClock()  # when the trainer's next step boundary is due (see scheduler, step 2)
-        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # every part adds to these
         self.peer = str(dht.peer_id)
-        self._last_sync_step = self._samples_since_fill = 0
         self._closed = False
 
+        # what is averaged, and the host copies of it (one flat buffer per device, pinned for a GPU: see staging)
         self.averaged_tensors = AveragedTensors(optimizer, model, average_buffers=average_buffers,
                                                 average_optimizer_state=average_optimizer_state)  # fmt: skip
         run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
         self.prefix = keyed_prefix(run, swarm_secret)  # with a secret, its keyed hash: see secret
         if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
             dht.add_validators([SwarmSecretValidator(swarm_secret, exempt_keys=[members_key(run)])])
-        self.vetting = RoundVetting(self, run, swarm_secret, no_group_patience=no_group_patience)
-        # host copies of the tensors, one flat buffer per device (pinned for a GPU): see staging
         self.boundary_marks = StepBoundaryMarks([*self.averaged_tensors.local(), *(model.buffers() if model else ())])
-        self.state_staging = StagingCache(self.boundary_marks)  # serving our state, and downloading a donor's
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
-        self.round_book = RoundBook(self.counters, slots, records_path, verbose)
+        self.round_book = RoundBook(self.counters, slots, records_path, verbose, self.peer)
         self.records: list[dict] = self.round_book.records
+        self.state_transfer = StateTransfer(optimizer, model, self.averaged_tensors, self.trainer,
+                                            StagingCache(self.boundary_marks), self.boundary_marks, self.round_book,
+                                            get_extra_state)  # fmt: skip
+
+        # the averager process, and the parts that drive it
+        self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
+        checks = GroupChecks.for_tensors(self.averaged_tensors, seed=self.prefix)
         averager_kwargs = dict(
             prefix=self.prefix, target_group_size=target_group_size, min_group_size=min_group_size,
             min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
-            compression=make_compression(compression), client_mode=client_mode, state_fn=self._serve_state,
+            compression=make_compression(compression), client_mode=client_mode, state_fn=self.state_transfer.serve,
             trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
             shutdown_timeout=AVERAGER_SHUTDOWN_S, slow_peer_fixes=slow_peer_fixes,
-            slow_peer_counts=self.slow_peer_counts, summary_size=self.vetting.sketch.size, secret=swarm_secret,
-            rule=self.vetting.rule, refusals=self.vetting.refusals,
+            slow_peer_counts=self.slow_peer_counts, summary_size=checks.sketch.size, secret=swarm_secret,
+            rule=checks.rule, refusals=checks.refusals,
         )  # fmt: skip
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
         )
-        self._scheduler = RoundScheduler(self, self._supervisor, self.round_book)
+        self.vetting = RoundVetting(checks, self.trainer, self.averaged_tensors, self.round_book, self._supervisor,
+                                    self.state_transfer, self.counters, dht.peer_id, swarm_secret,
+                                    MembershipCheck(dht, run, swarm_secret, patience=no_group_patience),
+                                    heal_timeout=allreduce_timeout)  # fmt: skip
+        self.exchange = RoundExchange(self.settings, self.trainer, self.averaged_tensors, self.round_book,
+                                      self._supervisor, self.vetting, self.counters, before_allreduce)  # fmt: skip
+        # the starvation monitor samples from start() on; the scheduler asks it before it starts a round
+        self.starvation = StarvationMonitor(start=False) if slow_peer_fixes else None
+        counts = [lambda: {"dht_rejoins": rejoin_count(dht)}, self.slow_peer_counts.as_dict,
+                  *([self.starvation.counts] if self.starvation is not None else [])]  # fmt: skip
+        self._scheduler = RoundScheduler(self.settings, self.trainer, self.round_book, self._supervisor,
+                                         self.exchange, self.vetting, self.counters, starvation=self.starvation,
+                                         counts=counts)  # fmt: skip
         if start:
             self.start()
+
+    @property
+    def local_step(self) -> int:
+        return self.trainer.local_step
+
+    @property
+    def samples(self) -> int:
+        return self.trainer.samples
+
+    @property
+    def step_clock(self) -> StepClock:
+        return self.trainer.clock
 
     @property
     def peer_id(self) -> PeerID:
@@ -216,9 +238,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _start_slow_peer_fixes(self) -> None:
         """The parts of the slow-peer fixes outside the averager process: the slow-reply blacklist in our DHT (once
         per DHT), and the starvation monitor that the scheduler asks before it starts a round."""
-        if self.slow_peer_fixes:
-            install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.averager_timeout)
-            self.starvation = StarvationMonitor()
+        if self.starvation is not None:
+            install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.settings.averager_timeout)
+            self.starvation.start()
 
     # --- the trainer's side ---
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
@@ -244,11 +266,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _step_boundary(self, batch_size: int | None) -> int:
         """Trainer thread, holding self.lock: count the step and apply finished rounds; returns how many applied."""
         t0 = time.perf_counter()
-        self.local_step += 1
-        self.samples += batch_size or 1
-        self._samples_since_fill += batch_size or 1
-        self.boundaries += 1
-        self.step_clock.tick()
+        self.trainer.count_step(batch_size)
         applied = self._apply_finished_rounds()
         self.boundary_marks.record()  # a fill copies this boundary's values (see staging)
         self._scheduler.wake()
@@ -258,23 +276,18 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _apply_finished_rounds(self) -> int:
         """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds (``exchange``).
         Returns how many it applied."""
-        finished = [] if self._closed else self._scheduler.exchange.apply_finished()
+        finished = [] if self._closed else self.exchange.apply_finished()
         if not finished:
             return 0
         self.vetting.applied(finished)  # their averages are our reference now (see vetting)
-        self._last_sync_step = self.local_step
+        self.trainer.synced()
         if not self.averager.client_mode:  # let late joiners prefer the most trained peer
             self.averager.state_sharing_priority = float(self.local_step)
         return len(finished)
 
-    def take_samples_since_fill(self) -> int:
-        """Scheduler thread, holding self.lock: the samples seen since the previous fill (weight_by_samples)."""
-        samples, self._samples_since_fill = self._samples_since_fill, 0
-        return samples
-
     def _enforce_staleness_bound(self) -> int:
         """SSP, if asked for: returns how many rounds were applied while waiting."""
-        if self.max_staleness is not None and self.local_step - self._last_sync_step > self.max_staleness:
+        if self.max_staleness is not None and self.trainer.steps_since_sync > self.max_staleness:
             return self._wait_for_round()
         return 0
 
@@ -285,17 +298,17 @@ class DecentralizedSGD(TorchOptimizerFacade):
         t0, applied = time.monotonic(), 0
         self.counters["ssp_waits"] += 1
         with self._round_applied:
-            while self.local_step - self._last_sync_step > self.max_staleness and not self._closed:
+            while self.trainer.steps_since_sync > self.max_staleness and not self._closed:
                 if time.monotonic() - t0 > self.staleness_timeout:
                     logger.warning(
-                        f"SSP: no round applied for {self.local_step - self._last_sync_step} steps and "
+                        f"SSP: no round applied for {self.trainer.steps_since_sync} steps and "
                         f"{self.staleness_timeout}s, continuing without averaging"
                     )
                     self.counters["ssp_timeouts"] += 1
-                    self._last_sync_step = self.local_step
+                    self.trainer.synced()
                     break
                 self._round_applied.wait(0.01)
-                self.boundaries += 1
+                self.trainer.count_wait()
                 applied += self._apply_finished_rounds()
                 self.boundary_marks.record()
                 self._scheduler.wake()
@@ -311,11 +324,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     def in_flight_rounds(self) -> list[dict]:
         """Records (``applied=False``, ``state``: where the round is) of the rounds not resolved yet, oldest first."""
-        return self.round_book.in_flight(self.peer)
+        return self.round_book.in_flight()
 
     # --- state transfer ---
-    def _serve_state(self) -> tuple[dict, list[torch.Tensor], None]:
-        return state_transfer.current_state(self)
 
     def load_state_from_peers(
         self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None
@@ -326,13 +337,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
         or ``accept(extra_state)`` said no (e.g. the donor is not ahead of our checkpoint): then nothing changes.
         The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
         """
-        return state_transfer.load_state_from_peers(self, self.allreduce_timeout if timeout is None else timeout,
-                                                    accept)  # fmt: skip
-
-    def took_over_state(self, local_step: int, samples: int) -> None:
-        """Holding self.lock, after a donor's state replaced ours: continue its step count."""
-        self.local_step = self._last_sync_step = local_step
-        self.samples = samples
+        return self.state_transfer.load(self.averager, self.settings.allreduce_timeout if timeout is None else timeout,
+                                        accept)  # fmt: skip
 
     # --- lifecycle ---
     def shutdown(self) -> None:
@@ -341,13 +347,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             return
         self._closed = True
         self._scheduler.stop(timeout=SCHEDULER_JOIN_S)
-        with self.round_book.lock:  # not recorded: the run is over
-            for r in self.round_book.rounds:
-                if r.state is S.TRIGGERED:
-                    r.fail("shut down")  # hivemind may still finish it: its buffers are never read again
-                elif not r.state.resolved and r.state is not S.DONE:
-                    r.cancel("shut down")
-            self.round_book.rounds.clear()
+        self.round_book.close("shut down")
         self._supervisor.shutdown()
         if self.starvation is not None:
             self.starvation.stop()

@@ -226,16 +226,19 @@ class RoundBook:
     """The rounds in flight (oldest first, at most ``ResultSlots.count``) and the records of resolved ones.
 
     ``lock`` guards every round's state and the list. A resolved round leaves the list once every older round has
-    (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path)."""
+    (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path).
+    The transitions of several rounds at once are here too, each taking ``lock`` itself."""
 
-    def __init__(self, counters: dict[str, float], slots: ResultSlots, records_path: str | None, verbose: bool):
+    def __init__(self, counters: dict[str, float], slots: ResultSlots, records_path: str | None, verbose: bool,
+                 peer: str):  # fmt: skip
         self.lock = threading.Lock()
         self.rounds: list[Round] = []
         self.records: list[dict] = []
         self.counters, self.slots, self.records_path, self.verbose = counters, slots, records_path, verbose
+        self.peer = peer  # in every record
         self.num_started = 0
 
-    def retire(self, step: int, peer: str) -> list[Round]:
+    def retire(self, step: int) -> list[Round]:
         """With ``lock`` held (trainer or scheduler thread): record the resolved rounds at the head of the list."""
         retired = []
         while self.rounds and self.rounds[0].state.resolved:
@@ -245,7 +248,7 @@ class RoundBook:
                 r.slot = None
             r.early_snapshot = None
             self._count(r)
-            record = r.record(step, peer)
+            record = r.record(step, self.peer)
             self.records.append(record)
             if self.records_path is not None:
                 with open(self.records_path, "a") as f:
@@ -265,6 +268,44 @@ class RoundBook:
         if key is not None:
             self.counters[key] += 1
 
-    def in_flight(self, peer: str) -> list[dict]:
+    def in_flight(self) -> list[dict]:
         with self.lock:
-            return [r.record(None, peer) for r in self.rounds]
+            return [r.record(None, self.peer) for r in self.rounds]
+
+    # --- transitions of several rounds (each takes lock) ---
+    def cancel_untriggered(self, reason: str, states: tuple[RoundState, ...] = (S.LOOKING, S.FORMED, S.FILLED)
+                           ) -> int:  # fmt: skip
+        """The rounds in ``states`` (none triggered) → CANCELLED. Scheduler thread (starved of CPU: LOOKING only) or
+        trainer thread (healing: hivemind owns the triggered ones, whose results are then discarded as stale).
+        Returns how many."""
+        with self.lock:
+            return sum(r.cancel(reason) for r in self.rounds if r.state in states)
+
+    def fail_in_flight(self, reason: str) -> int:
+        """Every round not resolved and not DONE → FAILED. Scheduler thread: the averager process failed (a DONE
+        result lives in its slot and is still applied). Returns how many."""
+        with self.lock:
+            return sum(r.fail(reason) for r in self.rounds if not r.state.resolved and r.state is not S.DONE)
+
+    def state_reloaded(self, step: int) -> None:
+        """A donor's state replaced the parameters (thread holding ``dsgd.lock``): a waiting update is discarded now,
+        a round whose values went in is marked stale (discarded when it ends); the resolved ones are recorded."""
+        with self.lock:
+            for r in self.rounds:
+                if r.state is S.DONE:
+                    r.discard("state reloaded since snapshot")
+                elif r.state in (S.FILLED, S.TRIGGERED):
+                    r.stale = True
+            self.retire(step)
+
+    def close(self, reason: str) -> None:
+        """The thread that shuts the optimizer down, once the scheduler stopped: a triggered round → FAILED (hivemind
+        may still finish it; its buffers are never read again), the others in flight → CANCELLED; none recorded (the
+        run is over)."""
+        with self.lock:
+            for r in self.rounds:
+                if r.state is S.TRIGGERED:
+                    r.fail(reason)
+                elif not r.state.resolved and r.state is not S.DONE:
+                    r.cancel(reason)
+            self.rounds.clear()

@@ -47,22 +47,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from .dht_rejoin import rejoin_count
-from .exchange import LOCK_POLL_S, RoundExchange, fail_from_control
+from .exchange import RoundExchange, fail_from_control
 from .hivemind_fixes import AveragerUnresponsive, cancel_step_first
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
+from .settings import RoundSettings
+from .starvation import StarvationMonitor
 from .supervisor import AveragerSupervisor
 from .tensors import ResultSlots
-
-if TYPE_CHECKING:
-    from .optimizer import DecentralizedSGD
+from .trainer_state import TrainerState
+from .vetting import RoundVetting
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +73,22 @@ _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLRED
 
 
 class RoundScheduler(threading.Thread):
-    """Runs the rounds of one DecentralizedSGD (whose settings it reads) in a daemon thread."""
+    """Runs one peer's rounds in a daemon thread. It is handed the parts it drives: the round book, the averager's
+    supervisor, the exchange (the rounds' tensor work), the vetting (payloads and verdicts), the trainer's counts,
+    the starvation monitor (None: never starved), and ``counts``: sources of counters it copies every tick."""
 
-    def __init__(self, owner: DecentralizedSGD, supervisor: AveragerSupervisor, book: RoundBook):
+    def __init__(self, settings: RoundSettings, trainer: TrainerState, book: RoundBook, supervisor: AveragerSupervisor,
+                 exchange: RoundExchange, vetting: RoundVetting, counters: dict[str, float], *,
+                 starvation: StarvationMonitor | None = None,
+                 counts: Sequence[Callable[[], Mapping[str, float]]] = ()):  # fmt: skip
         super().__init__(name="dsgd-scheduler", daemon=True)
-        self.owner, self.supervisor, self.book = owner, supervisor, book
+        self.settings, self.trainer, self.book, self.supervisor = settings, trainer, book, supervisor
+        self.exchange, self.vetting, self.counters = exchange, vetting, counters
+        self.starvation, self.counts = starvation, counts
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._boundary_at_last_start = self._failures_seen = 0
         self._allreduce_ema: float | None = None
         self._errors_seen: set[str] = set()
-        self.exchange = RoundExchange(owner, supervisor, book)  # the rounds' tensor work (fill, trigger, finish)
 
     def wake(self) -> None:
         self._wake.set()
@@ -97,11 +103,11 @@ class RoundScheduler(threading.Thread):
     def gather_payload(self) -> Any:
         """What this peer sends its groupmates with hivemind's gather (our weight summary and member token, see
         ``vetting``); None: start no round now (the next tick asks again)."""
-        return self.owner.vetting.payload()
+        return self.vetting.payload()
 
     def accept_group(self, r: Round) -> bool:
         """Called once the group formed; False cancels the round before anything is filled."""
-        return self.owner.vetting.accept_group(r)
+        return self.vetting.accept_group(r)
 
     # --- the loop ---
     def run(self) -> None:
@@ -109,7 +115,7 @@ class RoundScheduler(threading.Thread):
             self._wake.wait(TICK_S)
             self._wake.clear()
             try:
-                self._tick()
+                self.tick()
             except AveragerUnresponsive as e:
                 self.supervisor.failed(str(e))
             except Exception as e:  # a bug: say so loudly once, keep the peer training
@@ -117,15 +123,15 @@ class RoundScheduler(threading.Thread):
                     self._errors_seen.add(repr(e))
                     logger.exception(f"DecentralizedSGD scheduler: unexpected {e!r}; rounds may stall, please report")
 
-    def _tick(self) -> None:
-        owner = self.owner
-        owner.counters["dht_rejoins"] = rejoin_count(owner.dht)
-        self._count_slow_peer_fixes()
-        owner.vetting.on_tick()
+    def tick(self) -> None:
+        """One pass over the rounds (the thread's loop calls it every tick; a unit test may call it itself)."""
+        for source in self.counts:
+            self.counters.update(source())
+        self.vetting.on_tick()
         usable = self.supervisor.check()
         if self.supervisor.failures != self._failures_seen:  # rounds of a failed averager never end by themselves
             self._failures_seen = self.supervisor.failures
-            self._fail_in_flight(f"averager failed: {self.supervisor.last_failure}")
+            self.book.fail_in_flight(f"averager failed: {self.supervisor.last_failure}")
         if usable:
             with self.book.lock:
                 rounds = list(self.book.rounds)
@@ -135,13 +141,7 @@ class RoundScheduler(threading.Thread):
                 self._advance(r, rounds[:i])
             self._maybe_start_round()
         with self.book.lock:
-            self.book.retire(owner.local_step, owner.peer)
-
-    def _fail_in_flight(self, reason: str) -> None:
-        with self.book.lock:
-            for r in self.book.rounds:
-                if not r.state.resolved and r.state is not S.DONE:
-                    r.fail(reason)
+            self.book.retire(self.trainer.local_step)
 
     def _advance(self, r: Round, older: list[Round]) -> None:
         r.observe(self.supervisor.averager.allreduce_stamps)
@@ -152,7 +152,7 @@ class RoundScheduler(threading.Thread):
             elif r.control.stage in _FORMED_STAGES or r.control.began_allreduce:
                 prev_running = bool(older) and not older[-1].control.done()
                 with self.book.lock:
-                    r.form(self.owner.local_step, self.owner.boundaries, prev_running)
+                    r.form(self.trainer.local_step, self.trainer.boundaries, prev_running)
                 if not self.accept_group(r):
                     with self.book.lock:
                         r.cancel("group not accepted")
@@ -162,7 +162,7 @@ class RoundScheduler(threading.Thread):
             elif (overdue := self._fill_overdue(r, older)) is not None:
                 with self.book.lock:  # its groupmates have dropped us by now; triggering would only stall us
                     r.cancel(f"not filled in time: {overdue}")
-                self._boundary_at_last_start = self.owner.boundaries  # maybe stalled: start again after a boundary
+                self._boundary_at_last_start = self.trainer.boundaries  # maybe stalled: start again after a boundary
             elif self._may_fill(r, older):
                 self.exchange.fill_and_trigger(r)
         if r.state is S.TRIGGERED and r.control.done():
@@ -171,7 +171,7 @@ class RoundScheduler(threading.Thread):
     def _check_hivemind_progress(self, r: Round) -> None:
         """hivemind ends matchmaking by the round's deadline and an AllReduce after allreduce_timeout; if it does
         not (a coroutine stuck on a dead peer), the averager is no use any more: treat it as failed."""
-        now, allreduce_limit = time.monotonic(), self.owner.allreduce_timeout + self.owner.averager_timeout
+        now, allreduce_limit = time.monotonic(), self.settings.allreduce_timeout + self.settings.averager_timeout
         if r.state is S.LOOKING and not r.control.done() and now > r.must_form_by:
             raise AveragerUnresponsive(f"did not end the matchmaking of round {r.index} by its deadline")
         if r.state is S.TRIGGERED and not r.control.done() and now - r.triggered_at > allreduce_limit:
@@ -197,39 +197,39 @@ class RoundScheduler(threading.Thread):
             return None
         if r.fillable_at is None:
             r.fillable_at = now
-        if now - r.fillable_at > self.owner.next_chunk_timeout:
-            return f"the trainer held its lock for next_chunk_timeout ({self.owner.next_chunk_timeout}s)"
+        if now - r.fillable_at > self.settings.next_chunk_timeout:
+            return f"the trainer held its lock for next_chunk_timeout ({self.settings.next_chunk_timeout}s)"
         return None
 
     def _may_fill(self, r: Round, older: list[Round]) -> bool:
         older = [o for o in older if not o.state.resolved]
         if self._buffers_busy(older):
             return False
-        if not self.owner.fill_when_formed:  # the old behaviour: the first step boundary after the group formed
-            return not older and self.owner.boundaries > r.boundary_at_formed
+        if not self.settings.fill_when_formed:  # the old behaviour: the first step boundary after the group formed
+            return not older and self.trainer.boundaries > r.boundary_at_formed
         return self.book.slots.free() > 0 and not self._waiting_for_boundary(r)
 
     def _waiting_for_boundary(self, r: Round) -> bool:
         """Step 2's exception: the first time round ``r`` could be filled, wait if the trainer's next boundary is due
         within the budget; then until a boundary passed or the budget is spent. The record keeps the wait
         (``boundary_wait_ms``)."""
-        owner, now = self.owner, time.monotonic()
+        trainer, now = self.trainer, time.monotonic()
         if r.boundary_wait is None:
-            due_in, budget = owner.step_clock.next_due_in(), self._boundary_wait_budget()
+            due_in, budget = trainer.clock.next_due_in(), self._boundary_wait_budget()
             until = now + budget + TICK_S if due_in is not None and due_in <= budget else now
-            r.boundary_wait = (now, until, owner.boundaries)
+            r.boundary_wait = (now, until, trainer.boundaries)
         since, until, boundary = r.boundary_wait
-        if owner.boundaries == boundary and now < until:
+        if trainer.boundaries == boundary and now < until:
             return True
         r.extra.setdefault("boundary_wait_ms", 1000 * (now - since))  # once: a fill retried later did not wait
         return False
 
     def _boundary_wait_budget(self) -> float:
         """How long a fill may wait for a step boundary: a share of an AllReduce (their mean), at most half a step."""
-        step_s = self.owner.step_clock.step_s
+        step_s = self.trainer.clock.step_s
         if self._allreduce_ema is None or step_s is None:
             return 0.0
-        return min(self.owner.boundary_wait_share * self._allreduce_ema, 0.5 * step_s)
+        return min(self.settings.boundary_wait_share * self._allreduce_ema, 0.5 * step_s)
 
     def _finish(self, r: Round) -> None:
         self.exchange.finish(r)
@@ -237,24 +237,15 @@ class RoundScheduler(threading.Thread):
             ema = self._allreduce_ema
             self._allreduce_ema = r.allreduce_s if ema is None else 0.7 * ema + 0.3 * r.allreduce_s
 
-    def _count_slow_peer_fixes(self) -> None:
-        """What the slow-peer fixes did (see hivemind_slow_peer_fixes, starvation), into ``counters``."""
-        self.owner.counters.update(self.owner.slow_peer_counts.as_dict())
-        if self.owner.starvation is not None:
-            self.owner.counters.update(self.owner.starvation.counts())
-
     def _starved(self) -> bool:
         """Starved of CPU (see starvation): True, after cancelling the rounds still looking for a group."""
-        if self.owner.starvation is None or not self.owner.starvation.starved:
+        if self.starvation is None or not self.starvation.starved:
             return False
-        with self.book.lock:
-            for r in self.book.rounds:
-                if r.state is S.LOOKING:
-                    r.cancel("starved of CPU")
+        self.book.cancel_untriggered("starved of CPU", (S.LOOKING,))
         return True
 
     def _maybe_start_round(self) -> None:
-        owner = self.owner
+        settings, trainer = self.settings, self.trainer
         if self._starved():
             return
         with self.book.lock:
@@ -262,28 +253,25 @@ class RoundScheduler(threading.Thread):
         if len(rounds) >= ResultSlots.count:  # one AllReduce and one result waiting for the trainer at most
             return
         latest = rounds[-1] if rounds else None
-        if latest is not None and (latest.state in (S.LOOKING, S.FORMED, S.FILLED) or not owner.pipeline):
+        if latest is not None and (latest.state in (S.LOOKING, S.FORMED, S.FILLED) or not settings.pipeline):
             return  # the next matchmaking starts only once the newest round is triggered
-        boundary = owner.boundaries
+        boundary = trainer.boundaries
         if boundary <= self._boundary_at_last_start:
             return  # no step boundary since the previous round started: the trainer may be stalled
         gather = self.gather_payload()
         if gather is None:
             return  # not now (see gather_payload)
-        delay = owner.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
-        t_start, step, early = time.time(), owner.local_step, None
-        if not owner.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts
-            if not owner.lock.acquire(timeout=LOCK_POLL_S):
+        delay = settings.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
+        t_start, step, early = time.time(), trainer.local_step, None
+        if not settings.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts
+            taken = self.exchange.early_snapshot()
+            if taken is None:
                 return
-            try:
-                early = [t.detach().to("cpu", torch.float32, copy=True) for t in owner.averaged_tensors.local()]
-                step = owner.local_step
-            finally:
-                owner.lock.release()
-        scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * owner.min_matchmaking_time
+            early, step = taken
+        scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * settings.min_matchmaking_time
         control = self.supervisor.averager.start_step(
             scheduled_time=scheduled, deadline=scheduled + slack, gather=gather,
-            timeout=owner.averager_timeout,
+            timeout=settings.averager_timeout,
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:
@@ -291,7 +279,7 @@ class RoundScheduler(threading.Thread):
                 cancel_step_first(control)
                 return
             r = Round(self.book.num_started, control, t_start, step, early)
-            r.must_form_by = time.monotonic() + delay + slack + owner.averager_timeout
+            r.must_form_by = time.monotonic() + delay + slack + settings.averager_timeout
             self.book.rounds.append(r)
             self.book.num_started += 1
         self._boundary_at_last_start = boundary
@@ -304,4 +292,4 @@ class RoundScheduler(threading.Thread):
         if latest.state is S.TRIGGERED and self._allreduce_ema is not None:
             started = latest.allreduce_started_at if latest.allreduce_started_at is not None else time.monotonic()
             remaining = max(self._allreduce_ema - (time.monotonic() - started), 0.0)
-        return max(remaining, min(self.owner.min_matchmaking_time, MIN_PIPELINED_MATCHMAKING))
+        return max(remaining, min(self.settings.min_matchmaking_time, MIN_PIPELINED_MATCHMAKING))

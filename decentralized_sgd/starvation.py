@@ -63,6 +63,10 @@ class StarvationMonitor:
         if start:
             self._start_sampler()
 
+    def start(self) -> None:
+        """Start sampling (if created with ``start=False``); caller's thread."""
+        self._start_sampler()
+
     def _start_sampler(self) -> None:
         """Starts the wake-up sampler process (this file as a script) and the thread that reads it (caller's thread)."""
         try:

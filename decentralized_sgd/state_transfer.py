@@ -19,45 +19,108 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.optim.state_averager import load_optimizer_state
 from hivemind.utils import nested_flatten
 
-from .rounds import RoundState as S
-
-if TYPE_CHECKING:
-    from .optimizer import DecentralizedSGD
+from .averager import Averager
+from .rounds import RoundBook
+from .staging import StagingCache, StepBoundaryMarks
+from .tensors import AveragedTensors
+from .trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
 
 SERVE_LOCK_TIMEOUT_S = 10.0
 
 
-def current_state(owner: DecentralizedSGD) -> tuple[dict, list[torch.Tensor], None]:
-    """hivemind's state-fetching thread: our state as (metadata, tensors, compression infos)."""
-    if not owner.lock.acquire(timeout=SERVE_LOCK_TIMEOUT_S):
-        raise TimeoutError(f"the trainer held its lock for over {SERVE_LOCK_TIMEOUT_S}s; not serving our state now")
-    with contextlib.ExitStack() as staging_held:  # dsgd.lock first, then the staging's, released last
+class StateTransfer:
+    """Serves and loads one peer's training state. It holds what the state is made of (the optimizer, the model's
+    buffers, the averaged tensors, the counts) and where copies go through; the averager to download with is given
+    at each ``load`` (it is replaced when it restarts)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, tensors: AveragedTensors,
+                 trainer: TrainerState, staging: StagingCache, marks: StepBoundaryMarks, book: RoundBook,
+                 get_extra_state: Callable[[], dict] | None):  # fmt: skip
+        self.optimizer, self.model, self.tensors, self.trainer = optimizer, model, tensors, trainer
+        self.staging, self.marks, self.book, self.get_extra_state = staging, marks, book, get_extra_state
+
+    def model_buffers(self) -> list[torch.Tensor]:
+        return list(self.model.buffers()) if self.model is not None else []
+
+    def serve(self) -> tuple[dict, list[torch.Tensor], None]:
+        """hivemind's state-fetching thread: our state as (metadata, tensors, compression infos)."""
+        trainer = self.trainer
+        if not trainer.lock.acquire(timeout=SERVE_LOCK_TIMEOUT_S):
+            raise TimeoutError(f"the trainer held its lock for over {SERVE_LOCK_TIMEOUT_S}s; not serving our state "
+                               "now")  # fmt: skip
+        with contextlib.ExitStack() as staging_held:  # dsgd.lock first, then the staging's, released last
+            try:
+                opt_metadata, opt_tensors = optimizer_state(self.optimizer)
+                params, buffers = self.tensors.params, self.model_buffers()
+                served = [*params, *buffers, *opt_tensors]
+                staging_held.enter_context(self.staging.lock)
+                staging = self.staging.for_layout(served)
+                with torch.no_grad():
+                    staging.download_(served)
+                metadata = dict(
+                    local_step=trainer.local_step, samples=trainer.samples, num_params=len(params),
+                    num_buffers=len(buffers), optimizer=opt_metadata,
+                    extra_state=self.get_extra_state() if self.get_extra_state else {},
+                )  # fmt: skip
+            finally:
+                trainer.lock.release()
+            # hivemind sends what we return (moving it to shared memory): copies, made while the trainer goes on
+            tensors = [torch.empty_like(t, device="cpu").copy_(view)
+                       for t, view in zip(served, staging.views, strict=True)]  # fmt: skip
+        return metadata, tensors, None
+
+    def load(self, averager: Averager, timeout: float, accept: Callable[[dict], bool] | None) -> dict | None:
+        """Trainer thread: download a donor's state with ``averager`` and take it over; see
+        DecentralizedSGD.load_state_from_peers."""
         try:
-            opt_metadata, opt_tensors = optimizer_state(owner.optimizer)
-            params, buffers = owner.averaged_tensors.params, model_buffers(owner)
-            served = [*params, *buffers, *opt_tensors]
-            staging_held.enter_context(owner.state_staging.lock)
-            staging = owner.state_staging.for_layout(served)
-            with torch.no_grad():
-                staging.download_(served)
-            metadata = dict(
-                local_step=owner.local_step, samples=owner.samples, num_params=len(params),
-                num_buffers=len(buffers), optimizer=opt_metadata,
-                extra_state=owner.get_extra_state() if owner.get_extra_state else {},
-            )  # fmt: skip
-        finally:
-            owner.lock.release()
-        # hivemind sends what we return (moving it to shared memory): copies, made while the trainer goes on
-        tensors = [torch.empty_like(t, device="cpu").copy_(view) for t, view in zip(served, staging.views, strict=True)]
-    return metadata, tensors, None
+            loaded = averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            loaded = None
+        if loaded is None:
+            logger.info("load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
+                        "README, Behind NAT)")
+            return None
+        metadata, tensors = loaded
+        num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]
+        own_params, own_buffers = self.tensors.params, self.model_buffers()
+        params, buffers = tensors[:num_params], tensors[num_params : num_params + num_buffers]
+        if [p.shape for p in params] != [p.shape for p in own_params] or (
+            [b.shape for b in buffers] != [b.shape for b in own_buffers]
+        ):
+            logger.warning("load_state_from_peers: the peer's model does not match ours, ignoring its state")
+            return None
+        extra_state = metadata.get("extra_state") or {}
+        if accept is not None and not accept(extra_state):
+            logger.info("load_state_from_peers: keeping our own state (the peer's was not accepted)")
+            return None
+        with self.trainer.lock, torch.no_grad():
+            opt_metadata, opt_tensors = metadata["optimizer"], tensors[num_params + num_buffers :]
+            if not any(self.optimizer.state.values()):
+                self.tensors.init_optimizer_state()  # the peer's momentum etc. needs a place to go
+            if len(opt_metadata) == len(list(nested_flatten(self.optimizer.state_dict()))):
+                load_optimizer_state(self.optimizer, opt_metadata, opt_tensors)
+            else:
+                logger.warning("load_state_from_peers: optimizer state layout differs, keeping local optimizer state")
+            self._take_over_model_tensors([*own_params, *own_buffers], [*params, *buffers])
+            self.trainer.took_over(int(metadata["local_step"]), int(metadata["samples"]))
+            self.book.state_reloaded(self.trainer.local_step)
+        return extra_state
+
+    def _take_over_model_tensors(self, targets: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
+        """Trainer thread, holding dsgd.lock: ``targets ← loaded`` through the served state's staging (to a GPU: one
+        non-blocking copy per device, which the trainer's stream waits for), then a new step-boundary mark."""
+        with self.staging.lock:
+            staging = self.staging.for_layout([*targets, *optimizer_state(self.optimizer)[1]])
+            staging.write_(loaded)
+            staging.copy_to_(targets)
+        self.marks.record()
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[torch.Tensor]]:
@@ -71,67 +134,3 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[
         else:
             metadata.append(dict(type="value", value=value))
     return metadata, tensors
-
-
-def model_buffers(owner: DecentralizedSGD) -> list[torch.Tensor]:
-    return list(owner.model.buffers()) if owner.model is not None else []
-
-
-def load_state_from_peers(owner: DecentralizedSGD, timeout: float, accept: Callable[[dict], bool] | None
-                          ) -> dict | None:  # fmt: skip
-    """Trainer thread: download a donor's state and take it over; see DecentralizedSGD.load_state_from_peers."""
-    try:
-        loaded = owner.averager.load_state_from_peers(timeout=timeout)
-    except TimeoutError:
-        loaded = None
-    if loaded is None:
-        logger.info("load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
-                    "README, Behind NAT)")
-        return None
-    metadata, tensors = loaded
-    num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]
-    own_params, own_buffers = owner.averaged_tensors.params, model_buffers(owner)
-    params, buffers = tensors[:num_params], tensors[num_params : num_params + num_buffers]
-    if [p.shape for p in params] != [p.shape for p in own_params] or (
-        [b.shape for b in buffers] != [b.shape for b in own_buffers]
-    ):
-        logger.warning("load_state_from_peers: the peer's model does not match ours, ignoring its state")
-        return None
-    extra_state = metadata.get("extra_state") or {}
-    if accept is not None and not accept(extra_state):
-        logger.info("load_state_from_peers: keeping our own state (the peer's was not accepted)")
-        return None
-    with owner.lock, torch.no_grad():
-        opt_metadata, opt_tensors = metadata["optimizer"], tensors[num_params + num_buffers :]
-        if not any(owner.optimizer.state.values()):
-            owner.averaged_tensors.init_optimizer_state()  # the peer's momentum etc. needs a place to go
-        if len(opt_metadata) == len(list(nested_flatten(owner.optimizer.state_dict()))):
-            load_optimizer_state(owner.optimizer, opt_metadata, opt_tensors)
-        else:
-            logger.warning("load_state_from_peers: optimizer state layout differs, keeping local optimizer state")
-        _take_over_model_tensors(owner, [*own_params, *own_buffers], [*params, *buffers])
-        owner.took_over_state(int(metadata["local_step"]), int(metadata["samples"]))
-        _mark_rounds_stale(owner)
-    return extra_state
-
-
-def _take_over_model_tensors(owner: DecentralizedSGD, targets: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
-    """Trainer thread, holding dsgd.lock: ``targets ← loaded`` through the served state's staging (to a GPU: one
-    non-blocking copy per device, which the trainer's stream waits for), then a new step-boundary mark."""
-    with owner.state_staging.lock:
-        staging = owner.state_staging.for_layout([*targets, *optimizer_state(owner.optimizer)[1]])
-        staging.write_(loaded)
-        staging.copy_to_(targets)
-    owner.boundary_marks.record()
-
-
-def _mark_rounds_stale(owner: DecentralizedSGD) -> None:
-    """Holding dsgd.lock: a waiting update is dropped now, a round in the AllReduce when it ends."""
-    book = owner.round_book
-    with book.lock:
-        for r in book.rounds:
-            if r.state is S.DONE:
-                r.discard("state reloaded since snapshot")
-            elif r.state in (S.FILLED, S.TRIGGERED):
-                r.stale = True
-        book.retire(owner.local_step, owner.peer)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,12 +37,12 @@ from hivemind.p2p import PeerID
 
 from .guard import JoinRefusals, group_verdict, member_test
 from .outliers import OutlierRule, Summary, UpdateCheck, WeightSketch, expected_update_norm
-from .rounds import Round
-from .rounds import RoundState as S
+from .rounds import Round, RoundBook
 from .secret import MembershipCheck, SwarmSecret
-
-if TYPE_CHECKING:
-    from .optimizer import DecentralizedSGD
+from .state_transfer import StateTransfer
+from .supervisor import AveragerSupervisor
+from .tensors import AveragedTensors
+from .trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +70,37 @@ def _token(payload: Any) -> object:
     return payload.get("token") if isinstance(payload, dict) else None
 
 
-class RoundVetting:
-    """One DecentralizedSGD's summaries, verdicts, update check, heal and membership check. ``run``: the averaging
-    prefix without the secret's keyed hash (the key of the membership check, shared by every secret)."""
+@dataclass(frozen=True)
+class GroupChecks:
+    """What our averager process needs too (it judges each group before its AllReduce, see ``guard``): built before
+    it, so that the averager and ``RoundVetting`` share them."""
 
-    def __init__(self, owner: DecentralizedSGD, run: str, secret: SwarmSecret | None, *,
-                 no_group_patience: float = 60.0, rule: OutlierRule | None = None,
+    sketch: WeightSketch
+    rule: OutlierRule
+    refusals: JoinRefusals  # counted by every averager process this peer starts
+
+    @classmethod
+    def for_tensors(cls, tensors: AveragedTensors, seed: str) -> GroupChecks:
+        return cls(WeightSketch([t.numel() for t in tensors.local()], seed=seed), OutlierRule(), JoinRefusals())
+
+
+class RoundVetting:
+    """One peer's summaries, verdicts, update check, heal and membership check. ``run``: the averaging prefix without
+    the secret's keyed hash (the key of the membership check, shared by every secret). It is handed the parts it
+    works with: the trainer's state and tensors, the round book, the averager's supervisor and the state transfer
+    (the heal), the membership check."""
+
+    def __init__(self, checks: GroupChecks, trainer: TrainerState, tensors: AveragedTensors, book: RoundBook,
+                 supervisor: AveragerSupervisor, state: StateTransfer, counters: dict[str, float], peer_id: PeerID,
+                 secret: SwarmSecret | None, membership: MembershipCheck | None, *, heal_timeout: float,
                  update_check: UpdateCheck | None = None):  # fmt: skip
-        self.owner, self.secret = owner, secret
-        self.rule, self.update_check = rule or OutlierRule(), update_check or UpdateCheck()
-        self.sketch = WeightSketch([t.numel() for t in owner.averaged_tensors.local()], seed=owner.prefix)
-        self.refusals = JoinRefusals()  # counted by every averager process this peer starts
-        self.membership = MembershipCheck(owner.dht, run, secret, patience=no_group_patience)
+        """``membership``: the check that says when our secret matches nobody's (it announces us in the DHT); None
+        for a peer that has nobody to announce itself to. ``heal_timeout``: how long a heal waits for a donor."""
+        self.trainer, self.tensors, self.book, self.supervisor, self.state = trainer, tensors, book, supervisor, state
+        self.counters, self.peer_id, self.secret, self.heal_timeout = counters, peer_id, secret, heal_timeout
+        self.sketch, self.rule, self.refusals = checks.sketch, checks.rule, checks.refusals
+        self.update_check = update_check or UpdateCheck()
+        self.membership = membership
         # the point of the last average we applied (or of a heal) and our local step it stands for: changed with
         # dsgd.lock held, as the weights they describe are (so a summary's point and reference always agree)
         self._reference: np.ndarray | None = None
@@ -95,17 +114,17 @@ class RoundVetting:
     def payload(self) -> dict[str, Any] | None:
         """What we gather when a round starts; None: start no round now (we are healing, or the trainer holds
         dsgd.lock: the next tick asks again)."""
-        owner = self.owner
-        if self._heal.is_set() or not owner.lock.acquire(timeout=LOCK_POLL_S):
+        trainer = self.trainer
+        if self._heal.is_set() or not trainer.lock.acquire(timeout=LOCK_POLL_S):
             return None
         try:
-            point, step = self.sketch(owner.averaged_tensors.local()), owner.local_step
+            point, step = self.sketch(self.tensors.local()), trainer.local_step
             summary = Summary(np.asarray(point), step, self._reference, self._reference_step)
         finally:
-            owner.lock.release()
+            trainer.lock.release()
         payload: dict[str, Any] = {"summary": summary.to_wire()}
         if self.secret is not None:
-            payload["token"] = self.secret.member_token(owner.peer_id.to_bytes())
+            payload["token"] = self.secret.member_token(self.peer_id.to_bytes())
         return payload
 
     def accept_group(self, r: Round) -> bool:
@@ -113,9 +132,11 @@ class RoundVetting:
         return not self._heal.is_set()
 
     def on_tick(self) -> None:
-        counters = self.owner.counters
+        counters = self.counters
         counters["joins_refused_banned"] = self.refusals.banned.value
         counters["joins_refused_token"] = self.refusals.token.value
+        if self.membership is None:
+            return
         line = self.membership.poll(time.monotonic(), group_formed=self._met_member)
         self._met_member = False
         if line is not None:
@@ -123,7 +144,7 @@ class RoundVetting:
 
     def judge(self, r: Round, gathered: Mapping[PeerID, Any]) -> Judgement:
         """A triggered round ended with hivemind's gathered payloads: the verdict our averager process reached too."""
-        owner, own = self.owner, self.owner.peer_id
+        own = self.peer_id
         summaries, verdict = group_verdict(gathered, self.sketch.size, self.rule, self.secret)
         is_member = member_test(self.secret)
         if any(peer != own and (is_member is None or is_member(peer, _token(payload)))
@@ -132,12 +153,12 @@ class RoundVetting:
         group = [str(peer) for peer in verdict.inliers]
         r.extra["outliers"] = [str(peer) for peer in verdict.outliers]
         if own in verdict.outliers:
-            owner.counters["rounds_refused_as_outlier"] += 1
+            self.counters["rounds_refused_as_outlier"] += 1
             if not r.stale:  # a round that started before a heal says nothing about the healed weights
                 self._ask_heal(r, verdict.explain(own))
             return Judgement(group, REFUSED)
         if verdict.outliers:
-            owner.counters["rounds_outliers_excluded"] += 1
+            self.counters["rounds_outliers_excluded"] += 1
             if len(verdict.inliers) < 2:
                 logger.warning(f"Round {r.index}: no groupmate left after refusing outliers, keeping local weights: "
                                f"{verdict.describe()}")
@@ -154,7 +175,7 @@ class RoundVetting:
         ok, line = self.update_check.check(update_norm, judgement.expected, judgement.own_norm)
         if ok:
             return None
-        self.owner.counters["rounds_rejected_large_update"] += 1
+        self.counters["rounds_rejected_large_update"] += 1
         logger.warning(f"Round {r.index}: the update is far larger than expected, keeping local weights: {line}")
         return TOO_LARGE
 
@@ -196,32 +217,29 @@ class RoundVetting:
         it took it (the parameters changed)."""
         if not self._heal.is_set():
             return False
-        owner, t0 = self.owner, time.monotonic()
-        averager = owner.averager
+        trainer, t0 = self.trainer, time.monotonic()
+        averager = self.supervisor.averager
         sharing = averager.allow_state_sharing
         averager.allow_state_sharing = False  # nobody downloads our diverged weights meanwhile
-        with owner.round_book.lock:  # hivemind owns the triggered ones; their results are discarded (stale)
-            for r in owner.round_book.rounds:
-                if r.state in (S.LOOKING, S.FORMED, S.FILLED):
-                    r.cancel("healing")
-        step, samples = owner.local_step, owner.samples
+        self.book.cancel_untriggered("healing")  # hivemind owns the triggered ones; their results are discarded (stale)
+        step, samples = trainer.local_step, trainer.samples
         try:
-            taken = owner.load_state_from_peers(timeout=owner.allreduce_timeout) is not None
+            taken = self.state.load(averager, self.heal_timeout, accept=None) is not None
         finally:
             averager.allow_state_sharing = sharing
         if taken:
-            with owner.lock:
-                owner.took_over_state(step, samples)  # the swarm's weights, our own step count
+            with trainer.lock:
+                trainer.took_over(step, samples)  # the swarm's weights, our own step count
                 with self._pending_lock:
                     self._pending.clear()
-                self._reference = np.asarray(self.sketch(owner.averaged_tensors.local()))  # shared with the swarm
+                self._reference = np.asarray(self.sketch(self.tensors.local()))  # shared with the swarm
                 self._reference_step = step
             self.update_check.reset()
-            owner.counters["outlier_heals"] += 1
+            self.counters["outlier_heals"] += 1
             logger.warning(f"DecentralizedSGD: took the swarm's state in {time.monotonic() - t0:.1f}s; averaging "
                            "resumes")
         else:
-            owner.counters["outlier_heals_failed"] += 1
+            self.counters["outlier_heals_failed"] += 1
             logger.error("DecentralizedSGD: could not take the swarm's state (no peer shared it in time); this peer "
                          "keeps training and tries again when a group refuses it next")
         self._heal.clear()

@@ -1,0 +1,56 @@
+"""What the trainer's thread changes at its step boundaries and the other parts read: the lock of the contract,
+the step and sample counts, the step-boundary count and clock. The optimizer owns one and hands it to the parts
+(``scheduler``, ``exchange``, ``vetting``, ``state_transfer``), so that none of them needs the optimizer."""
+
+from __future__ import annotations
+
+import threading
+
+from .step_clock import StepClock
+
+
+class TrainerState:
+    """Written by the trainer's thread holding ``lock`` (``count_step``, ``count_wait``, ``synced``,
+    ``took_over``), and by the thread that loads a donor's state, holding it too; the scheduler reads the counts
+    without it (an int each: a read is atomic) and takes ``lock`` only to read the tensors the counts describe."""
+
+    def __init__(self) -> None:
+        # guards the local parameters and optimizer state: the trainer's step vs. a fill vs. serving our state.
+        # Re-entrant: a caller of on_step_end may already hold it (the README's contract)
+        self.lock = threading.RLock()
+        self.local_step = 0
+        self.samples = 0
+        self.boundaries = 0  # step boundaries passed: one per step, and one per poll while waiting for SSP
+        self.clock = StepClock()  # when the next step boundary is due (scheduler, step 2)
+        self.last_sync_step = 0  # the step at which a round was last applied (SSP)
+        self._samples_since_fill = 0
+
+    def count_step(self, batch_size: int | None) -> None:
+        """Trainer thread, holding ``lock``: one local step of ``batch_size`` samples (1 if unknown) ended."""
+        self.local_step += 1
+        self.samples += batch_size or 1
+        self._samples_since_fill += batch_size or 1
+        self.boundaries += 1
+        self.clock.tick()
+
+    def count_wait(self) -> None:
+        """Trainer thread, holding ``lock``: one poll while waiting for SSP is a step boundary too (no step)."""
+        self.boundaries += 1
+
+    def synced(self) -> None:
+        """Trainer thread, holding ``lock``: a round was applied now (or SSP gave up waiting for one)."""
+        self.last_sync_step = self.local_step
+
+    @property
+    def steps_since_sync(self) -> int:
+        return self.local_step - self.last_sync_step
+
+    def take_samples_since_fill(self) -> int:
+        """Scheduler thread, holding ``lock``: the samples seen since the previous fill (weight_by_samples)."""
+        samples, self._samples_since_fill = self._samples_since_fill, 0
+        return samples
+
+    def took_over(self, local_step: int, samples: int) -> None:
+        """Holding ``lock``, after a donor's state replaced ours: continue from these counts."""
+        self.local_step = self.last_sync_step = local_step
+        self.samples = samples

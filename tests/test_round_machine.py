@@ -1,0 +1,411 @@
+"""The round state machine, the round book and the scheduler on their own: no DHT, no averager process, no thread.
+
+The parts are the product's (``RoundBook``, ``RoundScheduler``, ``RoundExchange``, ``RoundVetting``,
+``AveragerSupervisor``, ``TrainerState``), wired as ``DecentralizedSGD`` wires them, and every round runs on a real
+hivemind ``StepControl`` with real ``MPFuture`` trigger and cancel futures. What hivemind's averager process would do
+to a step (form the group, run the AllReduce, write the average into the buffers, end the step) is done here by
+``HivemindsSide``, in this process, when the test says so; the test calls ``scheduler.tick()`` itself. So each
+scenario is exact and takes milliseconds. The same machine with real peers: test_decentralized_sgd and the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+from dsgd_swarm import wait_until
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.p2p import PeerID
+from hivemind.utils import MPFuture, get_dht_time
+
+from decentralized_sgd.exchange import RoundExchange
+from decentralized_sgd.optimizer import COUNTERS
+from decentralized_sgd.outliers import Summary
+from decentralized_sgd.rounds import Round, RoundBook
+from decentralized_sgd.rounds import RoundState as S
+from decentralized_sgd.scheduler import RoundScheduler
+from decentralized_sgd.settings import RoundSettings
+from decentralized_sgd.staging import FlatStaging, StagingCache, StepBoundaryMarks
+from decentralized_sgd.state_transfer import StateTransfer
+from decentralized_sgd.supervisor import AveragerSupervisor
+from decentralized_sgd.tensors import AveragedTensors, ResultSlots
+from decentralized_sgd.trainer_state import TrainerState
+from decentralized_sgd.vetting import GroupChecks, RoundVetting
+
+OWN, MATE = PeerID(os.urandom(34)), PeerID(os.urandom(34))  # us, and the groupmate hivemind's side brings
+
+
+def new_step() -> StepControl:
+    """A step as hivemind's ``DecentralizedAverager.step(wait=False, require_trigger=True)`` hands it back."""
+    trigger, cancel = MPFuture(), MPFuture()  # first: hivemind's MPFuture backend starts with a plain one
+    step = StepControl(scheduled_time=get_dht_time(), deadline=get_dht_time() + 60, allow_retries=False, weight=1.0,
+                       data_for_gather=b"")  # fmt: skip
+    step.attach(trigger, cancel)
+    return step
+
+
+class HivemindsSide:
+    """What the trainer's process sees of hivemind's averager process: the steps it was asked for, its buffers (and
+    their lock, which its AllReduce takes), its health. ``form``, ``finish`` and ``fail`` do to a step what the
+    averager process would."""
+
+    client_mode = False
+
+    def __init__(self, size: int):
+        self.buffers_ = [torch.zeros(size)]
+        self._lock = threading.Lock()
+        self.steps: list[tuple[StepControl, dict]] = []  # (step, what we gathered)
+        self.alive, self.pid, self.exitcode = True, os.getpid(), None
+        self.allow_state_sharing, self.state_sharing_priority = True, 0.0
+
+    # --- called by the parts ---
+    def start_in_background(self, timeout: float) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def get_group_bits(self, wait: bool) -> MPFuture:
+        answer = MPFuture()
+        answer.set_result("")
+        return answer
+
+    def kill_now(self) -> None:
+        self.alive = False
+
+    def shutdown(self) -> None:
+        self.alive = False
+
+    def start_step(self, *, scheduled_time: float, deadline: float, gather: dict, timeout: float) -> StepControl:
+        step = new_step()
+        step.stage = AveragingStage.LOOKING_FOR_GROUP
+        self.steps.append((step, gather))
+        return step
+
+    @contextlib.contextmanager
+    def buffers(self, timeout: float) -> Iterator[list[torch.Tensor]]:
+        assert self._lock.acquire(timeout=timeout)
+        try:
+            yield self.buffers_
+        finally:
+            self._lock.release()
+
+    def allreduce_stamps(self) -> tuple[float, float]:
+        return 0.0, 0.0  # none of its own: the rounds keep the times the scheduler saw
+
+    def early_part_refused_at(self) -> float:
+        return 0.0
+
+    def load_state_from_peers(self, timeout: float) -> None:
+        return None  # nobody shares a state here
+
+    # --- what the averager process does ---
+    def form(self, index: int) -> None:
+        self.steps[index][0].stage = AveragingStage.AWAITING_TRIGGER
+
+    def finish(self, index: int, mate: list[torch.Tensor]) -> None:
+        """The AllReduce of step ``index`` with one groupmate whose values are ``mate``: the buffers become the mean."""
+        step, gathered = self.steps[index]
+        assert step.triggered and not step.cancelled()
+        mate_summary = Summary(np.asarray(self.sketch(mate)), int(gathered["summary"]["step"]))
+        with self.buffers(10.0) as buffers:
+            step.stage, step.began_allreduce = AveragingStage.RUNNING_ALLREDUCE, True
+            for buffer, theirs in zip(buffers, mate, strict=True):
+                buffer.add_(theirs).div_(2)
+        step.stage = AveragingStage.FINISHED
+        step.set_result({OWN: gathered, MATE: {"summary": mate_summary.to_wire()}})
+
+    def fail(self, index: int, error: BaseException) -> None:
+        step = self.steps[index][0]
+        step.stage = AveragingStage.FINISHED
+        step.set_exception(error)
+
+
+class Peer:
+    """The parts of one DecentralizedSGD, wired as its constructor wires them, around one parameter vector."""
+
+    def __init__(self, settings: RoundSettings, size: int = 64):
+        self.param = torch.nn.Parameter(torch.ones(size))
+        self.optimizer = torch.optim.SGD([self.param], lr=0.1)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.trainer, self.tensors = TrainerState(), AveragedTensors(self.optimizer, None, average_buffers=False,
+                                                                     average_optimizer_state=False)  # fmt: skip
+        marks = StepBoundaryMarks(self.tensors.local())
+        slots = ResultSlots(lambda: FlatStaging(self.tensors.local(), marks, torch.float32))
+        self.book = RoundBook(self.counters, slots, records_path=None, verbose=False, peer=str(OWN))
+        state = StateTransfer(self.optimizer, None, self.tensors, self.trainer, StagingCache(marks), marks, self.book,
+                              get_extra_state=None)  # fmt: skip
+        self.hivemind = HivemindsSide(size)
+        self.supervisor = AveragerSupervisor(lambda: self.hivemind, self.counters, settings.averager_timeout)
+        self.supervisor.start()
+        checks = GroupChecks.for_tensors(self.tensors, seed="unit")
+        self.hivemind.sketch = checks.sketch
+        self.vetting = RoundVetting(checks, self.trainer, self.tensors, self.book, self.supervisor, state,
+                                    self.counters, OWN, secret=None, membership=None,
+                                    heal_timeout=1.0)  # fmt: skip
+        self.exchange = RoundExchange(settings, self.trainer, self.tensors, self.book, self.supervisor, self.vetting,
+                                      self.counters)  # fmt: skip
+        self.scheduler = RoundScheduler(settings, self.trainer, self.book, self.supervisor, self.exchange, self.vetting,
+                                        self.counters)  # fmt: skip
+
+    def train_step(self, change: float = -0.1) -> int:
+        """One local step that moves every parameter by ``change``, then the step boundary (what
+        DecentralizedSGD.step does): returns how many rounds it applied."""
+        with self.trainer.lock, torch.no_grad():
+            self.param.add_(change)
+            self.trainer.count_step(batch_size=16)
+            applied = self.exchange.apply_finished()
+            self.vetting.applied(applied)
+        return len(applied)
+
+    def round(self, index: int) -> Round:
+        return next(r for r in [*self.book.rounds] if r.index == index)
+
+    def state_of(self, index: int) -> str:
+        """A round's state: in flight, or its record's once resolved and retired."""
+        in_flight = [r for r in self.book.rounds if r.index == index]
+        if in_flight:
+            return in_flight[0].state.name
+        return next(record["state"] for record in self.book.records if record["round"] == index)
+
+
+@pytest.fixture
+def make_peer() -> Iterator[Callable[[RoundSettings], Peer]]:
+    """Peers whose rounds still in flight are closed at the end (as shutdown does: hivemind is told of each)."""
+    peers: list[Peer] = []
+
+    def make(settings: RoundSettings) -> Peer:
+        peers.append(Peer(settings))
+        return peers[-1]
+
+    yield make
+    for peer in peers:
+        peer.book.close("test over")
+
+
+FAST = RoundSettings(min_matchmaking_time=0.5, next_chunk_timeout=0.5, allreduce_timeout=10.0, averager_timeout=10.0)
+
+
+def test_a_round_goes_through_every_state_and_the_delta_rule_keeps_the_local_step_made_during_it(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()  # a step boundary: the scheduler may start a round
+    peer.scheduler.tick()
+    assert peer.state_of(0) == "LOOKING" and len(peer.hivemind.steps) == 1
+    assert peer.hivemind.steps[0][1]["summary"]["step"] == 1  # our weight summary went with the join request
+
+    peer.hivemind.form(0)
+    peer.scheduler.tick()  # formed → filled at once from the last step boundary → triggered
+    r = peer.round(0)
+    assert r.state is S.TRIGGERED and r.step_at_snapshot == 1 and r.control.triggered
+    snapshot = peer.param.detach().clone()  # 0.9 everywhere
+    assert torch.equal(peer.hivemind.buffers_[0], snapshot)  # what goes into the AllReduce is the fill's values
+
+    peer.train_step()  # a local step during the AllReduce: 0.8
+    mate = [snapshot + 0.002]
+    peer.hivemind.finish(0, mate)
+    peer.scheduler.tick()
+    assert peer.state_of(0) == "DONE"
+    assert peer.train_step() == 1  # applied at the next boundary: w + (averaged - snapshot), minus that step's 0.1
+    assert torch.allclose(peer.param.detach(), torch.full((64,), 0.7 + 0.001)), peer.param
+    peer.scheduler.tick()
+    record = peer.book.records[0]
+    assert record["state"] == "APPLIED" and record["applied"] and record["group_size"] == 2
+    assert record["step_at_snapshot"] == 1 and record["staleness_steps"] == 2  # snapshot at step 1, applied at 3
+    assert peer.counters["rounds_applied"] == 1 and peer.counters["fills"] == 1
+
+
+def test_without_the_delta_rule_the_average_overwrites_the_local_step(make_peer):
+    peer = make_peer(RoundSettings(**{**FAST.__dict__, "delta_rule": False}))
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    peer.scheduler.tick()
+    snapshot = peer.param.detach().clone()
+    peer.train_step()
+    peer.hivemind.finish(0, [snapshot + 0.002])
+    peer.scheduler.tick()
+    peer.train_step()
+    assert torch.allclose(peer.param.detach(), snapshot + 0.001)  # the two local steps since the fill are lost
+
+
+def test_the_next_matchmaking_starts_while_the_allreduce_runs_and_only_after_a_step_boundary(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    peer.scheduler.tick()
+    assert peer.round(0).state is S.TRIGGERED
+    peer.scheduler.tick()
+    assert len(peer.hivemind.steps) == 1  # no step boundary since round 0 started: the trainer may be stalled
+    peer.train_step()
+    peer.scheduler.tick()
+    assert len(peer.hivemind.steps) == 2 and peer.round(1).state is S.LOOKING  # pipelined: round 0 still runs
+    assert peer.round(0).state is S.TRIGGERED
+
+    serial = make_peer(RoundSettings(**{**FAST.__dict__, "pipeline": False}))
+    serial.train_step()
+    serial.scheduler.tick()
+    serial.hivemind.form(0)
+    serial.scheduler.tick()
+    serial.train_step()
+    serial.scheduler.tick()
+    assert len(serial.hivemind.steps) == 1  # without pipelining: only once round 0 is over
+
+
+def test_a_round_formed_while_the_trainer_holds_its_lock_is_cancelled_after_next_chunk_timeout(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    held, release = threading.Event(), threading.Event()
+
+    def stalled_step() -> None:  # a trainer stuck inside its optimizer step
+        with peer.trainer.lock:
+            held.set()
+            release.wait(60)
+
+    stalled = threading.Thread(target=stalled_step)
+    stalled.start()
+    try:
+        assert held.wait(10)
+        peer.scheduler.tick()
+        assert peer.round(0).state is S.FORMED  # the fill could not take the lock: the next tick tries again
+        wait_until(lambda: peer.scheduler.tick() or peer.state_of(0) == "CANCELLED", 60, "the unfilled round's end")
+    finally:
+        release.set()
+        stalled.join(10)
+    record = peer.book.records[0]
+    assert "not filled in time" in record["error"] and peer.hivemind.steps[0][0].cancelled()  # hivemind was told
+    assert record["t_triggered"] is None  # never triggered: no AllReduce that nobody would join
+    peer.scheduler.tick()
+    assert len(peer.hivemind.steps) == 1  # no new round until the trainer passed a step boundary
+    peer.train_step()
+    peer.scheduler.tick()
+    assert len(peer.hivemind.steps) == 2
+
+
+def test_a_failed_averager_fails_the_rounds_in_flight_and_a_finished_update_is_still_applied(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    peer.scheduler.tick()
+    snapshot = peer.param.detach().clone()
+    peer.hivemind.finish(0, [snapshot + 0.002])
+    peer.train_step()  # a boundary: round 1 may start (round 0 ended but its update waits for the next boundary)
+    peer.scheduler.tick()  # round 0 → DONE; round 1 starts looking
+    assert peer.state_of(0) == "DONE" and peer.state_of(1) == "LOOKING"
+    peer.supervisor.failed("was stopped by the test")
+    peer.scheduler.tick()
+    assert peer.state_of(1) == "FAILED" and peer.counters["averager_failures"] == 1
+    assert peer.state_of(0) == "DONE"  # its update lives in its slot, outside the averager
+    assert peer.train_step() == 1
+    assert peer.counters["averager_restarts"] == 1  # restarted at once (a first failure): a new averager
+
+
+def test_hivemind_ending_a_step_with_an_error_fails_the_round_with_that_error(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.fail(0, TimeoutError("could not find a group"))
+    peer.scheduler.tick()
+    assert peer.state_of(0) == "FAILED" and "could not find a group" in peer.book.records[0]["error"]
+    assert peer.counters["rounds_no_group"] == 1  # failed before a group formed
+
+
+def test_non_finite_local_values_go_in_with_weight_zero_and_the_round_is_discarded(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    with torch.no_grad():
+        peer.param[3] = float("nan")
+    peer.scheduler.tick()
+    r = peer.round(0)
+    assert r.state is S.TRIGGERED and r.weight == 0.0 and r.control.weight == 0.0
+    assert torch.count_nonzero(peer.hivemind.buffers_[0]) == 0  # zeros, not the NaN
+    peer.hivemind.finish(0, [torch.ones(64)])
+    peer.scheduler.tick()
+    peer.scheduler.tick()
+    assert peer.state_of(0) == "DISCARDED" and peer.counters["rounds_skipped_local_nonfinite"] == 1
+    assert torch.isnan(peer.param[3])  # our own values are kept (the trainer's to handle)
+
+
+def test_a_much_larger_update_than_the_summaries_predict_is_refused(make_peer):
+    peer = make_peer(FAST)
+    peer.train_step()
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    peer.scheduler.tick()
+    peer.hivemind.finish(0, [peer.param.detach() + 0.002])  # a normal round first: the update check's history
+    peer.train_step()
+    peer.scheduler.tick()  # round 0 DONE, round 1 looking
+    assert peer.train_step() == 1
+    peer.hivemind.form(1)
+    peer.scheduler.tick()
+    assert peer.round(1).state is S.TRIGGERED
+    snapshot = peer.param.detach().clone()
+    # the mate's summary says it is where we are; its values in the AllReduce are far away (a bad or lying peer)
+    step, gathered = peer.hivemind.steps[1]
+    with peer.hivemind.buffers(10.0) as buffers:
+        step.began_allreduce = True
+        buffers[0].add_(100.0)
+    step.set_result({OWN: gathered, MATE: gathered})
+    peer.scheduler.tick()
+    peer.scheduler.tick()
+    assert peer.state_of(1) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1
+    assert peer.counters["rounds_applied"] == 1
+    peer.train_step()
+    assert torch.allclose(peer.param.detach(), snapshot - 0.1)  # our own weights, not the far average
+
+
+def test_the_round_book_moves_several_rounds_at_once_and_records_them_in_order():
+    counters = dict.fromkeys(COUNTERS, 0)
+    param = torch.nn.Parameter(torch.zeros(4))
+    tensors = AveragedTensors(torch.optim.SGD([param], lr=0.1), None, average_buffers=False,
+                              average_optimizer_state=False)  # fmt: skip
+    marks = StepBoundaryMarks(tensors.local())
+    book = RoundBook(counters, ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), None, False,
+                     "me")  # fmt: skip
+    rounds = [Round(i, new_step(), time.time(), 0) for i in range(4)]
+    with book.lock:
+        book.rounds.extend(rounds)
+        rounds[1].form(1, 1, False)
+        rounds[2].form(1, 1, False)
+        rounds[2].fill(1, 16, book.slots.take(), 0)
+        rounds[3].form(1, 1, False)
+        rounds[3].fill(1, 16, book.slots.take(), 0)
+        rounds[3].trigger(1.0, local_nonfinite=False)
+        with pytest.raises(AssertionError, match="not a transition"):
+            rounds[0].fill(1, 16, [], 0)  # LOOKING → FILLED skips FORMED: a bug
+    assert not rounds[3].cancel("too late")  # once triggered, hivemind may have committed: never cancelled
+
+    assert book.cancel_untriggered("starved of CPU", (S.LOOKING,)) == 1
+    assert rounds[0].state is S.CANCELLED and rounds[0].control.cancelled()
+    assert book.fail_in_flight("averager failed") == 3  # FORMED, FILLED, TRIGGERED
+    with book.lock:
+        book.retire(step=5)
+    assert [record["round"] for record in book.records] == [0, 1, 2, 3]
+    assert [record["state"] for record in book.records] == ["CANCELLED", "FAILED", "FAILED", "FAILED"]
+    assert counters["rounds_cancelled"] == 1 and counters["rounds_failed"] == 3  # they had formed
+    assert book.slots.free() == ResultSlots.count  # the slots came back
+
+    late = [Round(i, new_step(), time.time(), 0) for i in range(4, 7)]
+    with book.lock:
+        book.rounds.extend(late)
+        for r in late[1:]:
+            r.form(5, 5, False)
+            r.fill(5, 16, book.slots.take(), 0)
+            r.trigger(1.0, local_nonfinite=False)
+        late[2].finish(["me", "mate"])
+    book.state_reloaded(step=6)  # a donor's state replaced the parameters
+    assert late[1].stale and late[2].state is S.DISCARDED and late[0].state is S.LOOKING
+    book.close("shut down")
+    assert late[0].state is S.CANCELLED and late[1].state is S.FAILED and not book.rounds
+    assert [record["round"] for record in book.records] == [0, 1, 2, 3]  # nothing recorded after the run is over
