@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from classy_vision.optim.param_scheduler import ClassyParamScheduler
@@ -191,9 +192,6 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             local_replicas.broadcast_optimizer_state(torch_optimizer(self))
         if progress:
             self._continue_from(progress)
-        elif self.swarm_settings.averager == "old" and self.decentralized_sgd is not None and timeout > 0:
-            start = "from its checkpoint" if self.checkpoint is not None else "from iteration 0"
-            logging.info(f"--averager old shares no training progress: this peer runs its own LR schedule {start}")
         return self
 
     def _donor_is_ahead(self) -> Callable[[dict], bool] | None:
@@ -225,19 +223,15 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             logging.warning(note)
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
-        if settings.averager == "hivemind_optimizer":  # hivemind.Optimizer put inside VISSL's LARC: a baseline
-            from baselines.hivemind_optimizer import HivemindOptimizerAverager
+        """DecentralizedSGD around VISSL's torch optimizer. The benchmarks' baselines are tasks that put another
+        averager here (``baselines/tasks.py``)."""
+        return DecentralizedSGD(torch_optimizer(self), self.dht, swarm_secret=settings.secret(),
+                                weight_by_samples=settings.weight_by_samples,
+                                **self._averager_options(settings, records_path))  # fmt: skip
 
-            return HivemindOptimizerAverager.install(self, settings, records_path)
-        wrapper = DecentralizedSGD
-        options = {"swarm_secret": settings.secret(), "weight_by_samples": settings.weight_by_samples}
-        if settings.averager == "old":  # no secret there (run_trainer.py refuses the combination)
-            from baselines.old_design import OldDesignAverager as wrapper
-
-            options = {}
-        return wrapper(
-            torch_optimizer(self),
-            self.dht,
+    def _averager_options(self, settings: swarm.SwarmSettings, records_path: Path) -> dict[str, Any]:
+        """What an averager of this task is built with, from the command line's swarm settings."""
+        return dict(
             prefix=self.run_prefix,
             model=self.base_model,
             target_group_size=settings.target_group_size,
@@ -251,7 +245,6 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             records_path=str(records_path),
             client_mode=settings.client_mode,
             get_extra_state=self.training_progress,
-            **options,
         )
 
     def training_progress(self) -> dict:

@@ -31,7 +31,6 @@ from vissl_swarm import swarm  # noqa: E402
 from vissl_swarm.swarm_metrics import fetch_metrics, metrics_validators  # noqa: E402
 
 MIN_ALIVE_WINDOW_S = 60.0
-ALONE_S = 60.0  # a live peer without an applied round for this long is listed as alone (the trainers warn too)
 COLUMNS = (("peer", "{:>10}"), ("step", "{:>7}"), ("samples/s", "{:>10}"), ("loss", "{:>8}"), ("group", "{:>6}"),
            ("stale", "{:>6}"), ("ok", "{:>5}"), ("failed", "{:>7}"), ("averager failures", "{:>17}"),
            ("seen s ago", "{:>11}"))
@@ -102,7 +101,7 @@ def format_table(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
         lines.append("  ".join(fmt.format(cell) for (_, fmt), cell in zip(COLUMNS, cells, strict=True)))
     lines.append(f"swarm: {totals['peers_alive']} peers alive, {totals['samples_per_s']:.1f} samples/s in total, "
                  f"latest step {totals['max_step']}, mean loss {show(totals['mean_loss'], 4)}")
-    alone = [row for row in rows if row["alive"] and row.get("no_group_s", 0.0) >= ALONE_S]
+    alone = [row for row in rows if row["alive"] and row.get("no_group_s", 0.0) >= swarm.ALONE_AFTER_S]
     if alone:
         lines.append("alone (no averaging round for over a minute; its log's warning says what to check): "
                      + ", ".join(f"{row['peer']} ({row['no_group_s']:.0f} s)" for row in alone))

@@ -291,8 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.isolated:
         print(f"[recipe] {schedule_line(args.schedule, args.swarm_lr, config)}", file=sys.stderr)
     vissl_compat.fork_start_method()
+    averaging_task = TASK_NAME
     if args.isolated:
         config.TRAINER.TASK_NAME = "self_supervision_task"
+    elif args.averager != "improved":  # a baseline of the benchmarks: this task with another averager
+        from baselines.tasks import TASKS
+
+        config.TRAINER.TASK_NAME = averaging_task = TASKS[args.averager]
     # VISSL logs its config and environment: the secret goes in a file
     settings = replace(swarm.hide_secret(settings), address_book=address_book_path(config))
     config.SWARM = settings.to_config()
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         config.SEED_VALUE = secrets.randbelow(100_000)  # VISSL multiplies it by num_epochs; numpy needs < 2**32
         print(f"[swarm] this peer's seed: {config.SEED_VALUE} (set config.SEED_VALUE=... to fix it)", file=sys.stderr)
     dht = None
-    if config.TRAINER.TASK_NAME == TASK_NAME and config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:
+    if config.TRAINER.TASK_NAME == averaging_task and config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:
         try:  # fail fast on an unreachable swarm; the task reuses this DHT (several GPUs: local rank 0 starts one)
             dht = swarm.start_dht(settings)
         except swarm.SwarmError as error:
@@ -335,6 +340,9 @@ def print_preflight_report(config, settings: swarm.SwarmSettings) -> int:
         return 4
     print(text, flush=True)
     print(f"(as JSON: {folder / preflight.REPORT_FILE})", flush=True)
+    if freed := preflight.remove_checkpoints(folder):
+        print(f"(the pre-flight's checkpoints, {freed / 1e6:.1f} MB, were removed: the long run starts afresh)",
+              flush=True)  # fmt: skip
     return 0
 
 

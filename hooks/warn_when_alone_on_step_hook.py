@@ -10,8 +10,8 @@ from classy_vision.hooks import ClassyHook
 
 from decentralized_sgd.dht_rejoin import dht_peer_count
 from vissl_swarm.averaging_protocol import Averaging
+from vissl_swarm.swarm import ALONE_AFTER_S  # the first warning, after this long with no applied round
 
-ALONE_AFTER_S = 60.0  # the first warning, after this long with no applied round (since the start or the last one)
 REPEAT_EVERY_S = 300.0  # then again this often while it lasts
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,17 @@ def averaged_tensors(peer: DecentralizedSGD) -> list[torch.Tensor]:
 
 def all_equal_to(peers: list[DecentralizedSGD], value: float, atol: float = 1e-5) -> bool:
     return all(torch.allclose(t, torch.full_like(t, value), atol=atol) for p in peers for t in averaged_tensors(p))
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:``port`` (a socket of a closed connection in TIME_WAIT does not count)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, describe: Callable[[], object] = lambda: "") -> None:

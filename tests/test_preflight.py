@@ -181,6 +181,8 @@ def test_two_boxes_run_a_preflight_and_print_the_table_and_advice(digits_dir: Pa
             assert re.search(rf"^  {flag} \S+: ", log, flags=re.MULTILINE), f"no advice for {flag}"
         reports = list(peer.checkpoint_dir.glob(f"{preflight.FOLDER}/*/{preflight.REPORT_FILE}"))
         assert len(reports) == 1, reports
+        assert not list(reports[0].parent.glob("*.torch")), "the pre-flight's checkpoints were left behind"
+        assert "the pre-flight's checkpoints" in log and (reports[0].parent / "averaging_rounds.jsonl").is_file()
         document = json.loads(reports[0].read_text())
         assert document["measured"]["values"] == tiny_values  # what the running averager sent, as counted
         assert document["measured"]["boxes"] == 2

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dsgd_swarm import port_is_free
 
 from decentralized_sgd.address_book import AddressBook
 from decentralized_sgd.dht_rejoin import dht_peer_count, rejoiner_of
@@ -155,13 +156,3 @@ def test_a_killed_dht_owner_leaves_no_daemon_holding_its_port(tmp_path: Path) ->
             os.killpg(owner.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

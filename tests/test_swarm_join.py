@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hivemind
 import pytest
+from dsgd_swarm import port_is_free
 from hivemind.p2p import P2P, PeerID
 
 from vissl_swarm import swarm
@@ -23,15 +24,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.mark.timeout(120)

@@ -336,3 +336,16 @@ def report(folder: Path, current: Settings) -> tuple[str, dict[str, Any]]:
                 "folder": str(folder)}
     (folder / REPORT_FILE).write_text(json.dumps(document, indent=1))
     return format_report(measured, advice), document
+
+
+def remove_checkpoints(folder: Path) -> int:
+    """After the report: a pre-flight's checkpoints (VISSL writes one at its end) are the weights of a few minutes on
+    a subset, of no use to the long run (which never resumes from this folder); a ResNet-50's is hundreds of MB per
+    pre-flight. Removes them; returns the bytes freed. The records and the report stay."""
+    freed = 0
+    for checkpoint in folder.glob("*.torch"):  # checkpoint.torch too (a link to the last one)
+        if checkpoint.is_file() or checkpoint.is_symlink():
+            freed += checkpoint.lstat().st_size
+            checkpoint.unlink()
+    return freed
+

@@ -28,6 +28,8 @@ class SwarmError(ValueError):
     """Bad swarm flags or an unreachable swarm; the message says what to do."""
 
 
+ALONE_AFTER_S = 60.0  # a box with no applied round for this long is alone: it warns, and the monitor lists it
+
 @dataclass
 class SwarmSettings:
     """Everything a peer needs to join; stored in the VISSL config (``config.SWARM``) so spawned workers see it."""
@@ -52,7 +54,7 @@ class SwarmSettings:
     load_state_timeout: float = 60.0
     weight_by_samples: bool = True  # a box's weight in a round: its samples since its last round (as FedAvg)
     join_timeout: float = 30.0  # seconds a joiner keeps dialing --initial_peers at start before it gives up
-    alone_warning_after: float = 60.0  # seconds without an applied round before the box warns it is alone; 0: never
+    alone_warning_after: float = ALONE_AFTER_S  # seconds without an applied round before the box warns; 0: never
     address_book: str = ""  # the file where this box keeps the peers it met (decentralized_sgd.address_book)
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
