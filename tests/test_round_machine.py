@@ -164,6 +164,16 @@ class Peer:
             self.vetting.applied(applied)
         return len(applied)
 
+    def start_and_trigger(self, index: int) -> Round:
+        """A step boundary, a tick that starts round ``index``, hivemind forming its group, a tick that fills and
+        triggers it."""
+        self.train_step()
+        self.scheduler.tick()
+        self.hivemind.form(index)
+        self.scheduler.tick()
+        assert self.round(index).state is S.TRIGGERED
+        return self.round(index)
+
     def round(self, index: int) -> Round:
         return next(r for r in [*self.book.rounds] if r.index == index)
 
@@ -222,10 +232,7 @@ def test_a_round_goes_through_every_state_and_the_delta_rule_keeps_the_local_ste
 
 def test_without_the_delta_rule_the_average_overwrites_the_local_step(make_peer):
     peer = make_peer(RoundSettings(**{**FAST.__dict__, "delta_rule": False}))
-    peer.train_step()
-    peer.scheduler.tick()
-    peer.hivemind.form(0)
-    peer.scheduler.tick()
+    peer.start_and_trigger(0)
     snapshot = peer.param.detach().clone()
     peer.train_step()
     peer.hivemind.finish(0, [snapshot + 0.002])
@@ -236,10 +243,7 @@ def test_without_the_delta_rule_the_average_overwrites_the_local_step(make_peer)
 
 def test_the_next_matchmaking_starts_while_the_allreduce_runs_and_only_after_a_step_boundary(make_peer):
     peer = make_peer(FAST)
-    peer.train_step()
-    peer.scheduler.tick()
-    peer.hivemind.form(0)
-    peer.scheduler.tick()
+    peer.start_and_trigger(0)
     assert peer.round(0).state is S.TRIGGERED
     peer.scheduler.tick()
     assert len(peer.hivemind.steps) == 1  # no step boundary since round 0 started: the trainer may be stalled
@@ -249,10 +253,7 @@ def test_the_next_matchmaking_starts_while_the_allreduce_runs_and_only_after_a_s
     assert peer.round(0).state is S.TRIGGERED
 
     serial = make_peer(RoundSettings(**{**FAST.__dict__, "pipeline": False}))
-    serial.train_step()
-    serial.scheduler.tick()
-    serial.hivemind.form(0)
-    serial.scheduler.tick()
+    serial.start_and_trigger(0)
     serial.train_step()
     serial.scheduler.tick()
     assert len(serial.hivemind.steps) == 1  # without pipelining: only once round 0 is over
@@ -292,10 +293,7 @@ def test_a_round_formed_while_the_trainer_holds_its_lock_is_cancelled_after_next
 
 def test_a_failed_averager_fails_the_rounds_in_flight_and_a_finished_update_is_still_applied(make_peer):
     peer = make_peer(FAST)
-    peer.train_step()
-    peer.scheduler.tick()
-    peer.hivemind.form(0)
-    peer.scheduler.tick()
+    peer.start_and_trigger(0)
     snapshot = peer.param.detach().clone()
     peer.hivemind.finish(0, [snapshot + 0.002])
     peer.train_step()  # a boundary: round 1 may start (round 0 ended but its update waits for the next boundary)
@@ -339,10 +337,7 @@ def test_non_finite_local_values_go_in_with_weight_zero_and_the_round_is_discard
 
 def test_a_much_larger_update_than_the_summaries_predict_is_refused(make_peer):
     peer = make_peer(FAST)
-    peer.train_step()
-    peer.scheduler.tick()
-    peer.hivemind.form(0)
-    peer.scheduler.tick()
+    peer.start_and_trigger(0)
     peer.hivemind.finish(0, [peer.param.detach() + 0.002])  # a normal round first: the update check's history
     peer.train_step()
     peer.scheduler.tick()  # round 0 DONE, round 1 looking
