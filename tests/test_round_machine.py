@@ -26,7 +26,7 @@ from hivemind.utils import MPFuture, get_dht_time
 
 from decentralized_sgd.exchange import RoundExchange
 from decentralized_sgd.optimizer import COUNTERS
-from decentralized_sgd.outliers import Summary
+from decentralized_sgd.outliers import Summary, WeightSketch
 from decentralized_sgd.rounds import Round, RoundBook
 from decentralized_sgd.rounds import RoundState as S
 from decentralized_sgd.scheduler import RoundScheduler
@@ -57,7 +57,8 @@ class HivemindsSide:
 
     client_mode = False
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, sketch: WeightSketch):
+        self.sketch = sketch  # the groupmate's weight summary is made with the swarm's sketch, as ours
         self.buffers_ = [torch.zeros(size)]
         self._lock = threading.Lock()
         self.steps: list[tuple[StepControl, dict]] = []  # (step, what we gathered)
@@ -141,11 +142,10 @@ class Peer:
         self.book = RoundBook(self.counters, slots, records_path=None, verbose=False, peer=str(OWN))
         state = StateTransfer(self.optimizer, None, self.tensors, self.trainer, StagingCache(marks), marks, self.book,
                               get_extra_state=None)  # fmt: skip
-        self.hivemind = HivemindsSide(size)
+        checks = GroupChecks.for_tensors(self.tensors, seed="unit")
+        self.hivemind = HivemindsSide(size, checks.sketch)
         self.supervisor = AveragerSupervisor(lambda: self.hivemind, self.counters, settings.averager_timeout)
         self.supervisor.start()
-        checks = GroupChecks.for_tensors(self.tensors, seed="unit")
-        self.hivemind.sketch = checks.sketch
         self.vetting = RoundVetting(checks, self.trainer, self.tensors, self.book, self.supervisor, state,
                                     self.counters, OWN, secret=None, membership=None,
                                     heal_timeout=1.0)  # fmt: skip
