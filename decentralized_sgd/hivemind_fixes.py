@@ -152,13 +152,13 @@ class _DepartureIsOneLine(logging.Filter):
 
 
 class _AbandonedDepartureIsOneLine(logging.Filter):
-    """A race in hivemind's ``_step`` (averager.py): when a round is cancelled (our shutdown cancels every step) at
-    the moment its matchmaking task (``find_peers_or_notify_cancel``) fails on a departure, e.g. a join request
-    written to a p2p daemon that Ctrl-C already ended (``ConnectionResetError: Connection lost``), hivemind cancels
-    the already finished task and never awaits it. asyncio then logs "Task exception was never retrieved" with a
-    traceback when the task is collected (seen on a box of a whole swarm stopped with Ctrl-C). The round was
-    cancelled anyway, nothing is lost: one line, as a warning. Other abandoned errors keep their traceback. On
-    asyncio's logger (its records reach the root logger's handlers, not hivemind's)."""
+    """A race in hivemind's ``_step`` (averager.py): when a round is cancelled (our shutdown cancels every step),
+    hivemind cancels its matchmaking task (``find_peers_or_notify_cancel``) and never awaits it. If the task's join
+    request then fails on a departure, e.g. on a p2p daemon that Ctrl-C already ended (``ConnectionResetError:
+    Connection lost``), the task ends with that error instead of being cancelled, and asyncio logs "Task exception
+    was never retrieved" with a traceback when the task is collected (seen on a box of a whole swarm stopped with
+    Ctrl-C). The round was cancelled anyway, nothing is lost: one line, as a warning. Other abandoned errors keep
+    their traceback. On asyncio's logger (its records reach the root logger's handlers, not hivemind's)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
