@@ -56,7 +56,7 @@ def leave_swarm() -> None:
 def nice_worker_init(vissl_init: Callable[[int], None] | None, worker_id: int) -> None:
     """A data-loader worker's start: VISSL's own (its seeding), then a lower CPU priority. SwAV's multi-crop workers
     can keep every core busy; the averager and p2pd, at normal priority, then still run when they need to, and a
-    slow box slows its groupmates less (issue 11)."""
+    slow box slows its groupmates less."""
     if vissl_init is not None:
         vissl_init(worker_id)
     os.nice(DATA_WORKER_NICENESS)

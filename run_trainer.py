@@ -169,6 +169,9 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
     if args.averager != "improved" and settings.secret() is not None:
         raise swarm.SwarmError(f"--swarm_secret / --swarm_secret_file need the improved averager (--averager "
                                f"{args.averager} has no swarm secret)")
+    if args.averager != "improved" and settings.max_staleness >= 0:
+        raise swarm.SwarmError(f"--max_staleness needs the improved averager (--averager {args.averager} has no "
+                               f"staleness bound): drop it, or drop --averager")
     for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
         swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
     return settings

@@ -330,24 +330,23 @@ class HivemindOptimizerAverager:
                      f"matchmaking_time {min_matchmaking_time} s")
 
     @classmethod
-    def install(cls, task: Any, settings: Any, records_path: Any) -> HivemindOptimizerAverager:
-        """Build it around the task's torch optimizer and put the hivemind.Optimizer where that optimizer was:
-        inside LARC (``task.optimizer.optimizer.optim``), or as ClassyOptimizer's optimizer without LARC."""
+    def install(cls, task: Any, settings: Any, options: dict[str, Any]) -> HivemindOptimizerAverager:
+        """Build it around the task's torch optimizer, from the options the task builds its averager with, and put
+        the hivemind.Optimizer where that optimizer was: inside LARC (``task.optimizer.optimizer.optim``), or as
+        ClassyOptimizer's optimizer without LARC."""
         from vissl_swarm import local_replicas
 
         if local_replicas.is_box():
             raise RuntimeError("--averager hivemind_optimizer runs one process per box: drop "
                                "config.DISTRIBUTED.NUM_PROC_PER_NODE, or use the default averager")
+        options = dict(options)
+        options.pop("get_extra_state")  # hivemind.Optimizer serves its own progress (its epoch) to joiners
+        if options.pop("max_staleness") is not None:  # run_trainer.py refuses it first, with the flag's name
+            raise ValueError("hivemind.Optimizer has no staleness bound: drop --max_staleness")
         holder = task.optimizer.optimizer
         inner = getattr(holder, "optim", holder)
-        averager = cls(
-            inner, task.dht, prefix=task.run_prefix, box_batch=int(task.get_global_batchsize()), model=task.base_model,
-            target_group_size=settings.target_group_size, min_matchmaking_time=settings.min_matchmaking_time,
-            request_timeout=settings.request_timeout, allreduce_timeout=settings.averaging_timeout,
-            next_chunk_timeout=settings.next_chunk_timeout, average_optimizer_state=settings.average_optimizer_state,
-            compression=settings.compression, records_path=str(records_path), client_mode=settings.client_mode,
-            load_state_timeout=max(settings.load_state_timeout, settings.averaging_timeout),
-        )  # fmt: skip
+        averager = cls(inner, task.dht, box_batch=int(task.get_global_batchsize()),
+                       load_state_timeout=max(settings.load_state_timeout, settings.averaging_timeout), **options)
         if holder is inner:
             task.optimizer.optimizer = averager.hivemind_optimizer
         else:

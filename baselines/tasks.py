@@ -39,4 +39,4 @@ class HivemindOptimizerTask(DecentralizedSelfSupervisionTask):
     """hivemind.Optimizer(use_local_updates=True) put inside VISSL's LARC (``baselines/hivemind_optimizer.py``)."""
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
-        return HivemindOptimizerAverager.install(self, settings, records_path)
+        return HivemindOptimizerAverager.install(self, settings, self._averager_options(settings, records_path))

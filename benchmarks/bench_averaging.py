@@ -14,7 +14,7 @@ CPU contention are realistic. Each (regime, mode) gets fresh processes; their pr
 Usage:
     python benchmarks/bench_averaging.py [--quick] [--regimes R ...] [--modes M ...] [--compressions C ...]
         [--seconds S] [--peers N] [--warmup W] [--sim-params P] [--min-matchmaking-time T] [--json PATH [--json-peers]]
-        [--markdown PATH] [--plot PATH] [--verbose] [--hivemind-target-scale S]
+        [--markdown PATH] [--plot PATH] [--verbose] [--hivemind-target-scale S] [--extend-until-round S]
 
 Regimes (default: the first four):
     sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32 params really averaged),
@@ -31,8 +31,8 @@ Regimes (default: the first four):
         the script re-executes itself inside `unshare -rn`); compression fp16 and uint8. Reported against the cap
         min(60 / min_matchmaking_time, 60 / AllReduce s) rounds/min and staleness against AllReduce steps + 1.
 Modes:   none, old, improved, no_delta, no_refresh, no_pipeline, fill_at_boundary (improved, but a round is filled
-         at the first trainer step boundary after its group formed: the behaviour before issue 11),
-         no_slow_peer_fixes (improved without the fixes for an overloaded groupmate, also of issue 11),
+         at the first trainer step boundary after its group formed: the earlier behaviour),
+         no_slow_peer_fixes (improved without the fixes for an overloaded groupmate),
          fill_at_once (improved, but a formed round never waits for a step boundary due within boundary_wait_share
          of an AllReduce: wan_100mbit only),
          hivemind_optimizer (hivemind.Optimizer(use_local_updates=True), set up as a knowledgeable user would:
@@ -181,6 +181,9 @@ class RunConfig:
     setup_timeout: float = 90.0
     shutdown_grace: float = 5.0
     verbose: bool = False
+    # > 0: a window that ends with no round applied inside it goes on until one is, for at most this many seconds
+    # (a smoke test on a loaded machine, where a first round can fail and take allreduce_timeout); 0: fixed window
+    extend_until_round_s: float = 0.0
     trace_dir: str | None = None  # time hivemind's matchmaking / DHT / AllReduce calls (benchmarks/hivemind_trace.py)
     hivemind_target_batch_size: int | None = None  # hivemind_optimizer: set by the orchestrator per regime
 
@@ -905,15 +908,34 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
     step_times: list[float] = []
     losses: list[float] = []
     t0, t1, t2, t3 = cfg.windows(t_train)
-    while time.time() < (t1 if t3 is None else t3):
+    end = t1 if t3 is None else t3
+    extend = cfg.extend_until_round_s if t3 is None and cfg.mode != "none" else 0.0
+    last_look = 0.0
+    while True:
+        now = time.time()
+        if now >= end:
+            if now >= t1 + extend or (now - last_look >= 0.2 and _window_has_round(driver, t0)):
+                break
+            last_look = now
         driver.train_step()
         step_times.append(time.time())
         if trainer.last_loss is not None:
             losses.append(trainer.last_loss)
+    if t3 is None:
+        t1 = max(t1, step_times[-1] if step_times else t1)  # an extended window ends with its last step
     tail = losses[-20:]
     return {"t_train": t_train, "t0": t0, "t1": t1, "t2": t2, "t3": t3, "step_times": step_times,
             "hold_s": list(driver.holds), "epoch_times": getattr(driver, "epoch_times", None),
             "batch_size": trainer.batch_size, "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
+
+
+def _window_has_round(driver: Any, t0: float) -> bool:
+    """Whether a round was applied inside the window that began at t0 and, for hivemind.Optimizer, a global epoch
+    began inside it too (its rounds start at an epoch's end): what the window's metrics need to be defined."""
+    offset = time.time() - time.monotonic()
+    applied = any(r.get("applied") and (_to_wall(r.get("t_end"), offset) or 0.0) >= t0 for r in driver.records())
+    epochs = getattr(driver, "epoch_times", None)
+    return applied and (epochs is None or any(t > t0 for t in epochs))
 
 
 def _suffix(cfg: RunConfig) -> str:
@@ -1068,7 +1090,7 @@ def _unavailable(cfg: RunConfig) -> str | None:
         known = inspect.signature(DecentralizedSGD.__init__).parameters
         missing = [key for key in overrides if key not in known]
         if missing:
-            return f"DecentralizedSGD has no {', '.join(missing)} flag yet (issue 11: helper 'core' adds it)"
+            return f"DecentralizedSGD has no {', '.join(missing)} flag"
     return None
 
 
@@ -1110,7 +1132,8 @@ def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
             throttle = Throttle(procs[cfg.perturbed_rank].pid, start=t1, stop=t3)
             throttle.start()
         channels.go.set()
-        peers = _collect(channels, cfg, "result", (t1 if t3 is None else t3) + cfg.setup_timeout)
+        last_end = (t1 if t3 is None else t3) + cfg.extend_until_round_s
+        peers = _collect(channels, cfg, "result", last_end + cfg.setup_timeout)
     except Exception as e:
         summary["error"] = f"{type(e).__name__}: {e}"[-2000:]
         summary["logs"] = [str(log_path(cfg, rank)) for rank in range(cfg.peers)]
@@ -1285,6 +1308,7 @@ def summarize_peers(
             if isinstance(value, (int, float)):
                 counters[key] = counters.get(key, 0) + value
     return {
+        "window_s": _mean([peer[window[1]] - peer[window[0]] for peer in peers]),  # longer if a window was extended
         "samples_per_s_per_peer": _mean([m["rate"] for m in per_peer]),
         "rounds_per_min": _mean([m["rounds_per_min"] for m in per_peer]),
         "staleness_steps_mean": _mean(pooled("staleness")),
@@ -1449,7 +1473,7 @@ def run_metadata(args: argparse.Namespace, started: float) -> dict:
     """What the numbers depend on: versions, the exact optimizer file, and how busy the shared machine was."""
     import hivemind
 
-    package = REPO_ROOT / "decentralized_sgd"  # a module today, a package after issue 11's split
+    package = REPO_ROOT / "decentralized_sgd"
     sources = sorted(package.glob("*.py")) if package.is_dir() else [REPO_ROOT / "decentralized_sgd.py"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources if path.exists())).hexdigest()[:16]
     return {
@@ -1638,6 +1662,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="instead of each regime's own (none; fp16 and uint8 in the wan_* regimes)")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (and per window)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds trained before the measured window")
+    parser.add_argument("--extend-until-round", type=float, default=0.0, metavar="S",
+                        help="a measured window with no applied round goes on until one is, for at most S more "
+                             "seconds (smoke tests on a loaded machine; default 0: fixed windows)")  # fmt: skip
     parser.add_argument("--peers", type=int, default=None, help="instead of each regime's own (3; straggler 5)")
     parser.add_argument("--sim-params", type=int, default=None, help="parameters of the simulated model")
     parser.add_argument("--min-matchmaking-time", type=float, default=None)
@@ -1669,6 +1696,7 @@ def _regime_config(args: argparse.Namespace, name: str) -> RunConfig:
         base = replace(base, seconds=args.seconds)
     if args.warmup is not None:
         base = replace(base, warmup_s=args.warmup)
+    base = replace(base, extend_until_round_s=args.extend_until_round)
     if args.sim_params is not None:
         base = replace(base, sim_params=args.sim_params)
     if args.min_matchmaking_time is not None:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """How fast a larger swarm agrees: N DecentralizedSGD peers (default 16) of the test suite's swarm reach consensus.
 
-Why (issue 18, item 5): the straggler regime of ``bench_averaging.py`` has 5 peers, one of them slow; the slow-peer
+Why: the straggler regime of ``bench_averaging.py`` has 5 peers, one of them slow; the slow-peer
 fixes (``decentralized_sgd.hivemind_slow_peer_fixes``) were tuned there. A swarm of 16 on a 2-core machine is slow
-*everywhere*: every DHT node answers late and many leaders leave join requests unanswered. As issue 18 measured it,
+*everywhere*: every DHT node answers late and many leaders leave join requests unanswered. As first measured,
 the fixes then banned node after node (no consensus in 120 s, ~45 failed rounds per peer) while hivemind alone
 agreed in 54 s (benchmarks/results/consensus16.md: before and after). This measures that case: the swarm of
 ``tests/dsgd_swarm.py`` (peer i's values all i, target group 4, the suite's fast timeouts, no local updates: the

@@ -113,7 +113,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -682,12 +681,6 @@ def peer_main(config_path: Path) -> int:
 # ----------------------------------------------------------------------------------------------------- orchestrator
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def peer_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                MASTER_ADDR="127.0.0.1")  # fmt: skip
@@ -711,6 +704,9 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
     count = spec.processes(settings)
     expected = estimated_seconds(spec, settings)
     deadline = time.time() + SETUP_TIMEOUT_S + 6 * expected + 120
+    sys.path.insert(0, str(REPO))
+    from vissl_swarm.local_swarm import free_port
+
     port = free_port() if spec.mode == "ddp" else 0
     record: dict[str, Any] = {"variant": spec.variant, **asdict(spec), "run_dir": str(run_dir), "error": None,
                               "loadavg_before": os.getloadavg()[0], "commit": git_commit()}  # fmt: skip

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a peer's averaging time goes: timestamps of hivemind's matchmaking, DHT and AllReduce calls.
 
-Why: to find where healthy peers lose their time when one peer of the swarm is overloaded (issue 11, item 3), we
+Why: to find where healthy peers lose their time when one peer of the swarm is overloaded, we
 need to know, per call, how long it took and which remote peer it waited for. hivemind logs some of this at DEBUG,
 without durations; this wraps the calls instead (benchmark instrumentation only, never used by the optimizer).
 

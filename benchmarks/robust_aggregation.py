@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Robust aggregation, weighed for issue 13: what one round gives the healthy peers of a group with a diverged one.
+"""Robust aggregation, weighed for vetting: what one round gives the healthy peers of a group with a diverged one.
 
 Why: hivemind 1.1.12 averages with plain weighted means. The literature's robust aggregators would have to replace its
 part reducer (CenteredClip, Karimireddy et al. 2021, as in BTARD-SGD; a coordinate-wise median or trimmed mean);

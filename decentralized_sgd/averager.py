@@ -3,7 +3,7 @@
 
 It stamps when its AllReduce began and ended (``allreduce_stamps``), in shared memory the trainer's process reads:
 the scheduler sees hivemind's stage only at its next tick, so its own times would shorten every AllReduce by up to
-a tick and add that to our overhead in the staleness (issue 11). It also stamps when the latest groupmate's part that
+a tick and add that to our overhead in the staleness. It also stamps when the latest groupmate's part that
 it had to refuse arrived (``early_part_refused_at``): a group we were too late to trigger, whose groupmates dropped us.
 
 It serves the trainer's *live* state to late joiners (``get_current_state`` asks ``state_transfer``, which copies under

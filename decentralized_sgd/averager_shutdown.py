@@ -1,6 +1,6 @@
 """hivemind 1.1.12 work-arounds for the end of an averager process, so that a normal end prints no traceback.
 
-Both run inside the averager's process, from its ``_shutdown`` (``hivemind/averaging/averager.py``), which is
+All three run inside the averager's process, from its ``_shutdown`` (``hivemind/averaging/averager.py``), which is
 the last thing that process does: a subclass of ``DecentralizedAverager`` (or ``TrainingAverager``) overrides
 ``_shutdown`` with ``await shut_down_averager(self, timeout)``. Patched in nowhere else: only the averagers of
 this example use it, through their subclass.
@@ -15,14 +15,17 @@ this example use it, through their subclass.
    the step that is looking for a group and wait (bounded) until matchmaking has let go of its lock: by then its
    last request has been answered, while the process is still alive. (DecentralizedSGD cancels its rounds from
    the trainer before it shuts its averager down; the old design's ``TrainingAverager.step`` gives the trainer no
-   handle on its step, so the cancel comes from here.)
+   handle on its step, so the cancel comes from here.) Upstream: none found (hivemind#357 made the search await
+   that withdrawal); still so on hivemind's master (4bd43b7).
 2. **``_shutdown`` crashes on a running AllReduce.** hivemind 1.1.12 calls ``.finalize()`` on the asyncio
    Futures of ``_running_groups`` instead of on the AllReduce runners they hold (``AttributeError`` and a
-   traceback in the averager process). Fix: finalize the runners.
+   traceback in the averager process). Fix: finalize the runners. Upstream: none found; the regression came with
+   hivemind#432 (``_running_groups`` became Futures of runners); still so on hivemind's master (4bd43b7).
 3. **``_shutdown`` crashes when the p2p daemon is gone.** Ctrl-C in a terminal reaches the whole process group,
    the DHT's p2p daemon included, which exits at once; hivemind's ``remove_p2p_handlers`` then cannot reach its
    control socket (``FileNotFoundError`` and a traceback, ``hivemind/p2p/p2p_daemon_bindings/control.py``). With
-   the daemon gone there is nothing to remove: say so at debug level.
+   the daemon gone there is nothing to remove: say so at debug level. Upstream: none found (the call came with
+   hivemind#501); still so on hivemind's master (4bd43b7).
 
 What hivemind still prints, harmless: a peer that leaves during an AllReduce makes hivemind log, at WARN and
 without a traceback, ``Reducer: received 51.0% of input tensors`` / ``Averaging: received 47.7% results``
@@ -52,7 +55,8 @@ def cancel_step(control: StepControl) -> None:
 
     Not ``StepControl.cancel()``: called outside the process that made the step, it sets the step's cancel future
     here and then again in that process, which fails there (InvalidStateError, with a traceback). MPFuture.cancel
-    asks that process to cancel the step, as a trainer's own ``cancel()`` would."""
+    asks that process to cancel the step, as a trainer's own ``cancel()`` would. Upstream: none found (the order
+    came with hivemind#411); still so on hivemind's master (4bd43b7)."""
     if not control.done():
         MPFuture.cancel(control)
 
@@ -75,7 +79,7 @@ async def leave_matchmaking(averager: Any, timeout: float) -> bool:
 
 async def shut_down_averager(averager: Any, timeout: float | None, steps: Collection[StepControl] = (),
                              dht_requests: Collection[asyncio.Task] = ()) -> None:
-    """The body of ``DecentralizedAverager._shutdown``, without the two problems above. ``timeout`` is the
+    """The body of ``DecentralizedAverager._shutdown``, without the problems 2 and 3 above. ``timeout`` is the
     averager's ``shutdown_timeout``, after which its owner terminates the process: this takes at most 80% of it
     (leaving matchmaking waits for one DHT request, which can take seconds on a busy machine).
 

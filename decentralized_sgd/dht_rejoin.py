@@ -39,7 +39,9 @@ _registry_lock = threading.Lock()
 async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode, addresses: Sequence[str] | None = None) -> int | None:
     """Runs in the DHT process. If our routing table is empty, dial ``addresses`` (default: the DHT's initial peers;
     multiaddrs with /p2p/<id>) and ping each peer once. Returns how many peers answered, or None when we were not
-    alone (or have nobody to dial: a first box that never met anyone)."""
+    alone (or have nobody to dial: a first box that never met anyone).
+    Upstream: none found (hivemind#624, open, is about peers not finding each other at start; #525 only drops stale
+    peers in ``run_dht``); still so on hivemind's master (4bd43b7)."""
     addresses = [str(address) for address in ((dht.initial_peers or []) if addresses is None else addresses)]
     if node.protocol.routing_table.uid_to_peer_id or not addresses:
         return None

@@ -1,4 +1,4 @@
-"""The averager process's side of issue 13: whom a peer lets into its groups, and whom it averages with once a group
+"""The averager process's side of vetting: whom a peer lets into its groups, and whom it averages with once a group
 formed. ``GroupGuard`` is a ``DecentralizedAverager`` mixin of our ``averager.Averager``.
 
 hivemind 1.1.12 gives us two places, both in the averager process:

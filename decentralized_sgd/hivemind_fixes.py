@@ -15,6 +15,11 @@ error (``averager_shutdown.cancel_step`` is its counterpart inside the averager 
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
 ``tests/test_hivemind_fixes.py``.
+
+Each docstring names the upstream hivemind issue or PR (hivemind#N: github.com/learning-at-home/hivemind, issues/N or
+pull/N), or says that none was found, and whether hivemind's master still has the bug. All do as of 4bd43b7
+(2026-01-05) except the 8-bit decoding, fixed there by hivemind#670 but in no release: drop ``fixed_8bit_decoding``
+with the first release that holds it.
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ class AveragerUnresponsive(RuntimeError):
 @contextlib.contextmanager
 def keep_ctrl_c() -> Iterator[None]:
     """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so
-    that its child inherits it): afterwards Ctrl-C no longer stops the trainer. Restore the handler we had."""
+    that its child inherits it): afterwards Ctrl-C no longer stops the trainer. Restore the handler we had.
+    Upstream: the SIG_IGN came with hivemind#530 (for #382); no issue about the caller's handler; still so on hivemind's
+    master (4bd43b7)."""
     handler = signal.getsignal(signal.SIGINT)
     try:
         yield
@@ -70,7 +77,8 @@ def keep_ctrl_c() -> Iterator[None]:
 
 def _extract_8bit(self: Quantization, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
     """hivemind 1.1.12's Quantization.extract with one fix: it calls int() on a 1-element array, an error in NumPy 2,
-    so every 8-bit part failed to decode and silently stayed un-averaged."""
+    so every 8-bit part failed to decode and silently stayed un-averaged.
+    Upstream: no issue; fixed on hivemind's master (4bd43b7) by hivemind#670 (``.item()``), in no release yet."""
     codebook_size = int(np.frombuffer(serialized_tensor.buffer, count=1, dtype=np.int64)[0])
     codebook = np.frombuffer(serialized_tensor.buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
     quantized = np.frombuffer(serialized_tensor.buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
@@ -93,7 +101,9 @@ def _check_current_part_finished(self: TensorPartReducer) -> None:
     """hivemind 1.1.12's TensorPartReducer.check_current_part_finished with one fix: every sender of a part awaits
     the same future (``accumulate_part``, not shielded), so a sender's task cancelled at shutdown cancels it for all,
     and the next sender that fails then sets a result on a cancelled future: ``InvalidStateError`` in a task that
-    nobody awaits ("Task exception was never retrieved" and two tracebacks when a peer is stopped)."""
+    nobody awaits ("Task exception was never retrieved" and two tracebacks when a peer is stopped).
+    Upstream: none found (the reducer came with hivemind#272, its fault tolerance with #423); still so on hivemind's
+    master (4bd43b7)."""
     assert self.current_part_accumulated_from <= self.num_current_senders
     if self.current_part_accumulated_from == self.num_current_senders:
         if not self.current_part_future.done():
@@ -114,7 +124,9 @@ def fixed_part_reducer() -> Iterator[None]:
 
 class _NoGroupIsNoError(logging.Filter):
     """hivemind logs a round that found no group as an ERROR with a traceback (averager.py, _step). With a
-    matchmaking deadline (see start_step) that is an expected outcome, counted as ``rounds_no_group``."""
+    matchmaking deadline (see start_step) that is an expected outcome, counted as ``rounds_no_group``.
+    Upstream: hivemind#519 reports this ERROR, hivemind#387 (open) agrees it should go; still so on hivemind's master
+    (4bd43b7)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "could not find a group" not in record.getMessage()
@@ -137,7 +149,8 @@ class _DepartureIsOneLine(logging.Filter):
     round is cancelled at shutdown while a leader answers), and a state download from a donor too busy to send
     its next part in time (``averager.py``, ``_load_state_from_peers``, TimeoutError: hivemind tries the next
     donor; seen when a whole swarm restarts on a loaded machine). Other errors keep their traceback. On the handlers
-    of hivemind's package logger (every hivemind logger writes through them)."""
+    of hivemind's package logger (every hivemind logger writes through them).
+    Upstream: none found (hivemind#368 and #423 quieted other paths); still so on hivemind's master (4bd43b7)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -158,7 +171,9 @@ class _AbandonedDepartureIsOneLine(logging.Filter):
     Connection lost``), the task ends with that error instead of being cancelled, and asyncio logs "Task exception
     was never retrieved" with a traceback when the task is collected (seen on a box of a whole swarm stopped with
     Ctrl-C). The round was cancelled anyway, nothing is lost: one line, as a warning. Other abandoned errors keep
-    their traceback. On asyncio's logger (its records reach the root logger's handlers, not hivemind's)."""
+    their traceback. On asyncio's logger (its records reach the root logger's handlers, not hivemind's).
+    Upstream: none found (hivemind#357 awaits the tasks it cancels inside matchmaking, not in ``_step``); still so on
+    hivemind's master (4bd43b7)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -178,7 +193,8 @@ def cancel_step_first(control: StepControl) -> bool:
     The averager process awaits the first two (averager.py, ``_step``); when one of them ends before the step shows
     as cancelled, hivemind takes our cancellation for a failure and logs it as an ERROR with a traceback (seen in
     ``make demo`` on a loaded machine: a formed round not filled within next_chunk_timeout). The step's state is
-    shared memory: cancelled first, the averager process sees it as soon as it wakes."""
+    shared memory: cancelled first, the averager process sees it as soon as it wakes.
+    Upstream: none found (the order came with hivemind#411); still so on hivemind's master (4bd43b7)."""
     cancelled = MPFuture.cancel(control)
     if control._trigger is not None:
         control._trigger.cancel()
@@ -200,7 +216,8 @@ def log_departures_in_one_line() -> None:
 
 class LockedConnection:
     """The averager's control pipe with sends serialized. hivemind sends on it from whichever thread calls step(),
-    load_state_from_peers() or a property setter; concurrent sends on one multiprocessing connection interleave."""
+    load_state_from_peers() or a property setter; concurrent sends on one multiprocessing connection interleave.
+    Upstream: none found; still so on hivemind's master (4bd43b7)."""
 
     def __init__(self, connection: Any):
         self._connection, self._send_lock = connection, threading.Lock()
@@ -231,7 +248,9 @@ class _RequestsOfTheDead:
     sender's multiprocessing resource sharer while unpickling; if the sender dies meanwhile (an averager killed by
     the OOM killer or restarted by us), that raises EOFError, which hivemind's DHT.run does not catch (it catches
     OSError): the DHT process dies, and with it averaging for the whole peer. Raise an OSError instead: hivemind
-    logs it and drops that one request, whose sender is gone anyway."""
+    logs it and drops that one request, whose sender is gone anyway.
+    Upstream: none in hivemind (gensyn-ai/rl-swarm#77 and #102 report this EOFError in ``DHT._run``); still so on
+    hivemind's master (4bd43b7)."""
 
     def __init__(self, connection: Any):
         self._connection = connection
@@ -267,7 +286,8 @@ class FixedDHT(hivemind.DHT):
         such as a call to the p2p daemon on a loaded box, can be garbage-collected half-way. hivemind then logs
         "Task was destroyed but it is pending!" and a GeneratorExit traceback, and the caller never gets an answer
         (seen in the test suite, a routing-table read every 10 s at load 38 on 2 cores). Hold the task until it
-        ends; the same for get and store."""
+        ends; the same for get and store.
+        Upstream: none found (hivemind#427 fixed it on ``_put_items``); still so on hivemind's master (4bd43b7)."""
         async with self._held():
             await super()._run_coroutine(coro, future)
 
@@ -321,7 +341,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
                                balanced: bool = False) -> None:  # fmt: skip
         """Averager process. hivemind cannot restart an averager on a running DHT: the p2p daemon keeps the
         handlers a killed averager registered and refuses new ones ("handler ... already set"). So each averager
-        records the address it registers from, and its successor first removes what was registered from there."""
+        records the address it registers from, and its successor first removes what was registered from there.
+        Upstream: none found (hivemind#501 removes handlers in a clean shutdown only); still so on hivemind's master
+        (4bd43b7)."""
         stale = self._handler_address.value.decode()
         if stale:
             self._collect_rpc_handlers()
@@ -337,7 +359,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         round never ends, for us and for our groupmates. Keep the task alive until it finishes.
         A step cancelled while its AllReduce ran (our shutdown cancels every step) has nowhere to put the result:
         hivemind's ``step.set_result`` then raises ``InvalidStateError`` in this task, which nobody awaits ("Task
-        exception was never retrieved" and a traceback on a peer stopped with Ctrl-C). Nothing is lost: say so."""
+        exception was never retrieved" and a traceback on a peer stopped with Ctrl-C). Nothing is lost: say so.
+        Upstream: none found; still so on hivemind's master (4bd43b7), whose ``asyncio.InvalidStateError`` clause misses
+        MPFuture's ``concurrent.futures.InvalidStateError``."""
         task = asyncio.current_task()
         self._live_steps.add(task)
         try:
@@ -354,7 +378,8 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Averager process. Groupmates trigger when they are ready, so their parts may arrive before we registered
         the group. hivemind waits for that only while no other group (un)registers; with pipelined rounds one
-        always does, and the early sender would get BAD_GROUP_ID and drop us. Wait (bounded) for the group."""
+        always does, and the early sender would get BAD_GROUP_ID and drop us. Wait (bounded) for the group.
+        Upstream: none found (the single wait came with hivemind#432); still so on hivemind's master (4bd43b7)."""
         request, arrived = await anext(stream), time.time()
         deadline = time.monotonic() + self.trigger_grace
         while request.group_id not in self._running_groups and time.monotonic() < deadline:
@@ -392,7 +417,8 @@ class HivemindFixes(hivemind.DecentralizedAverager):
 
         `deadline` (DHT time) ends the matchmaking: by default hivemind looks for a group forever, and a
         groupmate whose averager died while its p2p daemon lives on (a restart, a crash) leaves the others'
-        matchmaking stuck for good (a join request to its dead handlers never ends)."""
+        matchmaking stuck for good (a join request to its dead handlers never ends).
+        Upstream: none found; still so on hivemind's master (4bd43b7)."""
         data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
         step = StepControl(scheduled_time=scheduled_time, deadline=deadline, allow_retries=False, weight=1.0,
                            data_for_gather=data_for_gather)  # fmt: skip
@@ -411,7 +437,8 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     @contextlib.contextmanager
     def buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor]]:
         """The averaged tensors under their lock, like get_tensors(); hivemind's waits for the lock forever, and an
-        averager killed mid-AllReduce leaves it locked for good. Raises AveragerUnresponsive after `timeout` s."""
+        averager killed mid-AllReduce leaves it locked for good. Raises AveragerUnresponsive after `timeout` s.
+        Upstream: none found; still so on hivemind's master (4bd43b7)."""
         if not self.lock_averaged_tensors.acquire(timeout=timeout):
             raise AveragerUnresponsive(f"held its buffers for over {timeout:.0f}s")
         try:
@@ -424,7 +451,8 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         ends with terminate(): a SIGSTOPped process never handles that SIGTERM, lives on, and multiprocessing joins
         it at interpreter exit, so the program never ends. So continue a stopped process first (see _resume), and
         kill what is left. For a dead process, only stop our state-fetching thread (hivemind's shutdown() would log
-        an exception)."""
+        an exception).
+        Upstream: none found (hivemind#301 made shutdown graceful); still so on hivemind's master (4bd43b7)."""
         if self.is_alive():
             self._resume()
             super().shutdown()

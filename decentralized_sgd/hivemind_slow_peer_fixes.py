@@ -1,5 +1,5 @@
-"""hivemind 1.1.12 work-arounds that keep healthy peers at their pace when a groupmate's box is overloaded (issue 11,
-item 3); the sibling of ``hivemind_fixes``, each naming the hivemind behaviour it covers.
+"""hivemind 1.1.12 work-arounds that keep healthy peers at their pace when a groupmate's box is overloaded; the
+sibling of ``hivemind_fixes``, each naming the hivemind behaviour it covers and its upstream issue.
 
 Why (measured with ``benchmarks/bench_averaging.py --regimes straggler --trace``, 5 peers, one stopped 80% of the
 time; ``benchmarks/results/straggler_evidence.md``): the healthy peers lose their time in hivemind's DHT, not in
@@ -27,7 +27,7 @@ enough (``wait_timeout``, 3 s) to be blacklisted. Four hivemind behaviours put t
    at all. Fix: ``SlowReplyBlacklist`` puts a node that answers late far more often than the others into that
    blacklist, never more than a fifth of the nodes at once.
 
-A swarm that is slow everywhere (issue 18: 16 peers on a 2-core machine; a congested network) is not a swarm with
+A swarm that is slow everywhere (16 peers on a 2-core machine; a congested network) is not a swarm with
 a slow peer: every DHT node answers late now and then and many join requests time out. Fixes 3 and 4 therefore
 judge a node by its rate of late answers against the median rate of the others (``RelativeLateness``: when all
 are slow the median moves with them) and cap how many they exclude at once, never all (``RelativeLateness.cap``).
@@ -84,7 +84,8 @@ class SharedCounts:
 
 class CoalescedEvent(asyncio.Event):
     """An asyncio.Event whose set() wakes waiters at most once per `period` seconds; a set() in between is delayed
-    to the end of the period (never lost). Runs in the averager's event loop (fix 1)."""
+    to the end of the period (never lost). Runs in the averager's event loop (fix 1).
+    Upstream: none found (the per-tensor set dates from hivemind#398); still so on hivemind's master (4bd43b7)."""
 
     def __init__(self, period: float):
         super().__init__()
@@ -115,7 +116,9 @@ class BackgroundDeclarations:
     loop. ``pending``: the tasks not done yet (the averager's shutdown waits for them, and so for every call they
     still hold). A withdrawal is not sent at all when the declaration it withdraws expires before a store could
     land (``store_s``, how long the last declarations took): hivemind sends it anyway, and in a loaded swarm,
-    whose groups form as declarations expire, those stores only slowed the DHT further."""
+    whose groups form as declarations expire, those stores only slowed the DHT further.
+    Upstream: hivemind#357 made the search wait for the withdrawal and asked whether that is wanted; still so on
+    hivemind's master (4bd43b7)."""
 
     def __init__(self, declare_averager: Callable[..., Awaitable[bool]]):
         self._declare_averager = declare_averager
@@ -205,7 +208,9 @@ class LeaderAvoidance:
     further time-out up to max_s; a request that gets a group forgives (fix 3). Only a leader that times out far
     more often than the others (``RelativeLateness``) is avoided, and never more than `max_share` of the potential
     leaders we know, ourselves included (a peer that asks nobody leads its own group), so a swarm in which every
-    leader is slow to answer keeps asking them. Averager process, event loop."""
+    leader is slow to answer keeps asking them. Averager process, event loop.
+    Upstream: none found (hivemind#676, open, asks for straggler-aware deadlines); still so on hivemind's master
+    (4bd43b7)."""
 
     def __init__(self, request_timeout: float, counts: SharedCounts | None = None, base_s: float = 5.0,
                  max_s: float = 30.0, max_share: float = 0.25, lateness: RelativeLateness | None = None):  # fmt: skip
@@ -267,7 +272,8 @@ class SlowReplyBlacklist:
     late now and then, and banning them all (as this fix did before it compared late-answer *rates*: 50 bans at one
     peer of a 16-peer swarm in 2 minutes) scatters the DHT's replicas, so that peers no longer find each other's
     group declarations. A blacklisted node still stores its own declarations on us: we still see it as a
-    groupmate, we just do not wait for its answers."""
+    groupmate, we just do not wait for its answers.
+    Upstream: none found (closest: hivemind#676, #624); still so on hivemind's master (4bd43b7)."""
 
     def __init__(self, counts: SharedCounts | None = None, factor: float = 4.0, min_s: float = 0.1,
                  max_share: float = 0.2, lateness: RelativeLateness | None = None):  # fmt: skip

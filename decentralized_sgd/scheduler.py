@@ -38,8 +38,8 @@ Lock order: the averager's buffer lock, then ``dsgd.lock``, then ``RoundBook.loc
 The tensor work of steps 2-4 and of the trainer's apply is ``exchange``'s; this module decides when.
 
 Extension points: ``gather_payload()`` (sent to the groupmates with hivemind's gather) and ``accept_group(round)``
-(decides on a formed group); both, the verdict on an ended round and the update check are ``vetting``'s (issue 13:
-diverged peers and the swarm secret).
+(decides on a formed group); both, the verdict on an ended round and the update check are ``vetting``'s (diverged
+peers and the swarm secret).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A peer notices that its own box starves it of CPU, and stays out of groups until it recovers (issue 11, item 3).
+"""A peer notices that its own box starves it of CPU, and stays out of groups until it recovers.
 
 Why: a peer whose processes get the CPU only now and then (another job saturating the cores, a stopped process
 group, a box swapping) still looks for groups: it leads groups that then wait for it, or joins groups whose

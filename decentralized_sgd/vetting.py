@@ -1,4 +1,4 @@
-"""The trainer's side of issue 13: what a round must pass before its update is applied, and what a peer does when its
+"""The trainer's side of vetting: what a round must pass before its update is applied, and what a peer does when its
 group finds that its weights diverged. The averager process's side is ``guard``; the rules are ``outliers``.
 
 Per round, in the scheduler thread:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ import torch
 
 from decentralized_sgd import DecentralizedSGD, keep_dht_connected
 from decentralized_sgd.hivemind_fixes import FixedDHT
+from vissl_swarm import local_swarm
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -49,12 +51,8 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, describe: Callable[[], object] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout}s: {describe()}")
-        time.sleep(0.05)
+# the tests of the optimizer poll often: their conditions are cheap and their rounds take about a second
+wait_until = functools.partial(local_swarm.wait_until, poll=0.05)
 
 
 def drive(peer: DecentralizedSGD, until: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -190,7 +190,7 @@ def test_next_group_forms_while_the_previous_allreduce_runs(swarm, monkeypatch):
         # matchmaking began before that round's end (the formation is stamped when the scheduler notices it, which
         # on a loaded machine can be a moment after the averager process stamped the previous round's end)
         assert nxt["t_start"] < prev["t_end"] and nxt["t_start"] < nxt["t_group_formed"]
-        # ... but ran only after it ended, with its result in: applied by then, or added to the fill (issue 11)
+        # ... but ran only after it ended, with its result in: applied by then, or added to the fill
         assert nxt["t_triggered"] >= prev["t_end"]
         assert nxt["t_triggered"] >= prev["t_applied"] or nxt["results_included"] == 1
         # the round's times, in order; its AllReduce as the averager process stamped it (it holds the slow network)
@@ -355,11 +355,11 @@ def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_val
         monkeypatch.setattr(bad.averaged_tensors, "all_finite", lambda tensors: True)
     for peer in good:
         swarm.train(peer)
-    # the good peers hold their mean before the bad one trains: it heals by taking one's state (issue 13)
+    # the good peers hold their mean before the bad one trains: it heals by taking one's state
     wait_until(lambda: all(p.counters["rounds_applied"] >= 1 for p in good), 60, lambda: [p.counters for p in good])
     swarm.train(bad)
 
-    def bad_was_grouped() -> bool:  # its groupmates' verdict left it out of the AllReduce (issue 13)
+    def bad_was_grouped() -> bool:  # its groupmates' verdict left it out of the AllReduce
         return any(str(bad.peer_id) in (r["group"] or []) + (r.get("outliers") or []) for p in good for r in p.records)
 
     if bad_peer_checks_itself:  # weight 0: the good peers average exactly as if the bad one were absent

@@ -35,6 +35,16 @@ def test_no_swarm_secret_with_hivemind_optimizer() -> None:
                                                            "--swarm_secret", "s3cret"]))  # fmt: skip
 
 
+@pytest.mark.parametrize("averager", ["old", "hivemind_optimizer"])
+def test_no_staleness_bound_with_a_baseline(averager: str) -> None:
+    import run_trainer
+    from vissl_swarm import swarm
+
+    with pytest.raises(swarm.SwarmError, match=f"--max_staleness needs the improved averager .*{averager}"):
+        run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--averager", averager,
+                                                           "--max_staleness", "2"]))  # fmt: skip
+
+
 def test_target_batch_size_default_and_environment() -> None:
     assert target_batch_size(16, 3, environ={}) == 16 * 3 * DEFAULT_STEPS_PER_EPOCH
     assert target_batch_size(16, 3, environ={TARGET_BATCH_ENV: "480"}) == 480
@@ -54,7 +64,8 @@ class _Larc:
 
 
 @pytest.mark.timeout(120)
-def test_installed_inside_larc_vissl_lr_reaches_the_sgd() -> None:
+def test_installed_inside_larc_vissl_lr_reaches_the_sgd(tmp_path: Path) -> None:
+    from decentralized_task import DecentralizedSelfSupervisionTask
     from vissl_swarm import swarm
 
     dht = swarm.start_dht(swarm.SwarmSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
@@ -62,11 +73,12 @@ def test_installed_inside_larc_vissl_lr_reaches_the_sgd() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.0)
     larc = _Larc(sgd)
     task = SimpleNamespace(optimizer=SimpleNamespace(optimizer=larc), dht=dht, run_prefix="unit_swav",
-                           base_model=model, get_global_batchsize=lambda: 8)
+                           base_model=model, get_global_batchsize=lambda: 8, training_progress=lambda: {})
     settings = swarm.SwarmSettings(target_group_size=2, min_matchmaking_time=1.0, averaging_timeout=5.0)
     averager = None
     try:
-        averager = HivemindOptimizerAverager.install(task, settings, records_path="")
+        options = DecentralizedSelfSupervisionTask._averager_options(task, settings, tmp_path / "rounds.jsonl")
+        averager = HivemindOptimizerAverager.install(task, settings, options)  # as HivemindOptimizerTask does
         assert isinstance(averager, Averaging)
         assert isinstance(larc.optim, VisslHivemindOptimizer) and larc.optim.opt is sgd
         assert larc.param_groups is sgd.param_groups  # VISSL's writes land in the SGD's own groups, not copies

@@ -1,4 +1,4 @@
-"""A box comes back after a crash with the command it was started with (issue 18, item 1), at the DHT level:
+"""A box comes back after a crash with the command it was started with, at the DHT level:
 
 1. the address book keeps the peers a box met (newest first, at most ``keep``), in a file that survives it;
 2. a first box (no --initial_peers) started again dials the peers of its book and is back in their DHT;

@@ -1,4 +1,4 @@
-"""A swarm of 16 reaches consensus with the slow-peer fixes on (issue 18, item 5).
+"""A swarm of 16 reaches consensus with the slow-peer fixes on.
 
 Why: 16 peers on one small machine answer slowly *everywhere* (every DHT node, every leader). The slow-peer fixes
 (``decentralized_sgd.hivemind_slow_peer_fixes``) were built against one slow peer among healthy ones, and once took

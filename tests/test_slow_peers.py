@@ -1,4 +1,4 @@
-"""The pieces of issue 11's straggler fix, each on its own: coalesced state declarations, leader avoidance, the
+"""The pieces of the straggler fix, each on its own: coalesced state declarations, leader avoidance, the
 slow-reply DHT blacklist (real DHT nodes on 127.0.0.1, one of them stopped 80% of the time), the starvation
 monitor (a real process stopped 80% of the time) and the data-loader workers' lower CPU priority (a real VISSL task's
 loader). No timing assertions: only what each piece decided."""

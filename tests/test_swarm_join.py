@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -18,12 +17,7 @@ from dsgd_swarm import port_is_free
 from hivemind.p2p import P2P, PeerID
 
 from vissl_swarm import swarm
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from vissl_swarm.local_swarm import free_port
 
 
 @pytest.mark.timeout(120)

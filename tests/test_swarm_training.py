@@ -25,9 +25,11 @@ from vissl_swarm.swarm_progress import SwarmProgress
 SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=3000",
                    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10", "config.LOG_FREQUENCY=5"]
 SWARM_SECRET = "swarmtest-secret"  # the peers average with a swarm secret (it reaches spawned workers too)
+# --join_timeout: how long a joiner whose --initial_peers is down (the whole swarm's restart) waits before it dials
+# the peers it met; half the default, still five pings of the first box at start
 SWARM_FLAGS = ["--run_id", "swarmtest", "--target_group_size", "3", "--min_matchmaking_time", "2",
                "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none",
-               "--swarm_secret", SWARM_SECRET]
+               "--swarm_secret", SWARM_SECRET, "--join_timeout", "15"]
 
 
 def float_tensors(model_state: dict) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""A box that averages with nobody says so (issue 18, item 2): one WARNING after a minute without an applied round,
+"""A box that averages with nobody says so: one WARNING after a minute without an applied round,
 again every 5 minutes while it lasts, naming the likely causes; a round resets it. The hook on a real run (a box
 alone, the warning in its log) is in test_single_peer_training."""
 

@@ -20,15 +20,24 @@ REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:
-    """Poll ``condition`` until it returns something truthy; TimeoutError naming ``what`` otherwise."""
+def wait_until(condition: Callable[[], Any], timeout: float, what: str | Callable[[], object] = "the condition",
+               poll: float = 0.5) -> Any:
+    """Poll ``condition`` until it returns something truthy, and return that. TimeoutError otherwise, naming ``what``
+    (or, if it is a callable, what it returns then: the state worth seeing when a wait fails)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(poll)
-    raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
+    raise TimeoutError(f"{what() if callable(what) else what} did not happen within {timeout:.0f} s")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, released for the caller's process to take (a fixed --host_maddrs port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @dataclass
@@ -155,9 +164,7 @@ def fixed_address(peer: LocalPeer) -> tuple[list[str], list[str]]:
     identity = peer.out_dir / f"{peer.name}.identity"
     if not identity.exists():
         P2P.generate_identity(str(identity))
-    with socket.socket() as probe:  # a free port on the loopback, released for the peer to take
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
     return ["--identity_path", str(identity), "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}"], [address]
 
