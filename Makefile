@@ -61,6 +61,7 @@ demo: venv data
 
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf checkpoints demo_out .pytest_cache

@@ -135,9 +135,12 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         (and a final checkpoint says whether the swarm's budget was done)."""
         state = super().get_classy_state(deep_copy=deep_copy)
         if self.swarm_progress is not None:
-            state["swarm_progress"] = {**self.swarm_progress.state_dict(), "position": self.schedule_position,
-                                       "budget": self.schedule.budget,
-                                       "done": self.schedule.done(self.schedule_position)}
+            state["swarm_progress"] = {
+                **self.swarm_progress.state_dict(),
+                "position": self.schedule_position,
+                "budget": self.schedule.budget,
+                "done": self.schedule.done(self.schedule_position),
+            }
         return state
 
     def _set_classy_state(self, state: dict) -> None:
@@ -158,8 +161,10 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         self.config["MODEL"]["_MODEL_INIT_SEED"] = seed  # VISSL seeds each head with it (else with SEED_VALUE)
         with set_torch_seed(seed):  # the trunk draws from torch's generator; the peer's state is restored after
             model = super()._build_model()
-        logging.info(f"Initial model of run {settings.run_id!r} ({settings.config_name}): seed {seed}, "
-                     f"trunk fingerprint {weights_fingerprint(model.trunk)}")
+        logging.info(
+            f"Initial model of run {settings.run_id!r} ({settings.config_name}): seed {seed}, "
+            f"trunk fingerprint {weights_fingerprint(model.trunk)}"
+        )
         return model
 
     def build_dataloaders(self, pin_memory: bool, current_train_phase_idx: int = 0) -> dict:
@@ -215,8 +220,10 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             self.swarm_progress = SwarmProgress(self.dht, self.run_prefix, self.schedule.box_batch)
             restored = self.swarm_progress.load_state_dict(self._checkpoint_progress)
             if restored:
-                logging.info(f"Swarm schedule: resumed {self.swarm_progress.known_samples()} samples of the swarm "
-                             f"from the checkpoint ({restored} boxes' counts)")
+                logging.info(
+                    f"Swarm schedule: resumed {self.swarm_progress.known_samples()} samples of the swarm "
+                    f"from the checkpoint ({restored} boxes' counts)"
+                )
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
         print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
         if note := swarm.reachability_note(swarm.visible_maddrs(self.dht)):
@@ -225,9 +232,13 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         """DecentralizedSGD around VISSL's torch optimizer. The benchmarks' baselines are tasks that put another
         averager here (``baselines/tasks.py``)."""
-        return DecentralizedSGD(torch_optimizer(self), self.dht, swarm_secret=settings.secret(),
-                                weight_by_samples=settings.weight_by_samples,
-                                **self._averager_options(settings, records_path))  # fmt: skip
+        return DecentralizedSGD(
+            torch_optimizer(self),
+            self.dht,
+            swarm_secret=settings.secret(),
+            weight_by_samples=settings.weight_by_samples,
+            **self._averager_options(settings, records_path),
+        )
 
     def _averager_options(self, settings: swarm.SwarmSettings, records_path: Path) -> dict[str, Any]:
         """What an averager of this task is built with, from the command line's swarm settings."""
@@ -274,8 +285,10 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                 if self.checkpoint_path is not None:
                     logging.info(f"{self.checkpoint_path} is behind the swarm: continuing from the swarm's weights")
                 known = self.swarm_progress.known_samples()
-                logging.info(f"Joined the swarm at its position: {known} samples of {self.schedule.budget} "
-                             f"(where {self.schedule.where(known):.4f})")
+                logging.info(
+                    f"Joined the swarm at its position: {known} samples of {self.schedule.budget} "
+                    f"(where {self.schedule.where(known):.4f})"
+                )
             return
         if progress.get("iteration", 0) <= 0:
             return

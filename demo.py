@@ -35,11 +35,19 @@ class DemoError(RuntimeError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (train/ val/)")
-    parser.add_argument("--minutes", type=float, default=3.0,
-                        help="how long the swarm trains, from the moment every peer has logged its first step")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=3.0,
+        help="how long the swarm trains, from the moment every peer has logged its first step",
+    )
     parser.add_argument("--peers", type=int, default=3, help="number of peers on this machine")
-    parser.add_argument("--out", type=Path, default=REPO / "demo_out",
-                        help="checkpoints, logs, table and plot; emptied at start (only if a demo made it, or empty)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "demo_out",
+        help="checkpoints, logs, table and plot; emptied at start (only if a demo made it, or empty)",
+    )
     parser.add_argument("--min_matchmaking_time", type=float, default=3.0, help="seconds to gather each group")
     return parser
 
@@ -47,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
 def show_progress(peers: list[LocalPeer], shown: list[int]) -> None:
     for index, peer in enumerate(peers):
         entries = peer.progress()
-        for entry in entries[shown[index]:]:
-            line = (f"[{peer.name}] step {entry['step']:4d}  loss {entry['loss']:.4f}  "
-                    f"{entry['samples_per_s']:6.1f} samples/s  swarm at {entry.get('where', 0):6.1%}  "
-                    f"rounds ok {entry.get('rounds_ok', 0)}")
+        for entry in entries[shown[index] :]:
+            line = (
+                f"[{peer.name}] step {entry['step']:4d}  loss {entry['loss']:.4f}  "
+                f"{entry['samples_per_s']:6.1f} samples/s  swarm at {entry.get('where', 0):6.1%}  "
+                f"rounds ok {entry.get('rounds_ok', 0)}"
+            )
             if entry.get("group_size"):
                 line += f"  last group {entry['group_size']}  staleness {entry['staleness_steps']}"
             print(line, flush=True)
@@ -61,16 +71,18 @@ def summarize(peers: list[LocalPeer]) -> list[dict]:
     rows = []
     for peer in peers:
         progress, rounds = peer.progress(), peer.applied_rounds()
-        rows.append({
-            "peer": peer.name,
-            "steps": progress[-1]["step"] if progress else 0,
-            "own_samples": progress[-1].get("own_samples") if progress else None,
-            "swarm_samples": progress[-1].get("swarm_samples") if progress else None,
-            "final_loss": round(progress[-1]["loss"], 4) if progress else None,
-            "rounds": len(rounds),
-            "mean_group_size": round(mean(r["group_size"] for r in rounds), 2) if rounds else None,
-            "mean_staleness": round(mean(r["staleness_steps"] for r in rounds), 2) if rounds else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "peer": peer.name,
+                "steps": progress[-1]["step"] if progress else 0,
+                "own_samples": progress[-1].get("own_samples") if progress else None,
+                "swarm_samples": progress[-1].get("swarm_samples") if progress else None,
+                "final_loss": round(progress[-1]["loss"], 4) if progress else None,
+                "rounds": len(rounds),
+                "mean_group_size": round(mean(r["group_size"] for r in rounds), 2) if rounds else None,
+                "mean_staleness": round(mean(r["staleness_steps"] for r in rounds), 2) if rounds else None,
+            }
+        )
     return rows
 
 
@@ -100,8 +112,13 @@ def plot(peers: list[LocalPeer], path: Path) -> None:
             timeline_axis.barh(index, end - start, left=start - t0, height=0.6, color=color, alpha=0.5)
     loss_axis.set(xlabel="step", ylabel="SwAV loss", title="loss of each peer")
     loss_axis.legend()
-    timeline_axis.set(xlabel="seconds", ylabel="peer", title="averaging rounds (green: applied, red: failed)",
-                      yticks=range(len(peers)), yticklabels=[peer.name for peer in peers])
+    timeline_axis.set(
+        xlabel="seconds",
+        ylabel="peer",
+        title="averaging rounds (green: applied, red: failed)",
+        yticks=range(len(peers)),
+        yticklabels=[peer.name for peer in peers],
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -136,13 +153,28 @@ def any_training(peers: list[LocalPeer]) -> bool:
 
 def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
     """Start the peers, wait until each trains, let them train for --minutes while showing their progress."""
-    flags = ["--run_id", "demo", "--target_group_size", str(args.peers), "--min_matchmaking_time",
-             str(args.min_matchmaking_time), "--averaging_timeout", "30", "--next_chunk_timeout", "5"]
+    flags = [
+        "--run_id",
+        "demo",
+        "--target_group_size",
+        str(args.peers),
+        "--min_matchmaking_time",
+        str(args.min_matchmaking_time),
+        "--averaging_timeout",
+        "30",
+        "--next_chunk_timeout",
+        "5",
+    ]
     # 40 epochs of the digits for the whole swarm (the swarm-wide schedule): one peer alone would take 3,560 steps
     overrides = ["config.OPTIMIZER.num_epochs=40", "config.CHECKPOINT.OVERWRITE_EXISTING=True"]
     started = time.monotonic()
-    addresses = start_swarm(peers, args.data_path, flags, overrides,
-                            per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+    addresses = start_swarm(
+        peers,
+        args.data_path,
+        flags,
+        overrides,
+        per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"],
+    )
     print(f"[peer0] join line: python run_trainer.py --config swav_tiny --initial_peers {' '.join(addresses)}")
     shown = [0] * len(peers)
 
@@ -158,8 +190,10 @@ def run_swarm(peers: list[LocalPeer], args: argparse.Namespace) -> None:
         raise_if_a_peer_failed(peers)
         show_progress(peers, shown)
         if not any_training(peers):
-            print("the swarm trained on the recipe's epochs before the end of --minutes: every peer ended by itself",
-                  flush=True)
+            print(
+                "the swarm trained on the recipe's epochs before the end of --minutes: every peer ended by itself",
+                flush=True,
+            )
             break
 
 
@@ -168,8 +202,11 @@ def warn_of_tracebacks(peers: list[LocalPeer]) -> None:
     for peer in peers:
         count = peer.log_text().count("Traceback (most recent call last)")
         if count:
-            print(f"warning: {peer.name}'s log holds {count} traceback(s), though the peer trained on: "
-                  f"{peer.log_path} (please report it)", file=sys.stderr)
+            print(
+                f"warning: {peer.name}'s log holds {count} traceback(s), though the peer trained on: "
+                f"{peer.log_path} (please report it)",
+                file=sys.stderr,
+            )
 
 
 def report(peers: list[LocalPeer], out: Path) -> list[dict]:
@@ -202,8 +239,11 @@ def main() -> int:
         stop_all(peers)
     rows = report(peers, args.out)
     warn_of_tracebacks(peers)
-    problems = [f"{peer.name} did not train" + (f" (see {peer.log_path})" if peer.process else " (not started)")
-                for peer, row in zip(peers, rows, strict=True) if row["steps"] == 0] + ([failure] if failure else [])
+    problems = [
+        f"{peer.name} did not train" + (f" (see {peer.log_path})" if peer.process else " (not started)")
+        for peer, row in zip(peers, rows, strict=True)
+        if row["steps"] == 0
+    ] + ([failure] if failure else [])
     if problems:
         print(f"\nerror: the demo failed: {'; '.join(problems)}", file=sys.stderr)
         return 1

@@ -61,7 +61,7 @@ def resnet50_name(vissl_name: str) -> str:
     """``_feature_blocks.layer1.0.conv1.weight`` -> ``layer1.0.conv1.weight`` (VISSL's ResNeXt trunk holds
     torchvision's own conv1/bn1/layer1..4 modules under ``_feature_blocks``)."""
     prefix = "_feature_blocks."
-    return vissl_name[len(prefix):] if vissl_name.startswith(prefix) else vissl_name
+    return vissl_name[len(prefix) :] if vissl_name.startswith(prefix) else vissl_name
 
 
 def torchvision_resnet50_shapes() -> Shapes:
@@ -78,25 +78,39 @@ def timm_vit_small_patch16_224_shapes() -> Shapes:
     12 blocks with 6 heads, MLP 4x, qkv with bias, a 1000-class head (timm's VisionTransformer; LayerScale, q/k
     norms, fc_norm and norm_pre are Identity there and hold no weights)."""
     dim, hidden, depth, patches, classes = 384, 1536, 12, (224 // 16) ** 2, 1000
-    shapes: Shapes = {"cls_token": (1, 1, dim), "pos_embed": (1, patches + 1, dim),
-                      "patch_embed.proj.weight": (dim, 3, 16, 16), "patch_embed.proj.bias": (dim,)}
+    shapes: Shapes = {
+        "cls_token": (1, 1, dim),
+        "pos_embed": (1, patches + 1, dim),
+        "patch_embed.proj.weight": (dim, 3, 16, 16),
+        "patch_embed.proj.bias": (dim,),
+    }
     for block in range(depth):
-        for name, shape in {"norm1.weight": (dim,), "norm1.bias": (dim,),
-                            "attn.qkv.weight": (3 * dim, dim), "attn.qkv.bias": (3 * dim,),
-                            "attn.proj.weight": (dim, dim), "attn.proj.bias": (dim,),
-                            "norm2.weight": (dim,), "norm2.bias": (dim,),
-                            "mlp.fc1.weight": (hidden, dim), "mlp.fc1.bias": (hidden,),
-                            "mlp.fc2.weight": (dim, hidden), "mlp.fc2.bias": (dim,)}.items():
+        for name, shape in {
+            "norm1.weight": (dim,),
+            "norm1.bias": (dim,),
+            "attn.qkv.weight": (3 * dim, dim),
+            "attn.qkv.bias": (3 * dim,),
+            "attn.proj.weight": (dim, dim),
+            "attn.proj.bias": (dim,),
+            "norm2.weight": (dim,),
+            "norm2.bias": (dim,),
+            "mlp.fc1.weight": (hidden, dim),
+            "mlp.fc1.bias": (hidden,),
+            "mlp.fc2.weight": (dim, hidden),
+            "mlp.fc2.bias": (dim,),
+        }.items():
             shapes[f"blocks.{block}.{name}"] = shape
     shapes |= {"norm.weight": (dim,), "norm.bias": (dim,), "head.weight": (classes, dim), "head.bias": (classes,)}
     return shapes
 
 
 TARGETS = {
-    "swav_resnet50": Target("torchvision resnet50", resnet50_name, torchvision_resnet50_shapes,
-                            ("fc.weight", "fc.bias")),
-    "swav_vit_small": Target("timm vit_small_patch16_224", lambda name: name, timm_vit_small_patch16_224_shapes,
-                             ("head.weight", "head.bias")),
+    "swav_resnet50": Target(
+        "torchvision resnet50", resnet50_name, torchvision_resnet50_shapes, ("fc.weight", "fc.bias")
+    ),
+    "swav_vit_small": Target(
+        "timm vit_small_patch16_224", lambda name: name, timm_vit_small_patch16_224_shapes, ("head.weight", "head.bias")
+    ),
 }
 
 
@@ -115,16 +129,24 @@ def convert(state: StateDict, config: str, source: Path) -> StateDict:
     converted = {target.rename(name): tensor for name, tensor in state.items()}
     expected = target.shapes()
     problems = [f"{name} (not in {target.model})" for name in converted if name not in expected]
-    problems += [f"{name} has shape {tuple(tensor.shape)}, {target.model} expects {expected[name]}"
-                 for name, tensor in converted.items() if name in expected and tuple(tensor.shape) != expected[name]]
+    problems += [
+        f"{name} has shape {tuple(tensor.shape)}, {target.model} expects {expected[name]}"
+        for name, tensor in converted.items()
+        if name in expected and tuple(tensor.shape) != expected[name]
+    ]
     problems += [f"{name} is missing" for name in expected if name not in converted and name not in target.classifier]
     if problems:
         kind = trunk_kind(state)
-        hint = (f"it looks like a {kind} trunk: pass --config {kind}" if kind and kind != config else
-                f"pass the --config it was trained with ({', '.join(TARGETS)}); only their standard "
-                "architectures can be exported")
-        raise ExportError(f"--checkpoint {source}: its trunk does not fit {target.model} for --config {config} "
-                          f"({len(problems)} problems, first: {'; '.join(problems[:3])}); {hint}")
+        hint = (
+            f"it looks like a {kind} trunk: pass --config {kind}"
+            if kind and kind != config
+            else f"pass the --config it was trained with ({', '.join(TARGETS)}); only their standard "
+            "architectures can be exported"
+        )
+        raise ExportError(
+            f"--checkpoint {source}: its trunk does not fit {target.model} for --config {config} "
+            f"({len(problems)} problems, first: {'; '.join(problems[:3])}); {hint}"
+        )
     return converted
 
 
@@ -135,14 +157,18 @@ def average_trunks(states: list[StateDict], sources: list[Path]) -> StateDict:
     for state, source in zip(states[1:], sources[1:], strict=True):
         if state.keys() != first.keys():
             only = sorted(state.keys() ^ first.keys())[:3]
-            raise ExportError(f"cannot average --checkpoint {first_source} and {source}: their trunks have "
-                              f"different parameters (e.g. {', '.join(only)}); average only the final checkpoints "
-                              "of one run's boxes")
+            raise ExportError(
+                f"cannot average --checkpoint {first_source} and {source}: their trunks have "
+                f"different parameters (e.g. {', '.join(only)}); average only the final checkpoints "
+                "of one run's boxes"
+            )
         for name, tensor in state.items():
             if tensor.shape != first[name].shape:
-                raise ExportError(f"cannot average --checkpoint {first_source} and {source}: {name} has shape "
-                                  f"{tuple(first[name].shape)} in the first and {tuple(tensor.shape)} in the other; "
-                                  "average only the final checkpoints of one run's boxes (one config)")
+                raise ExportError(
+                    f"cannot average --checkpoint {first_source} and {source}: {name} has shape "
+                    f"{tuple(first[name].shape)} in the first and {tuple(tensor.shape)} in the other; "
+                    "average only the final checkpoints of one run's boxes (one config)"
+                )
     averaged = {}
     for name, tensor in first.items():
         if tensor.is_floating_point():
@@ -156,8 +182,10 @@ def average_trunks(states: list[StateDict], sources: list[Path]) -> StateDict:
 def export_trunk(checkpoints: list[Path], config: str, out: Path, average: bool = False) -> StateDict:
     """Read, check, (average,) convert and save; return the exported state dict."""
     if config not in TARGETS:
-        raise ExportError(f"--config {config}: export supports {', '.join(TARGETS)} (the trunks torchvision and "
-                          "timm have); pass the config the checkpoint was trained with")
+        raise ExportError(
+            f"--config {config}: export supports {', '.join(TARGETS)} (the trunks torchvision and "
+            "timm have); pass the config the checkpoint was trained with"
+        )
     if len(checkpoints) > 1 and not average:
         raise ExportError(f"{len(checkpoints)} checkpoints given: pass one, or --average to average them")
     try:
@@ -173,16 +201,29 @@ def export_trunk(checkpoints: list[Path], config: str, out: Path, average: bool 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, nargs="+", required=True,
-                        help="VISSL checkpoint files or peer checkpoint folders (a folder: its checkpoint.torch, "
-                             "else its newest model_*.torch)")
-    parser.add_argument("--config", required=True, choices=sorted(TARGETS),
-                        help="the config the trunk was trained with: it decides the target naming")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="VISSL checkpoint files or peer checkpoint folders (a folder: its checkpoint.torch, "
+        "else its newest model_*.torch)",
+    )
+    parser.add_argument(
+        "--config",
+        required=True,
+        choices=sorted(TARGETS),
+        help="the config the trunk was trained with: it decides the target naming",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the exported state dict (torch.save)")
-    parser.add_argument("--average", action="store_true",
-                        help="average the trunks of several checkpoints (e.g. every box's final checkpoint)")
+    parser.add_argument(
+        "--average",
+        action="store_true",
+        help="average the trunks of several checkpoints (e.g. every box's final checkpoint)",
+    )
     return parser
 
 
@@ -194,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     target = TARGETS[args.config]
-    print(f"wrote {args.out}: {len(state)} tensors in {target.model} naming "
-          f"({'average of ' + str(len(args.checkpoint)) + ' checkpoints' if args.average else args.checkpoint[0]}); "
-          f"load with strict=False, missing only {', '.join(target.classifier)}")
+    print(
+        f"wrote {args.out}: {len(state)} tensors in {target.model} naming "
+        f"({'average of ' + str(len(args.checkpoint)) + ' checkpoints' if args.average else args.checkpoint[0]}); "
+        f"load with strict=False, missing only {', '.join(target.classifier)}"
+    )
     return 0
 
 

@@ -65,29 +65,53 @@ class KnnResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path,
-                        help="a VISSL checkpoint file, or a peer's checkpoint folder (its checkpoint.torch, else "
-                             "its newest model_*.torch)")
-    source.add_argument("--random_init", action="store_true",
-                        help="evaluate the untrained trunk (seeded with the config's SEED_VALUE): the baseline")
-    parser.add_argument("--data_path", type=Path, required=True,
-                        help="labelled ImageFolder dataset: DATA_PATH/train/<class>/<image> and DATA_PATH/val/...")
-    parser.add_argument("--config", default="swav_tiny",
-                        help=f"the config the trunk was trained with (available: {', '.join(available_configs())})")
-    parser.add_argument("--adapt_bn", action="store_true",
-                        help="recompute the trunk's BatchNorm statistics on DATA_PATH/train before extracting")
+    source.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a VISSL checkpoint file, or a peer's checkpoint folder (its checkpoint.torch, else "
+        "its newest model_*.torch)",
+    )
+    source.add_argument(
+        "--random_init",
+        action="store_true",
+        help="evaluate the untrained trunk (seeded with the config's SEED_VALUE): the baseline",
+    )
+    parser.add_argument(
+        "--data_path",
+        type=Path,
+        required=True,
+        help="labelled ImageFolder dataset: DATA_PATH/train/<class>/<image> and DATA_PATH/val/...",
+    )
+    parser.add_argument(
+        "--config",
+        default="swav_tiny",
+        help=f"the config the trunk was trained with (available: {', '.join(available_configs())})",
+    )
+    parser.add_argument(
+        "--adapt_bn",
+        action="store_true",
+        help="recompute the trunk's BatchNorm statistics on DATA_PATH/train before extracting",
+    )
     parser.add_argument("--k", type=int, default=20, help="number of neighbours that vote")
     parser.add_argument("--batch_size", type=int, default=256, help="images per forward pass of the trunk")
     parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes for decoding images")
-    parser.add_argument("--knn_memory_gb", type=float, default=DEFAULT_MEMORY_GB,
-                        help="working memory of the kNN vote (train chunk + similarity block), not counting the "
-                             "features themselves")
-    parser.add_argument("--feature_cache", type=Path, default=None,
-                        help="folder for cached features (default: eval_features/ next to the checkpoint; "
-                             "--random_init caches only with this flag)")
+    parser.add_argument(
+        "--knn_memory_gb",
+        type=float,
+        default=DEFAULT_MEMORY_GB,
+        help="working memory of the kNN vote (train chunk + similarity block), not counting the features themselves",
+    )
+    parser.add_argument(
+        "--feature_cache",
+        type=Path,
+        default=None,
+        help="folder for cached features (default: eval_features/ next to the checkpoint; "
+        "--random_init caches only with this flag)",
+    )
     parser.add_argument("--no_feature_cache", action="store_true", help="always extract, write no cache")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here as JSON")
     return parser
@@ -99,15 +123,18 @@ def check_data_path(data_path: Path) -> list[str]:
     for split in SPLITS:
         folder = data_path / split
         if not folder.is_dir():
-            raise EvalError(f"--data_path {data_path}: no folder {folder}; expected {data_path}/{split}/<class>/"
-                            f"<image> (`python scripts/export_digits.py --out {data_path}` makes a small one)")
+            raise EvalError(
+                f"--data_path {data_path}: no folder {folder}; expected {data_path}/{split}/<class>/"
+                f"<image> (`python scripts/export_digits.py --out {data_path}` makes a small one)"
+            )
         names = sorted(path.name for path in folder.iterdir() if path.is_dir() and has_images(path))
         if not names:
             raise EvalError(f"--data_path {data_path}: {folder} has no class folders with images")
         classes[split] = names
     if classes["train"] != classes["val"]:
-        raise EvalError(f"--data_path {data_path}: train and val have different classes "
-                        f"({classes['train']} vs {classes['val']})")
+        raise EvalError(
+            f"--data_path {data_path}: train and val have different classes ({classes['train']} vs {classes['val']})"
+        )
     return classes["train"]
 
 
@@ -127,8 +154,9 @@ def resolve_checkpoint(path: Path) -> Path:
     for pattern in ("model_iteration*.torch", "model_phase*.torch"):
         finals = finals or sorted(path.glob(pattern), key=_number)
     if not finals:
-        raise EvalError(f"--checkpoint {path}: the folder holds no VISSL checkpoint (checkpoint.torch or "
-                        "model_*.torch)")
+        raise EvalError(
+            f"--checkpoint {path}: the folder holds no VISSL checkpoint (checkpoint.torch or model_*.torch)"
+        )
     return finals[-1]
 
 
@@ -146,13 +174,15 @@ def load_trunk_state(path: Path) -> dict[str, Any]:
     except Exception as error:  # truncated file, not a torch file, foreign pickle: all mean "not usable"
         first_sentence = str(error).split(". ")[0].splitlines()[0] if str(error).strip() else ""
         reason = f"{type(error).__name__}: {first_sentence}" if first_sentence else type(error).__name__
-        raise EvalError(f"--checkpoint {path}: cannot be read as a torch checkpoint, corrupt or not one ({reason})"
-                        ) from error
+        raise EvalError(
+            f"--checkpoint {path}: cannot be read as a torch checkpoint, corrupt or not one ({reason})"
+        ) from error
     try:
         return checkpoint["classy_state_dict"]["base_model"]["model"]["trunk"]
     except (KeyError, TypeError) as error:
-        raise EvalError(f"--checkpoint {path}: not a VISSL checkpoint (no classy_state_dict/base_model/model/trunk)"
-                        ) from error
+        raise EvalError(
+            f"--checkpoint {path}: not a VISSL checkpoint (no classy_state_dict/base_model/model/trunk)"
+        ) from error
 
 
 def eval_transform(config: Any) -> Any:
@@ -167,8 +197,9 @@ def eval_transform(config: Any) -> Any:
             size = int(step["size"])
         elif step["name"] == "Normalize":
             mean, std = list(step["mean"]), list(step["std"])
-    return transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
-                               transforms.Normalize(mean, std)])
+    return transforms.Compose(
+        [transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), transforms.Normalize(mean, std)]
+    )
 
 
 def build_trunk(config_name: str, trunk_state: dict[str, Any] | None, source: Path | None) -> tuple[Any, Any]:
@@ -190,22 +221,30 @@ def build_trunk(config_name: str, trunk_state: dict[str, Any] | None, source: Pa
             trunk.load_state_dict(trunk_state)
         except RuntimeError as error:
             first_line = str(error).splitlines()[0]
-            raise EvalError(f"--checkpoint {source}: its trunk does not fit config {config_name!r} "
-                            f"({first_line}); pass the --config it was trained with") from error
+            raise EvalError(
+                f"--checkpoint {source}: its trunk does not fit config {config_name!r} "
+                f"({first_line}); pass the --config it was trained with"
+            ) from error
     return trunk.eval(), config
 
 
-def image_loader(folder: Path, transform: Any, batch_size: int, shuffle_seed: int | None = None,
-                 num_workers: int = 0) -> Any:
+def image_loader(
+    folder: Path, transform: Any, batch_size: int, shuffle_seed: int | None = None, num_workers: int = 0
+) -> Any:
     """Batches of one ImageFolder split, in file order or shuffled with a seeded generator."""
     import torch
     from torchvision.datasets import ImageFolder
 
     dataset = ImageFolder(str(folder), transform=transform)
     generator = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle_seed is not None,
-                                       generator=generator, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available())
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle_seed is not None,
+        generator=generator,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+    )
 
 
 def adapt_batchnorm(trunk: Any, folder: Path, transform: Any, batch_size: int, num_workers: int = 0) -> Any:
@@ -228,8 +267,9 @@ def trunk_device(trunk: Any) -> Any:
     return next(trunk.parameters()).device
 
 
-def extract_features(trunk: Any, folder: Path, transform: Any, batch_size: int, num_workers: int = 0
-                     ) -> tuple[Any, Any]:
+def extract_features(
+    trunk: Any, folder: Path, transform: Any, batch_size: int, num_workers: int = 0
+) -> tuple[Any, Any]:
     """L2-normalized trunk features and labels of one ImageFolder split, on the CPU (the bank may not fit on the
     GPU); the forward passes on the trunk's device, under AMP autocast on CUDA (the trunk's features are only
     compared by cosine similarity, which half precision keeps to ~3 digits)."""
@@ -250,8 +290,14 @@ def cache_key(checkpoint: Path | None, data_path: Path, split: str, config: str,
     """What makes two extractions equal: the checkpoint file and its mtime (a rewritten checkpoint.torch link target
     is a new file), the data folder, the split, the config (transform, random-init seed) and --adapt_bn."""
     stamp = os.stat(checkpoint).st_mtime_ns if checkpoint is not None else None
-    parts = [str(checkpoint.resolve()) if checkpoint else "random_init", stamp, str((data_path / split).resolve()),
-             split, config, adapt_bn]
+    parts = [
+        str(checkpoint.resolve()) if checkpoint else "random_init",
+        stamp,
+        str((data_path / split).resolve()),
+        split,
+        config,
+        adapt_bn,
+    ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
@@ -275,23 +321,39 @@ def cached_features(cache_dir: Path | None, key: str, split: str, extract: Any) 
     return np.load(features_file, mmap_mode="r"), torch.from_numpy(np.load(labels_file))
 
 
-def knn_top1(train_features: Any, train_labels: Any, val_features: Any, val_labels: Any, k: int,
-             temperature: float, memory_gb: float = DEFAULT_MEMORY_GB) -> float:
+def knn_top1(
+    train_features: Any,
+    train_labels: Any,
+    val_features: Any,
+    val_labels: Any,
+    k: int,
+    temperature: float,
+    memory_gb: float = DEFAULT_MEMORY_GB,
+) -> float:
     """Share of val images whose weighted vote among their k nearest train images picks the right class; the train
     features (a tensor, an array or a memory-mapped .npy) streamed in chunks that fit ``memory_gb``."""
     import torch
 
     val_labels = torch.as_tensor(val_labels)
     num_classes = int(max(int(train_labels.max()), int(val_labels.max()))) + 1
-    predictions = knn_predictions(train_features, train_labels, torch.as_tensor(val_features), k, temperature,
-                                  num_classes, memory_gb=memory_gb)
+    predictions = knn_predictions(
+        train_features, train_labels, torch.as_tensor(val_features), k, temperature, num_classes, memory_gb=memory_gb
+    )
     return float((predictions.cpu() == val_labels.cpu()).float().mean())
 
 
-def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20,
-             batch_size: int = 256, adapt_bn: bool = False, num_workers: int = 0,
-             knn_memory_gb: float = DEFAULT_MEMORY_GB, feature_cache: Path | None = None,
-             use_cache: bool = True) -> KnnResult:
+def evaluate(
+    checkpoint: Path | None,
+    data_path: Path,
+    config: str = "swav_tiny",
+    k: int = 20,
+    batch_size: int = 256,
+    adapt_bn: bool = False,
+    num_workers: int = 0,
+    knn_memory_gb: float = DEFAULT_MEMORY_GB,
+    feature_cache: Path | None = None,
+    use_cache: bool = True,
+) -> KnnResult:
     """Extract (or load cached) features of both splits and vote; see the module docstring."""
     import numpy as np
     import torch
@@ -320,22 +382,32 @@ def evaluate(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny"
                 adapt_batchnorm(trunk, data_path / "train", transform, batch_size, num_workers)
                 adapted = True
             return extract_features(trunk, data_path / split, transform, batch_size, num_workers)
+
         return extract
 
-    train, val = (cached_features(cache_dir, cache_key(resolved, data_path, split, config, adapt_bn), split,
-                                  extractor(split)) for split in SPLITS)
+    train, val = (
+        cached_features(cache_dir, cache_key(resolved, data_path, split, config, adapt_bn), split, extractor(split))
+        for split in SPLITS
+    )
     # the queries in memory, the train bank streamed
     val_features = torch.from_numpy(np.array(val[0], dtype=np.float32)).to(device)
     temperature = float(vissl_config.NEAREST_NEIGHBOR.SIGMA)
     top1 = knn_top1(train[0], train[1], val_features, val[1], k=k, temperature=temperature, memory_gb=knn_memory_gb)
-    return KnnResult(top1=top1, k=min(k, len(train[1])),
-                     temperature=temperature, num_train=len(train[1]), num_val=len(val[1]),
-                     feature_dim=int(train[0].shape[1]), checkpoint=str(resolved) if resolved else None,
-                     config=config)
+    return KnnResult(
+        top1=top1,
+        k=min(k, len(train[1])),
+        temperature=temperature,
+        num_train=len(train[1]),
+        num_val=len(val[1]),
+        feature_dim=int(train[0].shape[1]),
+        checkpoint=str(resolved) if resolved else None,
+        config=config,
+    )
 
 
-def knn_accuracy(checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20,
-                 adapt_bn: bool = False) -> float:
+def knn_accuracy(
+    checkpoint: Path | None, data_path: Path, config: str = "swav_tiny", k: int = 20, adapt_bn: bool = False
+) -> float:
     """kNN top-1 accuracy in [0, 1] on DATA_PATH/val; ``checkpoint=None``: the random-init trunk; ``adapt_bn``:
     after recomputing its BatchNorm statistics on DATA_PATH/train."""
     return evaluate(checkpoint, data_path, config, k, adapt_bn=adapt_bn).top1
@@ -344,17 +416,28 @@ def knn_accuracy(checkpoint: Path | None, data_path: Path, config: str = "swav_t
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = evaluate(None if args.random_init else args.checkpoint, args.data_path, args.config, args.k,
-                          args.batch_size, args.adapt_bn, args.num_workers, args.knn_memory_gb,
-                          args.feature_cache, not args.no_feature_cache)
+        result = evaluate(
+            None if args.random_init else args.checkpoint,
+            args.data_path,
+            args.config,
+            args.k,
+            args.batch_size,
+            args.adapt_bn,
+            args.num_workers,
+            args.knn_memory_gb,
+            args.feature_cache,
+            not args.no_feature_cache,
+        )
     except EvalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     trunk = result.checkpoint or f"random init (seed of {result.config})"
     trunk += ", BatchNorm statistics of the train split" if args.adapt_bn else ""
-    print(f"kNN top-1 on {args.data_path / 'val'}: {result.top1:.4f} (k={result.k}, T={result.temperature}, "
-          f"{result.num_val} val / {result.num_train} train images, {result.feature_dim}-dim features; "
-          f"trunk: {trunk})")
+    print(
+        f"kNN top-1 on {args.data_path / 'val'}: {result.top1:.4f} (k={result.k}, T={result.temperature}, "
+        f"{result.num_val} val / {result.num_train} train images, {result.feature_dim}-dim features; "
+        f"trunk: {trunk})"
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")

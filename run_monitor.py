@@ -31,35 +31,69 @@ from vissl_swarm import swarm  # noqa: E402
 from vissl_swarm.swarm_metrics import fetch_metrics, metrics_validators  # noqa: E402
 
 MIN_ALIVE_WINDOW_S = 60.0
-COLUMNS = (("peer", "{:>10}"), ("step", "{:>7}"), ("samples/s", "{:>10}"), ("loss", "{:>8}"), ("group", "{:>6}"),
-           ("stale", "{:>6}"), ("ok", "{:>5}"), ("failed", "{:>7}"), ("averager failures", "{:>17}"),
-           ("seen s ago", "{:>11}"))
+COLUMNS = (
+    ("peer", "{:>10}"),
+    ("step", "{:>7}"),
+    ("samples/s", "{:>10}"),
+    ("loss", "{:>8}"),
+    ("group", "{:>6}"),
+    ("stale", "{:>6}"),
+    ("ok", "{:>5}"),
+    ("failed", "{:>7}"),
+    ("averager failures", "{:>17}"),
+    ("seen s ago", "{:>11}"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = swarm.SwarmSettings()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--run_id", default=defaults.run_id, help="the trainers' --run_id: whose records to show")
-    parser.add_argument("--config", default="",
-                        help="config name the trainers use; only fills in the printed join line (empty: <config>)")
-    parser.add_argument("--initial_peers", nargs="*", default=[],
-                        help="multiaddrs of running peers; none: this monitor starts the swarm (bootstrap peer)")
-    parser.add_argument("--host_maddrs", nargs="+", default=defaults.host_maddrs,
-                        help="multiaddrs to listen on; a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) keeps the join "
-                             "line valid across restarts")
-    parser.add_argument("--announce_maddrs", nargs="*", default=[],
-                        help="public multiaddrs to announce when behind a port forward")
-    parser.add_argument("--identity_path", default="",
-                        help="file with this peer's private key: a stable peer id, so the join line stays valid "
-                             "across restarts (created if missing)")
+    parser.add_argument(
+        "--config",
+        default="",
+        help="config name the trainers use; only fills in the printed join line (empty: <config>)",
+    )
+    parser.add_argument(
+        "--initial_peers",
+        nargs="*",
+        default=[],
+        help="multiaddrs of running peers; none: this monitor starts the swarm (bootstrap peer)",
+    )
+    parser.add_argument(
+        "--host_maddrs",
+        nargs="+",
+        default=defaults.host_maddrs,
+        help="multiaddrs to listen on; a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) keeps the join "
+        "line valid across restarts",
+    )
+    parser.add_argument(
+        "--announce_maddrs", nargs="*", default=[], help="public multiaddrs to announce when behind a port forward"
+    )
+    parser.add_argument(
+        "--identity_path",
+        default="",
+        help="file with this peer's private key: a stable peer id, so the join line stays valid "
+        "across restarts (created if missing)",
+    )
     parser.add_argument("--refresh_period", type=float, default=10.0, help="seconds between two reads of the DHT")
-    parser.add_argument("--tensorboard_dir", type=Path, default=None,
-                        help="also write swarm totals and per-peer loss and samples/s to TensorBoard here")
-    parser.add_argument("--iterations", type=int, default=None,
-                        help="stop after this many refreshes; none: run until Ctrl-C")
-    parser.add_argument("--json", type=Path, default=None, help="write the latest table here as JSON (replaced "
-                                                                "atomically at every refresh)")
+    parser.add_argument(
+        "--tensorboard_dir",
+        type=Path,
+        default=None,
+        help="also write swarm totals and per-peer loss and samples/s to TensorBoard here",
+    )
+    parser.add_argument(
+        "--iterations", type=int, default=None, help="stop after this many refreshes; none: run until Ctrl-C"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the latest table here as JSON (replaced atomically at every refresh)",
+    )
     swarm.add_secret_arguments(parser)  # the trainers' secret: without it their records cannot be read
     return parser
 
@@ -70,8 +104,14 @@ def peer_rows(records: dict[bytes, dict[str, Any]], now: float, alive_window: fl
     rows = []
     for record in records.values():
         seen_ago = max(0.0, now - record["time"])
-        rows.append({**record, "peer": record["peer_id"][-8:], "seen_s_ago": round(seen_ago, 1),
-                     "alive": seen_ago <= alive_window})
+        rows.append(
+            {
+                **record,
+                "peer": record["peer_id"][-8:],
+                "seen_s_ago": round(seen_ago, 1),
+                "alive": seen_ago <= alive_window,
+            }
+        )
     return sorted(rows, key=lambda row: row["peer_id"])
 
 
@@ -95,16 +135,29 @@ def format_table(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
 
     lines = ["  ".join(fmt.format(name) for name, fmt in COLUMNS)]
     for row in rows:
-        cells = (row["peer"], row["step"], show(row["samples_per_s"]), show(row["loss"], 4), show(row["group_size"]),
-                 show(row["staleness_steps"]), row["rounds_ok"], row["rounds_failed"], row["averager_failures"],
-                 show(row["seen_s_ago"]) + ("" if row["alive"] else " (gone)"))
+        cells = (
+            row["peer"],
+            row["step"],
+            show(row["samples_per_s"]),
+            show(row["loss"], 4),
+            show(row["group_size"]),
+            show(row["staleness_steps"]),
+            row["rounds_ok"],
+            row["rounds_failed"],
+            row["averager_failures"],
+            show(row["seen_s_ago"]) + ("" if row["alive"] else " (gone)"),
+        )
         lines.append("  ".join(fmt.format(cell) for (_, fmt), cell in zip(COLUMNS, cells, strict=True)))
-    lines.append(f"swarm: {totals['peers_alive']} peers alive, {totals['samples_per_s']:.1f} samples/s in total, "
-                 f"latest step {totals['max_step']}, mean loss {show(totals['mean_loss'], 4)}")
+    lines.append(
+        f"swarm: {totals['peers_alive']} peers alive, {totals['samples_per_s']:.1f} samples/s in total, "
+        f"latest step {totals['max_step']}, mean loss {show(totals['mean_loss'], 4)}"
+    )
     alone = [row for row in rows if row["alive"] and row.get("no_group_s", 0.0) >= swarm.ALONE_AFTER_S]
     if alone:
-        lines.append("alone (no averaging round for over a minute; its log's warning says what to check): "
-                     + ", ".join(f"{row['peer']} ({row['no_group_s']:.0f} s)" for row in alone))
+        lines.append(
+            "alone (no averaging round for over a minute; its log's warning says what to check): "
+            + ", ".join(f"{row['peer']} ({row['no_group_s']:.0f} s)" for row in alone)
+        )
     return "\n".join(lines)
 
 
@@ -152,9 +205,15 @@ def settings_from(args: argparse.Namespace) -> swarm.SwarmSettings:
         raise swarm.SwarmError(f"--refresh_period must be positive, got {args.refresh_period}")
     if args.iterations is not None and args.iterations < 1:
         raise swarm.SwarmError(f"--iterations must be at least 1, got {args.iterations}")
-    settings = swarm.SwarmSettings(run_id=args.run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
-                                   announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                                   config_name=args.config, **swarm.secret_settings(args))
+    settings = swarm.SwarmSettings(
+        run_id=args.run_id,
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        config_name=args.config,
+        **swarm.secret_settings(args),
+    )
     for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
         swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
     return settings
@@ -184,17 +243,25 @@ def monitor(dht: Any, args: argparse.Namespace, join_line: str) -> None:
             tensorboard.close()
 
 
-def report(records: dict[bytes, dict[str, Any]], refresh: int, args: argparse.Namespace, join_line: str,
-           tensorboard: TensorBoardLog | None) -> None:
+def report(
+    records: dict[bytes, dict[str, Any]],
+    refresh: int,
+    args: argparse.Namespace,
+    join_line: str,
+    tensorboard: TensorBoardLog | None,
+) -> None:
     rows = peer_rows(records, time.time(), alive_window=max(2 * args.refresh_period, MIN_ALIVE_WINDOW_S))
     totals = swarm_totals(rows)
     if sys.stdout.isatty():
         print("\033[H\033[J" + join_line)
-    print(f"run {args.run_id!r}, refresh {refresh}, {time.strftime('%H:%M:%S')}\n{format_table(rows, totals)}\n",
-          flush=True)
+    print(
+        f"run {args.run_id!r}, refresh {refresh}, {time.strftime('%H:%M:%S')}\n{format_table(rows, totals)}\n",
+        flush=True,
+    )
     if args.json is not None:
-        write_json(args.json, {"run_id": args.run_id, "refresh": refresh, "time": time.time(), "peers": rows,
-                               "totals": totals})
+        write_json(
+            args.json, {"run_id": args.run_id, "refresh": refresh, "time": time.time(), "peers": rows, "totals": totals}
+        )
     if tensorboard is not None:
         tensorboard.add(rows, totals)
 

@@ -34,7 +34,6 @@ vissl_compat.apply()
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"}
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -43,11 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", required=True, help=f"config name in configs/ (available: {', '.join(available_configs())})"
     )
     parser.add_argument(
-        "--data_path", type=Path, default=None,
+        "--data_path",
+        type=Path,
+        default=None,
         help="dataset root in ImageFolder layout: DATA_PATH/train/<class>/<image>; default: the config's own",
     )
     parser.add_argument(
-        "--checkpoint_dir", type=Path, default=None,
+        "--checkpoint_dir",
+        type=Path,
+        default=None,
         help="where VISSL writes checkpoints, logs and metrics; a restarted peer resumes from here",
     )
     add_swarm_arguments(parser)
@@ -59,78 +62,161 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     """hivemind's flags (as in its ALBERT example) and the averaging knobs of DecentralizedSGD."""
     defaults = swarm.SwarmSettings()
     group = parser.add_argument_group("swarm")
-    group.add_argument("--run_id", default=defaults.run_id,
-                       help="name of the training run: peers with the same run_id and config average together")
-    group.add_argument("--initial_peers", nargs="*", default=[],
-                       help="multiaddrs of one or more running peers (the join line the first peer printed); "
-                            "none: start a new swarm")
-    group.add_argument("--host_maddrs", nargs="+", default=defaults.host_maddrs,
-                       help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (a fixed port to open in firewalls)")
-    group.add_argument("--announce_maddrs", nargs="*", default=[],
-                       help="public multiaddrs to announce when behind a port forward, e.g. /ip4/203.0.113.5/tcp/31337")
-    group.add_argument("--identity_path", default="",
-                       help="file with this peer's private key: a stable peer id, so the join line stays valid "
-                            "across restarts (created if missing)")
-    group.add_argument("--client_mode", action="store_true",
-                       help="accept no incoming connections (behind NAT without a port forward)")
-    group.add_argument("--use_auto_relay", action="store_true",
-                       help="be reachable through relays of public peers (behind NAT)")
+    group.add_argument(
+        "--run_id",
+        default=defaults.run_id,
+        help="name of the training run: peers with the same run_id and config average together",
+    )
+    group.add_argument(
+        "--initial_peers",
+        nargs="*",
+        default=[],
+        help="multiaddrs of one or more running peers (the join line the first peer printed); none: start a new swarm",
+    )
+    group.add_argument(
+        "--host_maddrs",
+        nargs="+",
+        default=defaults.host_maddrs,
+        help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 (a fixed port to open in firewalls)",
+    )
+    group.add_argument(
+        "--announce_maddrs",
+        nargs="*",
+        default=[],
+        help="public multiaddrs to announce when behind a port forward, e.g. /ip4/203.0.113.5/tcp/31337",
+    )
+    group.add_argument(
+        "--identity_path",
+        default="",
+        help="file with this peer's private key: a stable peer id, so the join line stays valid "
+        "across restarts (created if missing)",
+    )
+    group.add_argument(
+        "--client_mode", action="store_true", help="accept no incoming connections (behind NAT without a port forward)"
+    )
+    group.add_argument(
+        "--use_auto_relay", action="store_true", help="be reachable through relays of public peers (behind NAT)"
+    )
     group.add_argument("--no_relay", action="store_true", help="disable libp2p circuit relays")
-    group.add_argument("--force_reachability", choices=["", "private", "public"], default="",
-                       help="tell libp2p whether this box can be dialed instead of letting AutoNAT guess "
-                            "(with --use_auto_relay behind NAT: private)")
-    group.add_argument("--target_group_size", type=int, default=defaults.target_group_size,
-                       help="average with up to this many peers per round")
-    group.add_argument("--min_matchmaking_time", type=float, default=defaults.min_matchmaking_time,
-                       help="seconds to gather a group before AllReduce")
-    group.add_argument("--averaging_timeout", type=float, default=defaults.averaging_timeout,
-                       help="give up an AllReduce after this many seconds (dead peers are dropped sooner, "
-                            "see --next_chunk_timeout)")
-    group.add_argument("--next_chunk_timeout", type=float, default=defaults.next_chunk_timeout,
-                       help="drop a groupmate that sends nothing for this many seconds")
-    group.add_argument("--max_staleness", type=int, default=defaults.max_staleness,
-                       help="-1: never wait for averaging (ASP); s >= 0: before a step, wait for a round when "
-                            "more than s steps passed since the last applied one (SSP)")
-    group.add_argument("--compression", choices=["none", "fp16"], default=defaults.compression,
-                       help="compression of the averaged tensors on the wire (no 8-bit: see the README)")
-    group.add_argument("--average_optimizer_state", action="store_true",
-                       help="average momentum buffers too (more traffic)")
-    group.add_argument("--load_state_timeout", type=float, default=defaults.load_state_timeout,
-                       help="seconds a new peer (no checkpoint of its own) waits to download the swarm's state and "
-                            "progress; 0: start from its own initialization")
-    group.add_argument("--equal_weights", action="store_true",
-                       help="every box weighs the same in a round; default: its weight is the samples it trained on "
-                            "since its last round (a box with more GPUs counts more, as FedAvg weights clients)")
-    group.add_argument("--join_timeout", type=float, default=defaults.join_timeout,
-                       help="seconds to keep dialing --initial_peers at start before giving up with an error")
-    group.add_argument("--alone_warning_after", type=float, default=defaults.alone_warning_after,
-                       help="seconds without an averaging round before the box logs a warning that it is alone, "
-                            "with the likely causes (again every 5 min while it lasts); 0: never")
-    group.add_argument("--averager", choices=["improved", "old", "hivemind_optimizer"], default=defaults.averager,
-                       help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
-                            "round at a time; hivemind_optimizer: hivemind.Optimizer(use_local_updates=True) inside "
-                            "VISSL's LARC, an averaging round every global epoch (baselines/hivemind_optimizer.py); "
-                            "old and hivemind_optimizer are the baselines of benchmarks/bench_learning.py")
-    group.add_argument("--schedule", choices=["swarm", "local"], default=defaults.schedule,
-                       help="swarm: the recipe (num_epochs) is the whole swarm's budget, its LR schedule follows the "
-                            "samples all boxes trained on, and each box stops when the swarm is done (more boxes: "
-                            "done sooner); local: each box runs the whole recipe on its own (more boxes: more "
-                            "samples in the same time)")
-    group.add_argument("--swarm_lr", choices=["box", "sqrt", "linear"], default=defaults.swarm_lr,
-                       help="with --schedule swarm: each box's LR (the recipe's, for its own batch) x 1 (box), "
-                            "x sqrt(swarm batch / box batch) (sqrt) or x swarm batch / box batch (linear, as DDP); "
-                            "the swarm batch sums the batches of the boxes training now")
-    group.add_argument("--isolated", action="store_true",
-                       help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline")
+    group.add_argument(
+        "--force_reachability",
+        choices=["", "private", "public"],
+        default="",
+        help="tell libp2p whether this box can be dialed instead of letting AutoNAT guess "
+        "(with --use_auto_relay behind NAT: private)",
+    )
+    group.add_argument(
+        "--target_group_size",
+        type=int,
+        default=defaults.target_group_size,
+        help="average with up to this many peers per round",
+    )
+    group.add_argument(
+        "--min_matchmaking_time",
+        type=float,
+        default=defaults.min_matchmaking_time,
+        help="seconds to gather a group before AllReduce",
+    )
+    group.add_argument(
+        "--averaging_timeout",
+        type=float,
+        default=defaults.averaging_timeout,
+        help="give up an AllReduce after this many seconds (dead peers are dropped sooner, see --next_chunk_timeout)",
+    )
+    group.add_argument(
+        "--next_chunk_timeout",
+        type=float,
+        default=defaults.next_chunk_timeout,
+        help="drop a groupmate that sends nothing for this many seconds",
+    )
+    group.add_argument(
+        "--max_staleness",
+        type=int,
+        default=defaults.max_staleness,
+        help="-1: never wait for averaging (ASP); s >= 0: before a step, wait for a round when "
+        "more than s steps passed since the last applied one (SSP)",
+    )
+    group.add_argument(
+        "--compression",
+        choices=["none", "fp16"],
+        default=defaults.compression,
+        help="compression of the averaged tensors on the wire (no 8-bit: see the README)",
+    )
+    group.add_argument(
+        "--average_optimizer_state", action="store_true", help="average momentum buffers too (more traffic)"
+    )
+    group.add_argument(
+        "--load_state_timeout",
+        type=float,
+        default=defaults.load_state_timeout,
+        help="seconds a new peer (no checkpoint of its own) waits to download the swarm's state and "
+        "progress; 0: start from its own initialization",
+    )
+    group.add_argument(
+        "--equal_weights",
+        action="store_true",
+        help="every box weighs the same in a round; default: its weight is the samples it trained on "
+        "since its last round (a box with more GPUs counts more, as FedAvg weights clients)",
+    )
+    group.add_argument(
+        "--join_timeout",
+        type=float,
+        default=defaults.join_timeout,
+        help="seconds to keep dialing --initial_peers at start before giving up with an error",
+    )
+    group.add_argument(
+        "--alone_warning_after",
+        type=float,
+        default=defaults.alone_warning_after,
+        help="seconds without an averaging round before the box logs a warning that it is alone, "
+        "with the likely causes (again every 5 min while it lasts); 0: never",
+    )
+    group.add_argument(
+        "--averager",
+        choices=["improved", "old", "hivemind_optimizer"],
+        default=defaults.averager,
+        help="improved: this example's DecentralizedSGD; old: hivemind's TrainingAverager driven one "
+        "round at a time; hivemind_optimizer: hivemind.Optimizer(use_local_updates=True) inside "
+        "VISSL's LARC, an averaging round every global epoch (baselines/hivemind_optimizer.py); "
+        "old and hivemind_optimizer are the baselines of benchmarks/bench_learning.py",
+    )
+    group.add_argument(
+        "--schedule",
+        choices=["swarm", "local"],
+        default=defaults.schedule,
+        help="swarm: the recipe (num_epochs) is the whole swarm's budget, its LR schedule follows the "
+        "samples all boxes trained on, and each box stops when the swarm is done (more boxes: "
+        "done sooner); local: each box runs the whole recipe on its own (more boxes: more "
+        "samples in the same time)",
+    )
+    group.add_argument(
+        "--swarm_lr",
+        choices=["box", "sqrt", "linear"],
+        default=defaults.swarm_lr,
+        help="with --schedule swarm: each box's LR (the recipe's, for its own batch) x 1 (box), "
+        "x sqrt(swarm batch / box batch) (sqrt) or x swarm batch / box batch (linear, as DDP); "
+        "the swarm batch sums the batches of the boxes training now",
+    )
+    group.add_argument(
+        "--isolated",
+        action="store_true",
+        help="train alone with VISSL's stock self_supervision_task (no swarm), e.g. as a baseline",
+    )
     swarm.add_secret_arguments(group)
-    group.add_argument("--preflight", type=float, nargs="?", const=preflight.DEFAULT_SECONDS, default=None,
-                       metavar="SECONDS",
-                       help="a pre-flight check before the long run: every box runs this command with --preflight "
-                            "at the same time; each trains SECONDS (default "
-                            f"{preflight.DEFAULT_SECONDS:g}) on a subset of the data under run id "
-                            f"<run_id>{preflight.SUFFIX}, in <checkpoint_dir>/{preflight.FOLDER}/<time>, then prints "
-                            "what it measured (groups, rounds, AllReduce seconds and bytes, link rate, staleness) and "
-                            "the settings it advises for these links")
+    group.add_argument(
+        "--preflight",
+        type=float,
+        nargs="?",
+        const=preflight.DEFAULT_SECONDS,
+        default=None,
+        metavar="SECONDS",
+        help="a pre-flight check before the long run: every box runs this command with --preflight "
+        "at the same time; each trains SECONDS (default "
+        f"{preflight.DEFAULT_SECONDS:g}) on a subset of the data under run id "
+        f"<run_id>{preflight.SUFFIX}, in <checkpoint_dir>/{preflight.FOLDER}/<time>, then prints "
+        "what it measured (groups, rounds, AllReduce seconds and bytes, link rate, staleness) and "
+        "the settings it advises for these links",
+    )
 
 
 def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
@@ -140,38 +226,58 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         if getattr(args, flag) <= 0:
             raise swarm.SwarmError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.alone_warning_after < 0:
-        raise swarm.SwarmError(f"--alone_warning_after must be 0 (never) or a number of seconds, got "
-                               f"{args.alone_warning_after}")
+        raise swarm.SwarmError(
+            f"--alone_warning_after must be 0 (never) or a number of seconds, got {args.alone_warning_after}"
+        )
     if "." in args.run_id or not args.run_id:
         raise swarm.SwarmError(f"--run_id must be a non-empty name without '.', got {args.run_id!r}")
     if args.preflight is not None:
         if not args.preflight > 0:  # also NaN
             raise swarm.SwarmError(f"--preflight takes a positive number of seconds, got {args.preflight}")
         if args.isolated or args.averager != "improved":
-            raise swarm.SwarmError("--preflight measures this example's averager in a swarm: it runs neither with "
-                                   "--isolated nor with --averager old or hivemind_optimizer")
+            raise swarm.SwarmError(
+                "--preflight measures this example's averager in a swarm: it runs neither with "
+                "--isolated nor with --averager old or hivemind_optimizer"
+            )
     run_id = args.run_id + (preflight.SUFFIX if args.preflight else "")
     settings = swarm.SwarmSettings(
-        run_id=run_id, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
-        announce_maddrs=args.announce_maddrs, identity_path=args.identity_path, client_mode=args.client_mode,
-        use_auto_relay=args.use_auto_relay, use_relay=not args.no_relay,
-        force_reachability=args.force_reachability, target_group_size=args.target_group_size,
-        min_matchmaking_time=args.min_matchmaking_time, averaging_timeout=args.averaging_timeout,
-        next_chunk_timeout=args.next_chunk_timeout, max_staleness=args.max_staleness,
-        compression=args.compression, average_optimizer_state=args.average_optimizer_state,
-        load_state_timeout=args.load_state_timeout, averager=args.averager, schedule=args.schedule,
-        swarm_lr=args.swarm_lr, join_timeout=args.join_timeout, weight_by_samples=not args.equal_weights,
+        run_id=run_id,
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        client_mode=args.client_mode,
+        use_auto_relay=args.use_auto_relay,
+        use_relay=not args.no_relay,
+        force_reachability=args.force_reachability,
+        target_group_size=args.target_group_size,
+        min_matchmaking_time=args.min_matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        next_chunk_timeout=args.next_chunk_timeout,
+        max_staleness=args.max_staleness,
+        compression=args.compression,
+        average_optimizer_state=args.average_optimizer_state,
+        load_state_timeout=args.load_state_timeout,
+        averager=args.averager,
+        schedule=args.schedule,
+        swarm_lr=args.swarm_lr,
+        join_timeout=args.join_timeout,
+        weight_by_samples=not args.equal_weights,
         alone_warning_after=args.alone_warning_after,
         config_name=args.config,
         preflight_s=args.preflight or 0.0,
         **swarm.secret_settings(args),
-    )  # fmt: skip
+    )
     if args.averager != "improved" and settings.secret() is not None:
-        raise swarm.SwarmError(f"--swarm_secret / --swarm_secret_file need the improved averager (--averager "
-                               f"{args.averager} has no swarm secret)")
+        raise swarm.SwarmError(
+            f"--swarm_secret / --swarm_secret_file need the improved averager (--averager "
+            f"{args.averager} has no swarm secret)"
+        )
     if args.averager != "improved" and settings.max_staleness >= 0:
-        raise swarm.SwarmError(f"--max_staleness needs the improved averager (--averager {args.averager} has no "
-                               f"staleness bound): drop it, or drop --averager")
+        raise swarm.SwarmError(
+            f"--max_staleness needs the improved averager (--averager {args.averager} has no "
+            f"staleness bound): drop it, or drop --averager"
+        )
     for flag in ("--initial_peers", "--host_maddrs", "--announce_maddrs"):
         swarm.check_multiaddrs(flag, getattr(settings, flag[2:]))
     return settings
@@ -186,9 +292,7 @@ def check_data_path(data_path: Path) -> Path:
             f"{data_path}/train/<class>/<image>; `python scripts/export_digits.py --out {data_path}` makes a small one"
         )
     class_dirs = [path for path in train_dir.iterdir() if path.is_dir()]
-    has_images = any(
-        file.suffix.lower() in IMAGE_SUFFIXES for class_dir in class_dirs for file in class_dir.iterdir()
-    )
+    has_images = any(file.suffix.lower() in IMAGE_SUFFIXES for class_dir in class_dirs for file in class_dir.iterdir())
     if not has_images:
         raise ConfigError(
             f"--data_path {data_path}: {train_dir} has no images in class sub-folders "
@@ -220,15 +324,21 @@ def schedule_line(schedule: str, swarm_lr: str, config) -> str:
     """What num_epochs and the LR mean for this run (see --schedule, --swarm_lr)."""
     epochs = config.OPTIMIZER.num_epochs
     if schedule == "swarm":
-        scaled = {"box": "x 1 (--swarm_lr box)",
-                  "sqrt": "x sqrt(swarm batch / this box's batch): x1.73 beside two boxes like this one",
-                  "linear": "x swarm batch / this box's batch: x3 beside two boxes like this one"}[swarm_lr]
-        return (f"schedule swarm: num_epochs={epochs} epochs of the dataset for the whole swarm; the LR, prototype "
-                "freezing, the queue and the end follow the samples all boxes trained on, and each box stops when "
-                f"the swarm has done them (--schedule local: each box trains all of them); the LR above {scaled}, "
-                "moving as boxes come and go (the progress log's lr_factor)")
-    return (f"schedule local: this box trains all num_epochs={epochs} epochs on its own schedule, whatever the "
-            "other boxes do (--schedule swarm: the swarm shares them)")
+        scaled = {
+            "box": "x 1 (--swarm_lr box)",
+            "sqrt": "x sqrt(swarm batch / this box's batch): x1.73 beside two boxes like this one",
+            "linear": "x swarm batch / this box's batch: x3 beside two boxes like this one",
+        }[swarm_lr]
+        return (
+            f"schedule swarm: num_epochs={epochs} epochs of the dataset for the whole swarm; the LR, prototype "
+            "freezing, the queue and the end follow the samples all boxes trained on, and each box stops when "
+            f"the swarm has done them (--schedule local: each box trains all of them); the LR above {scaled}, "
+            "moving as boxes come and go (the progress log's lr_factor)"
+        )
+    return (
+        f"schedule local: this box trains all num_epochs={epochs} epochs on its own schedule, whatever the "
+        "other boxes do (--schedule swarm: the swarm shares them)"
+    )
 
 
 def check_resume_checkpoint(config) -> None:
@@ -333,9 +443,12 @@ def print_preflight_report(config, settings: swarm.SwarmSettings) -> int:
     from vissl.utils.checkpoint import get_checkpoint_folder
 
     folder = Path(get_checkpoint_folder(config))
-    current = preflight.Settings(target_group_size=settings.target_group_size,
-                                 min_matchmaking_time=settings.min_matchmaking_time,
-                                 averaging_timeout=settings.averaging_timeout, compression=settings.compression)
+    current = preflight.Settings(
+        target_group_size=settings.target_group_size,
+        min_matchmaking_time=settings.min_matchmaking_time,
+        averaging_timeout=settings.averaging_timeout,
+        compression=settings.compression,
+    )
     try:
         text, _ = preflight.report(folder, current)
     except preflight.PreflightError as error:
@@ -344,8 +457,10 @@ def print_preflight_report(config, settings: swarm.SwarmSettings) -> int:
     print(text, flush=True)
     print(f"(as JSON: {folder / preflight.REPORT_FILE})", flush=True)
     if freed := preflight.remove_checkpoints(folder):
-        print(f"(the pre-flight's checkpoints, {freed / 1e6:.1f} MB, were removed: the long run starts afresh)",
-              flush=True)  # fmt: skip
+        print(
+            f"(the pre-flight's checkpoints, {freed / 1e6:.1f} MB, were removed: the long run starts afresh)",
+            flush=True,
+        )
     return 0
 
 

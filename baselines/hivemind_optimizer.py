@@ -121,8 +121,18 @@ class _Rounds:
 
     def begin(self, epoch: int) -> None:
         with self._lock:
-            self._open.append(({"round": self._started, "epoch": epoch, "t_start": time.time(),
-                                "step_at_snapshot": self._local_steps(), "error": None}, [None]))
+            self._open.append(
+                (
+                    {
+                        "round": self._started,
+                        "epoch": epoch,
+                        "t_start": time.time(),
+                        "step_at_snapshot": self._local_steps(),
+                        "error": None,
+                    },
+                    [None],
+                )
+            )
             self._started += 1
 
     def attach(self, control: StepControl | None) -> None:
@@ -148,8 +158,13 @@ class _Rounds:
         elif control is not None:
             error = "not finished within hivemind's timeout"
         applied = bool(outcome) and len(outcome) >= 2
-        record.update(applied=applied, error=None if applied else error, t_end=time.time(),
-                      step_at_apply=self._local_steps() - 1, group_size=len(outcome) if outcome else 0)
+        record.update(
+            applied=applied,
+            error=None if applied else error,
+            t_end=time.time(),
+            step_at_apply=self._local_steps() - 1,
+            group_size=len(outcome) if outcome else 0,
+        )
         record["staleness_steps"] = record["step_at_apply"] - record["step_at_snapshot"] if applied else None
         with self._lock:
             self._finished.append(record)
@@ -173,8 +188,11 @@ class _PendingStores:
     @staticmethod
     def _tasks() -> list[asyncio.Task]:
         current = asyncio.current_task()
-        return [task for task in asyncio.all_tasks() if task is not current and not task.done()
-                and getattr(task.get_coro(), "__qualname__", "") == "wait_for"]
+        return [
+            task
+            for task in asyncio.all_tasks()
+            if task is not current and not task.done() and getattr(task.get_coro(), "__qualname__", "") == "wait_for"
+        ]
 
     def __iter__(self) -> Iterator[asyncio.Task]:
         return iter(self._tasks())
@@ -203,22 +221,41 @@ class _ObservedStateAverager(TrainingStateAverager):
             self._rounds.begin(epoch=self.local_epoch + int(bool(kwargs.get("increment_epoch"))))
         return super().step(*args, **kwargs)
 
-    def _do(self, wait_for_trigger: Any, optimizer_step: bool, zero_grad: bool, averaging_round: bool,
-            averaging_control: StepControl | None, grad_scaler: Any, set_to_none: bool, timeout: float | None = None,
-            **kwargs: Any) -> None:
+    def _do(
+        self,
+        wait_for_trigger: Any,
+        optimizer_step: bool,
+        zero_grad: bool,
+        averaging_round: bool,
+        averaging_control: StepControl | None,
+        grad_scaler: Any,
+        set_to_none: bool,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         """hivemind's background work. A round without a usable pre-scheduled group gets its StepControl here,
         made exactly as ``TrainingStateAverager._do`` would make it, so that we hold it and see its outcome."""
         if averaging_round:
             if averaging_control is None or averaging_control.triggered or averaging_control.done():
                 try:
-                    averaging_control = DecentralizedAverager.step(self, gather=self.local_epoch, require_trigger=True,
-                                                                   timeout=timeout, wait=False, **kwargs)
+                    averaging_control = DecentralizedAverager.step(
+                        self, gather=self.local_epoch, require_trigger=True, timeout=timeout, wait=False, **kwargs
+                    )
                 except Exception as error:  # hivemind's _do tries once more, logs its failure, and goes on
                     logger.debug(f"hivemind_optimizer: could not start an averaging round: {error!r}")
                     averaging_control = None
             self._rounds.attach(averaging_control)
-        super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
-                    set_to_none, timeout=timeout, **kwargs)
+        super()._do(
+            wait_for_trigger,
+            optimizer_step,
+            zero_grad,
+            averaging_round,
+            averaging_control,
+            grad_scaler,
+            set_to_none,
+            timeout=timeout,
+            **kwargs,
+        )
 
     def _apply_averaging_results_(self) -> None:
         super()._apply_averaging_results_()
@@ -264,20 +301,29 @@ class VisslHivemindOptimizer(hivemind.Optimizer):
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         """hivemind.Optimizer._make_state_averager with our observed subclass."""
         return _ObservedStateAverager(
-            rounds=self.rounds, dht=self.dht, prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer, status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
-            start=True, **kwargs,
-        )  # fmt: skip
+            rounds=self.rounds,
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     @property
     def param_groups(self) -> list[dict]:
         return self.state_averager.optimizer.param_groups
 
-    def step(self, closure: Callable[[], torch.Tensor] | None = None, batch_size: int | None = None,
-             grad_scaler: Any = None) -> torch.Tensor | None:
+    def step(
+        self, closure: Callable[[], torch.Tensor] | None = None, batch_size: int | None = None, grad_scaler: Any = None
+    ) -> torch.Tensor | None:
         self.local_updates += 1
         started = time.perf_counter()
         try:
@@ -296,38 +342,71 @@ class HivemindOptimizerAverager:
 
     needs_lock_for_forward = False  # hivemind applies rounds inside its step(), which runs under our lock
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dht: hivemind.DHT, *, prefix: str, box_batch: int,
-                 model: torch.nn.Module | None = None, target_group_size: int = 4, min_matchmaking_time: float = 5.0,
-                 request_timeout: float = 3.0, allreduce_timeout: float = 60.0, next_chunk_timeout: float = 10.0,
-                 average_optimizer_state: bool = False, compression: str = "fp16", records_path: str | None = None,
-                 client_mode: bool = False, load_state_timeout: float = 60.0,
-                 target_batch: int | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        box_batch: int,
+        model: torch.nn.Module | None = None,
+        target_group_size: int = 4,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        allreduce_timeout: float = 60.0,
+        next_chunk_timeout: float = 10.0,
+        average_optimizer_state: bool = False,
+        compression: str = "fp16",
+        records_path: str | None = None,
+        client_mode: bool = False,
+        load_state_timeout: float = 60.0,
+        target_batch: int | None = None,
+    ) -> None:
         self.dht, self.records_path = dht, records_path
         self.lock = threading.RLock()
         self.local_step = 0
         self.records: list[dict] = []
-        self.counters: dict[str, float] = {"rounds_applied": 0, "rounds_failed": 0, "state_downloads": 0,
-                                           "seconds_in_step": 0.0}
+        self.counters: dict[str, float] = {
+            "rounds_applied": 0,
+            "rounds_failed": 0,
+            "state_downloads": 0,
+            "seconds_in_step": 0.0,
+        }
         self.target_batch_size = target_batch or target_batch_size(box_batch, target_group_size)
         buffers = [b for b in (model.buffers() if model is not None else ()) if b.is_floating_point()]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._shut_down = False
         self.hivemind_optimizer = VisslHivemindOptimizer(
             rounds_factory=lambda owner: _Rounds(lambda: owner.local_updates),
-            dht=dht, run_id=f"{prefix}_hivemind_{schema_fingerprint(params + buffers)}", optimizer=optimizer,
-            params=None, scheduler=None, use_local_updates=True, batch_size_per_step=box_batch,
-            target_batch_size=self.target_batch_size, matchmaking_time=min_matchmaking_time,
-            averaging_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
-            load_state_timeout=load_state_timeout, average_state_every=1, client_mode=client_mode,
+            dht=dht,
+            run_id=f"{prefix}_hivemind_{schema_fingerprint(params + buffers)}",
+            optimizer=optimizer,
+            params=None,
+            scheduler=None,
+            use_local_updates=True,
+            batch_size_per_step=box_batch,
+            target_batch_size=self.target_batch_size,
+            matchmaking_time=min_matchmaking_time,
+            averaging_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            load_state_timeout=load_state_timeout,
+            average_state_every=1,
+            client_mode=client_mode,
             state_averaging_compression=make_compression(compression),
-            average_opt_statistics=("momentum_buffer",) if average_optimizer_state else (), extra_tensors=buffers,
-            averager_opts={"target_group_size": target_group_size, "min_group_size": 2,
-                           "request_timeout": request_timeout},
+            average_opt_statistics=("momentum_buffer",) if average_optimizer_state else (),
+            extra_tensors=buffers,
+            averager_opts={
+                "target_group_size": target_group_size,
+                "min_group_size": 2,
+                "request_timeout": request_timeout,
+            },
             shutdown_timeout=AVERAGER_SHUTDOWN_S,
-        )  # fmt: skip
-        logging.info(f"hivemind.Optimizer(use_local_updates=True): a global epoch (an averaging round) every "
-                     f"{self.target_batch_size} samples of the swarm, batch_size_per_step {box_batch}, "
-                     f"matchmaking_time {min_matchmaking_time} s")
+        )
+        logging.info(
+            f"hivemind.Optimizer(use_local_updates=True): a global epoch (an averaging round) every "
+            f"{self.target_batch_size} samples of the swarm, batch_size_per_step {box_batch}, "
+            f"matchmaking_time {min_matchmaking_time} s"
+        )
 
     @classmethod
     def install(cls, task: Any, settings: Any, options: dict[str, Any]) -> HivemindOptimizerAverager:
@@ -337,16 +416,23 @@ class HivemindOptimizerAverager:
         from vissl_swarm import local_replicas
 
         if local_replicas.is_box():
-            raise RuntimeError("--averager hivemind_optimizer runs one process per box: drop "
-                               "config.DISTRIBUTED.NUM_PROC_PER_NODE, or use the default averager")
+            raise RuntimeError(
+                "--averager hivemind_optimizer runs one process per box: drop "
+                "config.DISTRIBUTED.NUM_PROC_PER_NODE, or use the default averager"
+            )
         options = dict(options)
         options.pop("get_extra_state")  # hivemind.Optimizer serves its own progress (its epoch) to joiners
         if options.pop("max_staleness") is not None:  # run_trainer.py refuses it first, with the flag's name
             raise ValueError("hivemind.Optimizer has no staleness bound: drop --max_staleness")
         holder = task.optimizer.optimizer
         inner = getattr(holder, "optim", holder)
-        averager = cls(inner, task.dht, box_batch=int(task.get_global_batchsize()),
-                       load_state_timeout=max(settings.load_state_timeout, settings.averaging_timeout), **options)
+        averager = cls(
+            inner,
+            task.dht,
+            box_batch=int(task.get_global_batchsize()),
+            load_state_timeout=max(settings.load_state_timeout, settings.averaging_timeout),
+            **options,
+        )
         if holder is inner:
             task.optimizer.optimizer = averager.hivemind_optimizer
         else:
@@ -379,8 +465,7 @@ class HivemindOptimizerAverager:
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)
 
-    def load_state_from_peers(self, timeout: float | None = None,
-                              accept: Callable[[dict], bool] | None = None) -> None:
+    def load_state_from_peers(self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None) -> None:
         """Take a peer's parameters, buffers and optimizer state (hivemind's state averager); returns None: no VISSL
         progress is shared (``accept`` is asked about ``{}``, as with the old design: a box resumed from a
         checkpoint keeps it)."""
@@ -414,8 +499,9 @@ class HivemindOptimizerAverager:
         thread.start()
         thread.join(SHUTDOWN_DEADLINE_S)
         if thread.is_alive():
-            logging.error(f"hivemind.Optimizer did not shut down within {SHUTDOWN_DEADLINE_S:.0f} s: killing its "
-                          "averager process")
+            logging.error(
+                f"hivemind.Optimizer did not shut down within {SHUTDOWN_DEADLINE_S:.0f} s: killing its averager process"
+            )
             if optimizer.state_averager.is_alive():
                 optimizer.state_averager.kill()
         else:

@@ -80,10 +80,22 @@ class OldDesignAverager:
 
     needs_lock_for_forward = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dht: hivemind.DHT, *, prefix: str,
-                 model: torch.nn.Module | None = None, target_group_size: int = 4, min_matchmaking_time: float = 5.0,
-                 request_timeout: float = 3.0, allreduce_timeout: float = 60.0, next_chunk_timeout: float = 10.0,
-                 compression: str = "none", records_path: str | None = None, **_ignored: Any) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        model: torch.nn.Module | None = None,
+        target_group_size: int = 4,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        allreduce_timeout: float = 60.0,
+        next_chunk_timeout: float = 10.0,
+        compression: str = "none",
+        records_path: str | None = None,
+        **_ignored: Any,
+    ) -> None:
         self.dht, self.records_path = dht, records_path
         self.lock = threading.RLock()
         self.local_step = 0
@@ -93,13 +105,22 @@ class OldDesignAverager:
         buffers = [b for b in (model.buffers() if model is not None else ()) if b.is_floating_point()]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.averager = _TrainingAverager(
-            optimizer, average_parameters=True, average_gradients=False, extra_tensors=buffers,
-            initialize_optimizer=False, dht=dht, prefix=f"{prefix}_old_{schema_fingerprint(params + buffers)}",
-            start=True, target_group_size=target_group_size, min_group_size=2,
-            min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
-            allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
+            optimizer,
+            average_parameters=True,
+            average_gradients=False,
+            extra_tensors=buffers,
+            initialize_optimizer=False,
+            dht=dht,
+            prefix=f"{prefix}_old_{schema_fingerprint(params + buffers)}",
+            start=True,
+            target_group_size=target_group_size,
+            min_group_size=2,
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=request_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression),
-        )  # fmt: skip
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._average_forever, name="old-design-averaging", daemon=True)
         self._thread.start()
@@ -111,15 +132,16 @@ class OldDesignAverager:
     def on_step_end(self, batch_size: int | None = None) -> int:
         """Count the step; returns the rounds its thread applied since the previous step (between the steps)."""
         self.local_step += 1
-        applied, self._applied_at_last_step = self.counters["rounds_applied"] - self._applied_at_last_step, \
-            self.counters["rounds_applied"]
+        applied, self._applied_at_last_step = (
+            self.counters["rounds_applied"] - self._applied_at_last_step,
+            self.counters["rounds_applied"],
+        )
         return int(applied)
 
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)
 
-    def load_state_from_peers(self, timeout: float | None = None,
-                              accept: Callable[[dict], bool] | None = None) -> None:
+    def load_state_from_peers(self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None) -> None:
         """Take over a peer's parameters and optimizer state (TrainingAverager's download); always returns None.
 
         TrainingAverager shares no training progress, so the caller keeps its own schedule: a new peer trains the

@@ -101,8 +101,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BASE_MODES: tuple[str, ...] = ("none", "old", "improved", "hivemind_optimizer", "no_delta", "no_refresh",
-                               "no_pipeline", "fill_at_boundary", "no_slow_peer_fixes")  # fmt: skip
+BASE_MODES: tuple[str, ...] = (
+    "none",
+    "old",
+    "improved",
+    "hivemind_optimizer",
+    "no_delta",
+    "no_refresh",
+    "no_pipeline",
+    "fill_at_boundary",
+    "no_slow_peer_fixes",
+)
 MODES: tuple[str, ...] = (*BASE_MODES, "fill_at_once")
 IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs that define each mode
     "improved": {},
@@ -115,10 +124,22 @@ IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs tha
 }
 # the test suite's FAST settings (tests/dsgd_swarm.py) with a tiny model and quick steps: many rounds per minute, so
 # that what one uneven peer costs the others shows in a short window
-FAST_SWARM: dict[str, Any] = dict(sim_params=100_000, sim_step_s=0.05, min_matchmaking_time=1.0, request_timeout=0.5,
-                                  next_chunk_timeout=2.0, allreduce_timeout=15.0)  # fmt: skip
-WAN: dict[str, Any] = dict(sim_params=25_600_000, sim_step_s=0.3, min_matchmaking_time=5.0, request_timeout=3.0,
-                           allreduce_timeout=60.0, setup_timeout=120.0)  # fmt: skip
+FAST_SWARM: dict[str, Any] = dict(
+    sim_params=100_000,
+    sim_step_s=0.05,
+    min_matchmaking_time=1.0,
+    request_timeout=0.5,
+    next_chunk_timeout=2.0,
+    allreduce_timeout=15.0,
+)
+WAN: dict[str, Any] = dict(
+    sim_params=25_600_000,
+    sim_step_s=0.3,
+    min_matchmaking_time=5.0,
+    request_timeout=3.0,
+    allreduce_timeout=60.0,
+    setup_timeout=120.0,
+)
 
 
 @dataclass(frozen=True)
@@ -141,17 +162,45 @@ REGIMES: dict[str, Regime] = {
     "sim_not_full": Regime("sim", 4),
     "cpu_full": Regime("cpu", 3),
     "cpu_not_full": Regime("cpu", 4),
-    "straggler": Regime("sim", 4, peers=5, modes=("old", "improved", "hivemind_optimizer", "no_slow_peer_fixes"),
-                        perturbation="straggler", nominal=FAST_SWARM, quick=dict(seconds=15.0, settle_s=3.0)),
-    "slow_step": Regime("sim", 3, peers=3, modes=("old", "improved", "hivemind_optimizer", "fill_at_boundary"),
-                        perturbation="slow_step", nominal=FAST_SWARM, quick=dict(seconds=10.0, settle_s=2.0)),
-    "wan_100mbit": Regime("sim", 4, peers=3, modes=("old", "improved", "hivemind_optimizer", "fill_at_once"),
-                          link_mbit=100.0, compressions=("fp16", "uint8"), nominal=dict(WAN, warmup_s=20.0),
-                          quick=dict(seconds=20.0, warmup_s=10.0)),
-    "wan_1gbit": Regime("sim", 4, peers=3, modes=("old", "improved", "hivemind_optimizer"), link_mbit=1000.0,
-                        compressions=("fp16", "uint8"), nominal=dict(WAN, warmup_s=20.0),
-                        quick=dict(seconds=20.0, warmup_s=10.0)),
-}  # fmt: skip
+    "straggler": Regime(
+        "sim",
+        4,
+        peers=5,
+        modes=("old", "improved", "hivemind_optimizer", "no_slow_peer_fixes"),
+        perturbation="straggler",
+        nominal=FAST_SWARM,
+        quick=dict(seconds=15.0, settle_s=3.0),
+    ),
+    "slow_step": Regime(
+        "sim",
+        3,
+        peers=3,
+        modes=("old", "improved", "hivemind_optimizer", "fill_at_boundary"),
+        perturbation="slow_step",
+        nominal=FAST_SWARM,
+        quick=dict(seconds=10.0, settle_s=2.0),
+    ),
+    "wan_100mbit": Regime(
+        "sim",
+        4,
+        peers=3,
+        modes=("old", "improved", "hivemind_optimizer", "fill_at_once"),
+        link_mbit=100.0,
+        compressions=("fp16", "uint8"),
+        nominal=dict(WAN, warmup_s=20.0),
+        quick=dict(seconds=20.0, warmup_s=10.0),
+    ),
+    "wan_1gbit": Regime(
+        "sim",
+        4,
+        peers=3,
+        modes=("old", "improved", "hivemind_optimizer"),
+        link_mbit=1000.0,
+        compressions=("fp16", "uint8"),
+        nominal=dict(WAN, warmup_s=20.0),
+        quick=dict(seconds=20.0, warmup_s=10.0),
+    ),
+}
 DEFAULT_REGIMES = ("sim_full", "sim_not_full", "cpu_full", "cpu_not_full")
 STRAGGLER_STOP_S, STRAGGLER_RUN_S = 0.4, 0.1  # the straggler's process group: stopped 80% of the time
 SLOW_STEP_FACTOR = 20.0
@@ -272,10 +321,17 @@ class CpuTrainer:
     def __init__(self, cfg: RunConfig, rank: int, data: tuple[torch.Tensor, torch.Tensor]):
         torch.manual_seed(0)  # identical initialization on every peer, as in real data-parallel training
         self.model = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10),
-        )  # fmt: skip
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(64 * 8 * 8, 128),
+            nn.ReLU(),
+            nn.Linear(128, 10),
+        )
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.images, self.labels = data
         self.batch_size = cfg.cpu_batch_size
@@ -432,13 +488,22 @@ class OldDesign:
 
         with fixed_8bit_decoding():  # its averager process forks here and keeps hivemind's 8-bit decoding fixed
             self.averager = _old_averager_class()(
-                trainer.opt, average_parameters=True, average_gradients=False, extra_tensors=buffers,
-                initialize_optimizer=False, dht=dht, prefix=prefix, start=True,
-                target_group_size=cfg.target_group_size, min_group_size=2,
-                min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
-                allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+                trainer.opt,
+                average_parameters=True,
+                average_gradients=False,
+                extra_tensors=buffers,
+                initialize_optimizer=False,
+                dht=dht,
+                prefix=prefix,
+                start=True,
+                target_group_size=cfg.target_group_size,
+                min_group_size=2,
+                min_matchmaking_time=cfg.min_matchmaking_time,
+                request_timeout=cfg.request_timeout,
+                allreduce_timeout=cfg.allreduce_timeout,
+                next_chunk_timeout=cfg.next_chunk_timeout,
                 compression=_compression(cfg.compression),
-            )  # fmt: skip
+            )
         self.thread = threading.Thread(target=self._loop, name="old-averaging", daemon=True)
 
     def begin(self) -> None:
@@ -513,8 +578,15 @@ class OldDesign:
         current, times = self._current, dict(self.averager.stage_times)
         if current is None:
             return []
-        return [{"round": current["round"], "t_start": current["t_start"], "t_group_formed": times.get("group_formed"),
-                 "t_allreduce_start": times.get("allreduce"), "in_flight": True}]  # fmt: skip
+        return [
+            {
+                "round": current["round"],
+                "t_start": current["t_start"],
+                "t_group_formed": times.get("group_formed"),
+                "t_allreduce_start": times.get("allreduce"),
+                "in_flight": True,
+            }
+        ]
 
     def counters(self) -> dict:
         return {"rounds": self.round}
@@ -533,12 +605,21 @@ class ImprovedDesign:
 
         self.trainer, self.timer, self.holds = trainer, StepTimer(trainer.opt), []
         self.opt = DecentralizedSGD(
-            trainer.opt, dht, prefix=prefix, model=trainer.model,
-            target_group_size=cfg.target_group_size, min_group_size=2,
-            min_matchmaking_time=cfg.min_matchmaking_time, request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
-            compression=cfg.compression, verbose=cfg.verbose, start=True, **IMPROVED_OVERRIDES[cfg.mode],
-        )  # fmt: skip
+            trainer.opt,
+            dht,
+            prefix=prefix,
+            model=trainer.model,
+            target_group_size=cfg.target_group_size,
+            min_group_size=2,
+            min_matchmaking_time=cfg.min_matchmaking_time,
+            request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout,
+            next_chunk_timeout=cfg.next_chunk_timeout,
+            compression=cfg.compression,
+            verbose=cfg.verbose,
+            start=True,
+            **IMPROVED_OVERRIDES[cfg.mode],
+        )
 
     @property
     def local_step(self) -> int:
@@ -590,8 +671,14 @@ class RoundTap:
     def started(self, control: Any, t_start: float) -> None:
         """A round began matchmaking: pre-scheduled (schedule_step) or started by _do itself."""
         with self.lock:
-            record = {"round": len(self.rounds), "t_start": t_start, "error": None, "applied": False,
-                      "prescheduled": True, "_control": control}  # fmt: skip
+            record = {
+                "round": len(self.rounds),
+                "t_start": t_start,
+                "error": None,
+                "applied": False,
+                "prescheduled": True,
+                "_control": control,
+            }
             if self._adopt_in_thread == threading.get_ident():
                 record["prescheduled"], self.active, self._adopt_in_thread = False, record, None
             self.rounds.append(record)
@@ -608,8 +695,9 @@ class RoundTap:
         """The parameters were copied into the averager: the delta rule's "before"."""
         with self.lock:
             if self.active is not None:
-                self.active.update(t_snapshot=time.time(), step_at_snapshot=self.updates(),
-                                   snapshot_step_index=self.steps())  # fmt: skip
+                self.active.update(
+                    t_snapshot=time.time(), step_at_snapshot=self.updates(), snapshot_step_index=self.steps()
+                )
 
     def applied(self) -> None:
         """The round's delta was added to the parameters (in the trainer's opt.step). It counts as applied if the
@@ -688,9 +776,17 @@ class RoundTap:
 
     def in_flight(self) -> list[dict]:
         with self.lock:
-            return [{"round": r["round"], "t_start": r["t_start"], "t_group_formed": r.get("t_group_formed"),
-                     "t_allreduce_start": r.get("t_allreduce_start"), "in_flight": True}
-                    for r in self.rounds if "t_end" not in r]  # fmt: skip
+            return [
+                {
+                    "round": r["round"],
+                    "t_start": r["t_start"],
+                    "t_group_formed": r.get("t_group_formed"),
+                    "t_allreduce_start": r.get("t_allreduce_start"),
+                    "in_flight": True,
+                }
+                for r in self.rounds
+                if "t_end" not in r
+            ]
 
 
 def _hivemind_optimizer_class() -> type:
@@ -717,12 +813,21 @@ def _hivemind_optimizer_class() -> type:
             return control
 
     class TappedStateAverager(TrainingStateAverager, ControlTap):
-        def _do(self, wait_for_trigger: Any, optimizer_step: bool, zero_grad: bool, averaging_round: bool,
-                averaging_control: Any, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        def _do(
+            self,
+            wait_for_trigger: Any,
+            optimizer_step: bool,
+            zero_grad: bool,
+            averaging_round: bool,
+            averaging_control: Any,
+            *args: Any,
+            **kwargs: Any,
+        ) -> Any:
             if averaging_round and self.tap is not None:
                 self.tap.taken_up(averaging_control)
-            return super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control,
-                               *args, **kwargs)  # fmt: skip
+            return super()._do(
+                wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, *args, **kwargs
+            )
 
         def _load_local_tensors_into_averager_(self) -> None:
             super()._load_local_tensors_into_averager_()
@@ -765,8 +870,14 @@ def hivemind_target_batch_size(
     same averaging load on the same CPUs; in perturbed regimes its reference window), else `none`'s, else the
     nominal rate of a simulated step or, for real training, a second of it timed here.
     """
-    done = {r["mode"]: r for r in runs if r["regime"] == cfg.regime and r.get("compression") == cfg.compression
-            and not r.get("error") and not r.get("skipped")}  # fmt: skip
+    done = {
+        r["mode"]: r
+        for r in runs
+        if r["regime"] == cfg.regime
+        and r.get("compression") == cfg.compression
+        and not r.get("error")
+        and not r.get("skipped")
+    }
     rate, source = None, None
     for mode in ("improved", "none"):
         run = done.get(mode, {})
@@ -779,10 +890,16 @@ def hivemind_target_batch_size(
     if not rate:
         rate, source = _timed_rate(cfg, data), "timed here"
     target = max(1, round(rate * cfg.peers * cfg.min_matchmaking_time * scale))
-    return target, {"target_batch_size": target, "rate_samples_per_s_per_peer": rate, "rate_source": source,
-                    "scale": scale,
-                    "matchmaking_time": cfg.min_matchmaking_time, "averaging_timeout": cfg.allreduce_timeout,
-                    "average_state_every": 1, "compression": cfg.compression}  # fmt: skip
+    return target, {
+        "target_batch_size": target,
+        "rate_samples_per_s_per_peer": rate,
+        "rate_source": source,
+        "scale": scale,
+        "matchmaking_time": cfg.min_matchmaking_time,
+        "averaging_timeout": cfg.allreduce_timeout,
+        "average_state_every": 1,
+        "compression": cfg.compression,
+    }
 
 
 def _timed_rate(cfg: RunConfig, data: tuple | None, seconds: float = 1.0) -> float:
@@ -816,20 +933,31 @@ class HivemindOptimizerDesign:
         self.trainer, self.local_step, self.holds = trainer, 0, []
         self.epoch_times: list[float] = []  # when this peer entered each new global epoch
         self.tap = RoundTap(lambda: self.timer.updates, lambda: self.local_step)
-        target = cfg.hivemind_target_batch_size or max(1, round((nominal_rate(cfg) or 1000.0) * cfg.peers *
-                                                                cfg.min_matchmaking_time))  # fmt: skip
+        target = cfg.hivemind_target_batch_size or max(
+            1, round((nominal_rate(cfg) or 1000.0) * cfg.peers * cfg.min_matchmaking_time)
+        )
         buffers = [buf for buf in trainer.model.buffers() if buf.is_floating_point()]
         with fixed_8bit_decoding():  # as for the old design: its averager process forks here and keeps the fix
             self.opt = _hivemind_optimizer_class()(
-                dht=dht, run_id=prefix, target_batch_size=target, batch_size_per_step=trainer.batch_size,
-                optimizer=trainer.opt, use_local_updates=True, matchmaking_time=cfg.min_matchmaking_time,
-                averaging_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
-                average_state_every=1, state_averaging_compression=_compression(cfg.compression),
-                extra_tensors=buffers, load_state_timeout=cfg.allreduce_timeout,
-                averager_opts=dict(target_group_size=cfg.target_group_size, min_group_size=2,
-                                   request_timeout=cfg.request_timeout),
-                shutdown_timeout=max(1.0, cfg.shutdown_grace), verbose=cfg.verbose,
-            )  # fmt: skip
+                dht=dht,
+                run_id=prefix,
+                target_batch_size=target,
+                batch_size_per_step=trainer.batch_size,
+                optimizer=trainer.opt,
+                use_local_updates=True,
+                matchmaking_time=cfg.min_matchmaking_time,
+                averaging_timeout=cfg.allreduce_timeout,
+                next_chunk_timeout=cfg.next_chunk_timeout,
+                average_state_every=1,
+                state_averaging_compression=_compression(cfg.compression),
+                extra_tensors=buffers,
+                load_state_timeout=cfg.allreduce_timeout,
+                averager_opts=dict(
+                    target_group_size=cfg.target_group_size, min_group_size=2, request_timeout=cfg.request_timeout
+                ),
+                shutdown_timeout=max(1.0, cfg.shutdown_grace),
+                verbose=cfg.verbose,
+            )
         self.timer = StepTimer(trainer.opt)  # after hivemind's zero-gradient step that creates optimizer state
         self.opt.state_averager.tap = self.tap
         self.epoch = self.opt.local_epoch
@@ -853,8 +981,12 @@ class HivemindOptimizerDesign:
 
     def counters(self) -> dict:
         prescheduled = sum(1 for r in self.tap.records() if r.get("prescheduled"))
-        return {"rounds": len(self.tap.rounds), "prescheduled_rounds": prescheduled,
-                "epochs": self.opt.local_epoch, "state_loads": self.opt.state_loads}  # fmt: skip
+        return {
+            "rounds": len(self.tap.rounds),
+            "prescheduled_rounds": prescheduled,
+            "epochs": self.opt.local_epoch,
+            "state_loads": self.opt.state_loads,
+        }
 
     def shutdown(self) -> None:
         self.tap.stopped.set()
@@ -924,9 +1056,18 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
     if t3 is None:
         t1 = max(t1, step_times[-1] if step_times else t1)  # an extended window ends with its last step
     tail = losses[-20:]
-    return {"t_train": t_train, "t0": t0, "t1": t1, "t2": t2, "t3": t3, "step_times": step_times,
-            "hold_s": list(driver.holds), "epoch_times": getattr(driver, "epoch_times", None),
-            "batch_size": trainer.batch_size, "loss_tail": sum(tail) / len(tail) if tail else None}  # fmt: skip
+    return {
+        "t_train": t_train,
+        "t0": t0,
+        "t1": t1,
+        "t2": t2,
+        "t3": t3,
+        "step_times": step_times,
+        "hold_s": list(driver.holds),
+        "epoch_times": getattr(driver, "epoch_times", None),
+        "batch_size": trainer.batch_size,
+        "loss_tail": sum(tail) / len(tail) if tail else None,
+    }
 
 
 def _window_has_round(driver: Any, t0: float) -> bool:
@@ -993,9 +1134,16 @@ def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None
             trainer.slow_from = cfg.windows(channels.start_at.value)[1]
         driver.begin()
         result = _train_window(cfg, trainer, driver, channels.start_at.value)
-        result.update(rank=rank, records=driver.records(), in_flight=driver.in_flight(), counters=driver.counters(),
-                      final_step=driver.local_step, clock_offset=time.time() - time.monotonic(),
-                      peer_id=None if dht is None else str(dht.peer_id), finite=_all_finite(trainer.model))  # fmt: skip
+        result.update(
+            rank=rank,
+            records=driver.records(),
+            in_flight=driver.in_flight(),
+            counters=driver.counters(),
+            final_step=driver.local_step,
+            clock_offset=time.time() - time.monotonic(),
+            peer_id=None if dht is None else str(dht.peer_id),
+            finite=_all_finite(trainer.model),
+        )
         channels.to_parent.put(("result", rank, result))
     except BaseException:
         channels.to_parent.put(("error", rank, traceback.format_exc()))
@@ -1104,8 +1252,13 @@ def _plug_in_links(cfg: RunConfig, procs: Sequence[Any], channels: Channels) -> 
 
 def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
     """Run one (regime, mode) with fresh peer processes and fresh DHTs; always kill every process it started."""
-    summary: dict[str, Any] = {"regime": cfg.regime, "mode": cfg.mode, "compression": cfg.compression, "error": None,
-                               "skipped": _unavailable(cfg)}  # fmt: skip
+    summary: dict[str, Any] = {
+        "regime": cfg.regime,
+        "mode": cfg.mode,
+        "compression": cfg.compression,
+        "error": None,
+        "skipped": _unavailable(cfg),
+    }
     if summary["skipped"]:
         return summary
     ctx = mp.get_context("fork")
@@ -1253,8 +1406,11 @@ def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: fr
 
     durations = [all_durations[i] for i in measured]
     measured_set = set(measured)
-    formed_to_end = [r["awaiting_trigger_s"] + r["allreduce_s"] for r in applied
-                     if r.get("awaiting_trigger_s") is not None and r.get("allreduce_s") is not None]  # fmt: skip
+    formed_to_end = [
+        r["awaiting_trigger_s"] + r["allreduce_s"]
+        for r in applied
+        if r.get("awaiting_trigger_s") is not None and r.get("allreduce_s") is not None
+    ]
     copy_steps = {i for r in applied for i in _copy_step_indices(r) if i in measured_set}
     holds = peer.get("hold_s") or []
     held = [holds[i] for i in measured if i < len(holds)]
@@ -1326,8 +1482,9 @@ def summarize_peers(
         "matchmaking_s_mean": _mean(pooled("matchmaking_s")),
         "awaiting_s_mean": _mean(pooled("awaiting_s")),
         "formed_to_end_s_mean": _mean(pooled("formed_to_end_s")),
-        "with_perturbed_peer_share": (sum(m["with_others"] for m in per_peer) / applied_total
-                                      if others and applied_total else None),
+        "with_perturbed_peer_share": (
+            sum(m["with_others"] for m in per_peer) / applied_total if others and applied_total else None
+        ),
         "all_finite": all(peer.get("finite", True) for peer in peers),
         "allreduce_steps_mean": allreduce_mean / step_mean if allreduce_mean is not None and step_mean else None,
         # trainer-side cost of averaging: steps that did (or waited for) a snapshot/fill or apply vs the others
@@ -1346,10 +1503,25 @@ def summarize_peers(
     }
 
 
-COMPACT_KEYS = ("samples_per_s_per_peer", "rounds_per_min", "rounds_per_min_steady", "staleness_steps_mean",
-                "group_size_mean", "rounds_applied", "rounds_failed", "formed_to_end_s_mean", "allreduce_s_mean",
-                "matchmaking_s_mean", "awaiting_s_mean", "with_perturbed_peer_share", "all_finite",
-                "hold_s_total", "hold_ms_per_step", "epochs_per_min", "counters")  # fmt: skip
+COMPACT_KEYS = (
+    "samples_per_s_per_peer",
+    "rounds_per_min",
+    "rounds_per_min_steady",
+    "staleness_steps_mean",
+    "group_size_mean",
+    "rounds_applied",
+    "rounds_failed",
+    "formed_to_end_s_mean",
+    "allreduce_s_mean",
+    "matchmaking_s_mean",
+    "awaiting_s_mean",
+    "with_perturbed_peer_share",
+    "all_finite",
+    "hold_s_total",
+    "hold_ms_per_step",
+    "epochs_per_min",
+    "counters",
+)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -1370,8 +1542,9 @@ def summarize_run(cfg: RunConfig, peers: list[dict]) -> dict:
         reference = summarize_peers(healthy, ("t0", "t1"), slow_ids)
         summary = summarize_peers(healthy, ("t2", "t3"), slow_ids)
         summary["reference"] = {key: reference.get(key) for key in COMPACT_KEYS}
-        summary["perturbed_peer"] = {key: value for key, value in summarize_peers(slow, ("t2", "t3")).items()
-                                     if key in COMPACT_KEYS}  # fmt: skip
+        summary["perturbed_peer"] = {
+            key: value for key, value in summarize_peers(slow, ("t2", "t3")).items() if key in COMPACT_KEYS
+        }
         summary["rounds_per_min_vs_reference"] = _ratio(summary["rounds_per_min"], reference["rounds_per_min"])
         summary["rounds_per_min_steady_vs_reference"] = _ratio(
             summary["rounds_per_min_steady"], reference["rounds_per_min_steady"]
@@ -1412,22 +1585,34 @@ def uneven_targets(runs: list[dict]) -> list[dict]:
         label = regime if run["compression"] == "none" else f"{regime}/{run['compression']}"
         if regime == "straggler":
             results += [
-                _check(label, "healthy rounds/min >= 0.7 x unthrottled", run.get("rounds_per_min_vs_reference"), 0.7,
-                       False),
+                _check(
+                    label, "healthy rounds/min >= 0.7 x unthrottled", run.get("rounds_per_min_vs_reference"), 0.7, False
+                ),
                 _check(label, "no failed round among the healthy peers", run.get("rounds_failed"), 0, True),
                 _check(label, "every peer's tensors finite", float(bool(run.get("all_finite"))), 1.0, False),
-            ]  # fmt: skip
+            ]
         elif regime == "slow_step":
             reference = (run.get("reference") or {}).get("formed_to_end_s_mean")
-            results.append(_check(label, "fast peers' group formed -> round end <= all-fast + 0.1 s",
-                                   run.get("formed_to_end_s_mean"), None if reference is None else reference + 0.1,
-                                   True))  # fmt: skip
+            results.append(
+                _check(
+                    label,
+                    "fast peers' group formed -> round end <= all-fast + 0.1 s",
+                    run.get("formed_to_end_s_mean"),
+                    None if reference is None else reference + 0.1,
+                    True,
+                )
+            )
         elif regime == "wan_100mbit":
             results += [
                 _check(label, "steady rounds/min >= 0.95 x cap", run.get("rounds_per_min_steady_vs_cap"), 0.95, False),
-                _check(label, "staleness mean <= AllReduce steps + 1", run.get("staleness_steps_mean"),
-                       run.get("staleness_bound"), True),
-            ]  # fmt: skip
+                _check(
+                    label,
+                    "staleness mean <= AllReduce steps + 1",
+                    run.get("staleness_steps_mean"),
+                    run.get("staleness_bound"),
+                    True,
+                ),
+            ]
     return results
 
 
@@ -1445,16 +1630,28 @@ def evaluate_targets(runs: list[dict], regime: str = "sim_not_full") -> list[dic
         return None if value is None else value * factor + offset
 
     checks = [  # (description, value, threshold, value must be <= threshold)
-        ("staleness mean <= AllReduce steps + 1", get(new, "staleness_steps_mean"),
-         scaled(get(new, "allreduce_steps_mean"), 1.0, 1.0), True),
-        ("staleness mean <= 0.5 x old", get(new, "staleness_steps_mean"),
-         scaled(get(old, "staleness_steps_mean"), 0.5), True),
+        (
+            "staleness mean <= AllReduce steps + 1",
+            get(new, "staleness_steps_mean"),
+            scaled(get(new, "allreduce_steps_mean"), 1.0, 1.0),
+            True,
+        ),
+        (
+            "staleness mean <= 0.5 x old",
+            get(new, "staleness_steps_mean"),
+            scaled(get(old, "staleness_steps_mean"), 0.5),
+            True,
+        ),
         ("rounds/min >= 1.8 x old", get(new, "rounds_per_min"), scaled(get(old, "rounds_per_min"), 1.8), False),
-        ("steady-state rounds/min (60 / interval between applied rounds) >= 1.8 x old",
-         get(new, "rounds_per_min_steady"), scaled(get(old, "rounds_per_min_steady"), 1.8), False),
+        (
+            "steady-state rounds/min (60 / interval between applied rounds) >= 1.8 x old",
+            get(new, "rounds_per_min_steady"),
+            scaled(get(old, "rounds_per_min_steady"), 1.8),
+            False,
+        ),
         ("throughput ratio >= 0.97", get(new, "throughput_ratio"), 0.97, False),
         ("duty cycle >= 0.95", get(new, "duty_cycle"), 0.95, False),
-    ]  # fmt: skip
+    ]
     results = [_check(regime, *check) for check in checks]
     return results + uneven_targets(runs)
 
@@ -1477,53 +1674,86 @@ def run_metadata(args: argparse.Namespace, started: float) -> dict:
     sources = sorted(package.glob("*.py")) if package.is_dir() else [REPO_ROOT / "decentralized_sgd.py"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources if path.exists())).hexdigest()[:16]
     return {
-        "argv": sys.argv[1:], "quick": args.quick, "started": time.strftime("%F %T", time.localtime(started)),
-        "total_s": time.time() - started, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-        "torch": torch.__version__, "hivemind": hivemind.__version__,
+        "argv": sys.argv[1:],
+        "quick": args.quick,
+        "started": time.strftime("%F %T", time.localtime(started)),
+        "total_s": time.time() - started,
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "torch": torch.__version__,
+        "hivemind": hivemind.__version__,
         "decentralized_sgd_sha256": digest,
-    }  # fmt: skip
+    }
 
 
 # ----------------------------------------------------------------------------------------------------- reporting
 
 TABLE_COLUMNS = [  # (header, key, format)
-    ("regime", "regime", "{}"), ("mode", "mode", "{}"), ("samples/s/peer", "samples_per_s_per_peer", "{:.1f}"),
-    ("thr ratio", "throughput_ratio", "{:.3f}"), ("rounds/min", "rounds_per_min", "{:.1f}"),
-    ("steady r/min", "rounds_per_min_steady", "{:.1f}"), ("stale mean", "staleness_steps_mean", "{:.1f}"),
-    ("stale p95", "staleness_steps_p95", "{:.1f}"), ("duty", "duty_cycle", "{:.2f}"),
-    ("group", "group_size_mean", "{:.2f}"), ("failed", "rounds_failed", "{}"),
-    ("AR s", "allreduce_s_mean", "{:.2f}"), ("AR steps", "allreduce_steps_mean", "{:.1f}"),
-    ("MM s", "matchmaking_s_mean", "{:.2f}"), ("AW s", "awaiting_s_mean", "{:.2f}"),
-    ("hold s", "hold_s_total", "{:.2f}"), ("hold ms/step", "hold_ms_per_step", "{:.1f}"),
-    ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
-]  # fmt: skip
+    ("regime", "regime", "{}"),
+    ("mode", "mode", "{}"),
+    ("samples/s/peer", "samples_per_s_per_peer", "{:.1f}"),
+    ("thr ratio", "throughput_ratio", "{:.3f}"),
+    ("rounds/min", "rounds_per_min", "{:.1f}"),
+    ("steady r/min", "rounds_per_min_steady", "{:.1f}"),
+    ("stale mean", "staleness_steps_mean", "{:.1f}"),
+    ("stale p95", "staleness_steps_p95", "{:.1f}"),
+    ("duty", "duty_cycle", "{:.2f}"),
+    ("group", "group_size_mean", "{:.2f}"),
+    ("failed", "rounds_failed", "{}"),
+    ("AR s", "allreduce_s_mean", "{:.2f}"),
+    ("AR steps", "allreduce_steps_mean", "{:.1f}"),
+    ("MM s", "matchmaking_s_mean", "{:.2f}"),
+    ("AW s", "awaiting_s_mean", "{:.2f}"),
+    ("hold s", "hold_s_total", "{:.2f}"),
+    ("hold ms/step", "hold_ms_per_step", "{:.1f}"),
+    ("load", "loadavg_1m_after", "{:.1f}"),
+    ("error", "error", "{}"),
+]
 
 
 UNEVEN_COLUMNS = [  # perturbed regimes: the healthy peers, reference window vs perturbed window
-    ("regime", "regime", "{}"), ("mode", "mode", "{}"),
-    ("r/min reference", "reference.rounds_per_min", "{:.1f}"), ("r/min perturbed", "rounds_per_min", "{:.1f}"),
+    ("regime", "regime", "{}"),
+    ("mode", "mode", "{}"),
+    ("r/min reference", "reference.rounds_per_min", "{:.1f}"),
+    ("r/min perturbed", "rounds_per_min", "{:.1f}"),
     ("ratio", "rounds_per_min_vs_reference", "{:.2f}"),
     ("steady ratio", "rounds_per_min_steady_vs_reference", "{:.2f}"),
     ("formed->end s reference", "reference.formed_to_end_s_mean", "{:.3f}"),
     ("formed->end s perturbed", "formed_to_end_s_mean", "{:.3f}"),
-    ("MM s", "matchmaking_s_mean", "{:.2f}"), ("group", "group_size_mean", "{:.2f}"),
-    ("with slow peer", "with_perturbed_peer_share", "{:.2f}"), ("failed", "rounds_failed", "{}"),
+    ("MM s", "matchmaking_s_mean", "{:.2f}"),
+    ("group", "group_size_mean", "{:.2f}"),
+    ("with slow peer", "with_perturbed_peer_share", "{:.2f}"),
+    ("failed", "rounds_failed", "{}"),
     ("slow peer r/min", "perturbed_peer.rounds_per_min", "{:.1f}"),
     ("slow peer starved s", "perturbed_peer.counters.starved_s", "{:.0f}"),
-    ("slow DHT node bans", "counters.slow_dht_node_bans", "{:.0f}"), ("finite", "all_finite", "{}"),
-    ("stale mean", "staleness_steps_mean", "{:.1f}"), ("hold s", "hold_s_total", "{:.2f}"),
-    ("hold ms/step", "hold_ms_per_step", "{:.1f}"), ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
-]  # fmt: skip
+    ("slow DHT node bans", "counters.slow_dht_node_bans", "{:.0f}"),
+    ("finite", "all_finite", "{}"),
+    ("stale mean", "staleness_steps_mean", "{:.1f}"),
+    ("hold s", "hold_s_total", "{:.2f}"),
+    ("hold ms/step", "hold_ms_per_step", "{:.1f}"),
+    ("load", "loadavg_1m_after", "{:.1f}"),
+    ("error", "error", "{}"),
+]
 LINK_COLUMNS = [  # bandwidth-limited links
-    ("regime", "regime", "{}"), ("compression", "compression", "{}"), ("mode", "mode", "{}"),
-    ("AR s", "allreduce_s_mean", "{:.2f}"), ("AR steps", "allreduce_steps_mean", "{:.1f}"),
-    ("rounds/min", "rounds_per_min", "{:.1f}"), ("steady r/min", "rounds_per_min_steady", "{:.1f}"),
-    ("cap", "rounds_per_min_cap", "{:.1f}"), ("steady / cap", "rounds_per_min_steady_vs_cap", "{:.2f}"),
-    ("stale mean", "staleness_steps_mean", "{:.1f}"), ("AR steps + 1", "staleness_bound", "{:.1f}"),
-    ("MM s", "matchmaking_s_mean", "{:.2f}"), ("group", "group_size_mean", "{:.2f}"),
-    ("failed", "rounds_failed", "{}"), ("hold s", "hold_s_total", "{:.2f}"),
-    ("hold ms/step", "hold_ms_per_step", "{:.1f}"), ("load", "loadavg_1m_after", "{:.1f}"), ("error", "error", "{}"),
-]  # fmt: skip
+    ("regime", "regime", "{}"),
+    ("compression", "compression", "{}"),
+    ("mode", "mode", "{}"),
+    ("AR s", "allreduce_s_mean", "{:.2f}"),
+    ("AR steps", "allreduce_steps_mean", "{:.1f}"),
+    ("rounds/min", "rounds_per_min", "{:.1f}"),
+    ("steady r/min", "rounds_per_min_steady", "{:.1f}"),
+    ("cap", "rounds_per_min_cap", "{:.1f}"),
+    ("steady / cap", "rounds_per_min_steady_vs_cap", "{:.2f}"),
+    ("stale mean", "staleness_steps_mean", "{:.1f}"),
+    ("AR steps + 1", "staleness_bound", "{:.1f}"),
+    ("MM s", "matchmaking_s_mean", "{:.2f}"),
+    ("group", "group_size_mean", "{:.2f}"),
+    ("failed", "rounds_failed", "{}"),
+    ("hold s", "hold_s_total", "{:.2f}"),
+    ("hold ms/step", "hold_ms_per_step", "{:.1f}"),
+    ("load", "loadavg_1m_after", "{:.1f}"),
+    ("error", "error", "{}"),
+]
 
 
 def _cell(run: dict, key: str, fmt: str) -> str:
@@ -1546,11 +1776,13 @@ def markdown_table(runs: list[dict], columns: Sequence[tuple[str, str, str]] = T
 def report_tables(runs: list[dict]) -> str:
     """One table per kind of regime that ran: plain, uneven swarm (perturbed), bandwidth-limited links."""
     kinds = [
-        ([r for r in runs if not REGIMES[r["regime"]].perturbation and not REGIMES[r["regime"]].link_mbit],
-         TABLE_COLUMNS),
+        (
+            [r for r in runs if not REGIMES[r["regime"]].perturbation and not REGIMES[r["regime"]].link_mbit],
+            TABLE_COLUMNS,
+        ),
         ([r for r in runs if REGIMES[r["regime"]].perturbation], UNEVEN_COLUMNS),
         ([r for r in runs if REGIMES[r["regime"]].link_mbit], LINK_COLUMNS),
-    ]  # fmt: skip
+    ]
     return "\n\n".join(markdown_table(chosen, columns) for chosen, columns in kinds if chosen)
 
 
@@ -1576,10 +1808,12 @@ def hivemind_setup_markdown(runs: list[dict]) -> str:
         )
     if not lines:
         return ""
-    return ("\n\nhivemind_optimizer: hivemind.Optimizer(use_local_updates=True, average_state_every=1), "
-            "matchmaking_time = min_matchmaking_time, averaging_timeout = our allreduce_timeout, same compression; "
-            "hold = time in opt.step() beyond the inner optimizer step; staleness = inner updates between the copy "
-            "into the averager and the apply\n" + "\n".join(lines))  # fmt: skip
+    return (
+        "\n\nhivemind_optimizer: hivemind.Optimizer(use_local_updates=True, average_state_every=1), "
+        "matchmaking_time = min_matchmaking_time, averaging_timeout = our allreduce_timeout, same compression; "
+        "hold = time in opt.step() beyond the inner optimizer step; staleness = inner updates between the copy "
+        "into the averager and the apply\n" + "\n".join(lines)
+    )
 
 
 def _old_copy_spans(record: dict) -> list[tuple[str, float, float]]:
@@ -1629,8 +1863,9 @@ def plot_timeline(
         t_train = first.get("t_train", first["t0"])
         ax.axvspan(0, first["t0"] - t_train, color="0.9", zorder=0)
         ax.set_xlim(0, first["t1"] - t_train)
-        ax.set_xlabel("seconds since training began (shaded: warm-up, not measured; ticks: local steps, "
-                      "dots: result applied)")
+        ax.set_xlabel(
+            "seconds since training began (shaded: warm-up, not measured; ticks: local steps, dots: result applied)"
+        )
     handles = [Patch(color=c, label=n) for n, c in SPAN_COLORS.items()]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
@@ -1652,19 +1887,33 @@ def _json_ready(run: dict, keep_peers: bool) -> dict:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="shorter runs (the default regimes and modes in ~5 min on 2 cores), 5M-param sim model "
-                             "and min_matchmaking_time 2 s in the sim/cpu regimes")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="shorter runs (the default regimes and modes in ~5 min on 2 cores), 5M-param sim model "
+        "and min_matchmaking_time 2 s in the sim/cpu regimes",
+    )
     parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(DEFAULT_REGIMES))
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
-                        help="among each regime's own modes")  # fmt: skip
-    parser.add_argument("--compressions", nargs="+", choices=["none", "fp16", "uint8"], default=None,
-                        help="instead of each regime's own (none; fp16 and uint8 in the wan_* regimes)")  # fmt: skip
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="among each regime's own modes"
+    )
+    parser.add_argument(
+        "--compressions",
+        nargs="+",
+        choices=["none", "fp16", "uint8"],
+        default=None,
+        help="instead of each regime's own (none; fp16 and uint8 in the wan_* regimes)",
+    )
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (and per window)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds trained before the measured window")
-    parser.add_argument("--extend-until-round", type=float, default=0.0, metavar="S",
-                        help="a measured window with no applied round goes on until one is, for at most S more "
-                             "seconds (smoke tests on a loaded machine; default 0: fixed windows)")  # fmt: skip
+    parser.add_argument(
+        "--extend-until-round",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="a measured window with no applied round goes on until one is, for at most S more "
+        "seconds (smoke tests on a loaded machine; default 0: fixed windows)",
+    )
     parser.add_argument("--peers", type=int, default=None, help="instead of each regime's own (3; straggler 5)")
     parser.add_argument("--sim-params", type=int, default=None, help="parameters of the simulated model")
     parser.add_argument("--min-matchmaking-time", type=float, default=None)
@@ -1673,12 +1922,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json-peers", action="store_true", help="also store per-peer step times and records")
     parser.add_argument("--verbose", action="store_true", help="keep hivemind / DecentralizedSGD logs")
-    parser.add_argument("--hivemind-target-scale", type=float, default=1.0,
-                        help="hivemind_optimizer: target_batch_size times this (default 1: the swarm's samples in "
-                             "one min_matchmaking_time)")  # fmt: skip
-    parser.add_argument("--trace", type=Path, default=None,
-                        help="time every hivemind matchmaking / DHT / AllReduce call into this folder "
-                             "(summary: benchmarks/hivemind_trace.py)")  # fmt: skip
+    parser.add_argument(
+        "--hivemind-target-scale",
+        type=float,
+        default=1.0,
+        help="hivemind_optimizer: target_batch_size times this (default 1: the swarm's samples in "
+        "one min_matchmaking_time)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="time every hivemind matchmaking / DHT / AllReduce call into this folder "
+        "(summary: benchmarks/hivemind_trace.py)",
+    )
     return parser.parse_args(argv)
 
 
@@ -1686,11 +1943,25 @@ def _regime_config(args: argparse.Namespace, name: str) -> RunConfig:
     """Defaults, then --quick's, then the regime's own settings (and their --quick variant), then the command line.
     Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
     regime = REGIMES[name]
-    base = RunConfig(regime=name, mode="none", peers=args.peers or regime.peers or 3, verbose=args.verbose,
-                     trace_dir=None if args.trace is None else str(args.trace.resolve() / name))  # fmt: skip
+    base = RunConfig(
+        regime=name,
+        mode="none",
+        peers=args.peers or regime.peers or 3,
+        verbose=args.verbose,
+        trace_dir=None if args.trace is None else str(args.trace.resolve() / name),
+    )
     if args.quick:  # setup is not measured: its timeout only catches a hung start (p2pd alone took > 40 s at load 15)
-        base = replace(base, seconds=6.0, warmup_s=3.0, sim_params=5_000_000, min_matchmaking_time=2.0,
-                       request_timeout=1.0, allreduce_timeout=20.0, setup_timeout=90.0, shutdown_grace=0.5)  # fmt: skip
+        base = replace(
+            base,
+            seconds=6.0,
+            warmup_s=3.0,
+            sim_params=5_000_000,
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            allreduce_timeout=20.0,
+            setup_timeout=90.0,
+            shutdown_grace=0.5,
+        )
     base = replace(base, **{**regime.nominal, **(regime.quick if args.quick else {})})
     if args.seconds is not None:
         base = replace(base, seconds=args.seconds)
@@ -1767,15 +2038,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         if cfg.mode == "hivemind_optimizer":  # from the runs of its regime so far: improved's rate, else none's
             target, setup = hivemind_target_batch_size(cfg, runs, data, args.hivemind_target_scale)
             cfg = replace(cfg, hivemind_target_batch_size=target)
-        print(f"[bench] {cfg.regime:>13} / {cfg.mode:<18} / {cfg.compression:<5} ...", end=" ", flush=True,
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"[bench] {cfg.regime:>13} / {cfg.mode:<18} / {cfg.compression:<5} ...",
+            end=" ",
+            flush=True,
+            file=sys.stderr,
+        )
         run = run_one(cfg, data)
         if setup is not None:
             run["hivemind_setup"] = setup
         run["config"] = {k: v for k, v in asdict(cfg).items() if k not in ("regime", "mode", "verbose")}
         runs.append(run)
-        status = (f"skipped: {run['skipped']}" if run["skipped"] else
-                  "ok" if not run["error"] else run["error"].splitlines()[0][:120])  # fmt: skip
+        status = (
+            f"skipped: {run['skipped']}"
+            if run["skipped"]
+            else "ok"
+            if not run["error"]
+            else run["error"].splitlines()[0][:120]
+        )
         print(f"{run.get('wall_s', 0.0):.1f}s {status}", flush=True, file=sys.stderr)
     add_throughput_ratios(runs)
     targets = evaluate_targets(runs)
@@ -1787,8 +2067,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         args.markdown.write_text(report + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"runs": [_json_ready(r, args.json_peers) for r in runs], "targets": targets,
-                   "meta": run_metadata(args, started)}  # fmt: skip
+        payload = {
+            "runs": [_json_ready(r, args.json_peers) for r in runs],
+            "targets": targets,
+            "meta": run_metadata(args, started),
+        }
         args.json.write_text(json.dumps(payload, indent=1, default=str))
     if args.plot:
         plot_timeline(runs, args.plot)

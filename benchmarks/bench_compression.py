@@ -89,8 +89,9 @@ def perturbed_copies(base: Sequence[torch.Tensor], peers: int, level: float) -> 
     gen = torch.Generator().manual_seed(1)
     copies = []
     for _ in range(peers):
-        copies.append([t + level * t.pow(2).mean().sqrt().clamp_min(1e-8) * torch.randn(t.shape, generator=gen)
-                       for t in base])  # fmt: skip
+        copies.append(
+            [t + level * t.pow(2).mean().sqrt().clamp_min(1e-8) * torch.randn(t.shape, generator=gen) for t in base]
+        )
     return copies
 
 
@@ -101,8 +102,10 @@ def allreduce(tensors: list[list[torch.Tensor]], scheme: str, round_index: int) 
     import hivemind
 
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
-             for _ in range(len(tensors) - 1)]  # fmt: skip
+    dhts += [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+        for _ in range(len(tensors) - 1)
+    ]
     try:
         return _allreduce_once(tensors, scheme, dhts, f"compression_{scheme}_{round_index}")
     finally:
@@ -117,12 +120,20 @@ def _allreduce_once(
 
     averagers = [
         hivemind.DecentralizedAverager(
-            [t.clone() for t in peer_tensors], dht, prefix=prefix, target_group_size=len(dhts),
-            min_group_size=len(dhts), min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=300.0,
-            next_chunk_timeout=120.0, compression=compression_for(scheme), start=True,
+            [t.clone() for t in peer_tensors],
+            dht,
+            prefix=prefix,
+            target_group_size=len(dhts),
+            min_group_size=len(dhts),
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            allreduce_timeout=300.0,
+            next_chunk_timeout=120.0,
+            compression=compression_for(scheme),
+            start=True,
         )
         for peer_tensors, dht in zip(tensors, dhts, strict=True)
-    ]  # fmt: skip
+    ]
     try:
         with ThreadPoolExecutor(len(averagers)) as pool:
             groups = list(pool.map(lambda a: a.step(timeout=600.0), averagers))
@@ -163,21 +174,32 @@ def measure(base: list[torch.Tensor], peers: int, level: float, scheme: str, ind
     spread_after = [_distance(a, b) / scale for a, b in itertools.combinations(results, 2)]
     mean = sum(errors) / len(errors)
     return {
-        "scheme": scheme, "level": level, "peers": peers, "error_mean": mean, "error_max": max(errors),
+        "scheme": scheme,
+        "level": level,
+        "peers": peers,
+        "error_mean": mean,
+        "error_max": max(errors),
         "correction_mean": sum(corrections) / len(corrections),
         "error_vs_correction": mean / (sum(corrections) / len(corrections)),
-        "spread_before": sum(spread_before) / len(spread_before), "spread_after": sum(spread_after) / len(spread_after),
-        "spread_after_vs_before": sum(spread_after) / sum(spread_before), "round_s": seconds,
+        "spread_before": sum(spread_before) / len(spread_before),
+        "spread_after": sum(spread_after) / len(spread_after),
+        "spread_after_vs_before": sum(spread_after) / sum(spread_before),
+        "round_s": seconds,
         "all_finite": all(bool(torch.isfinite(t).all()) for result in results for t in result),
-    }  # fmt: skip
+    }
 
 
 COLUMNS = [
-    ("scheme", "scheme", "{}"), ("level", "level", "{:g}"), ("error", "error_mean", "{:.2e}"),
-    ("error max", "error_max", "{:.2e}"), ("correction", "correction_mean", "{:.2e}"),
-    ("error / correction", "error_vs_correction", "{:.3f}"), ("spread before", "spread_before", "{:.2e}"),
-    ("spread after", "spread_after", "{:.2e}"), ("after / before", "spread_after_vs_before", "{:.3f}"),
-]  # fmt: skip
+    ("scheme", "scheme", "{}"),
+    ("level", "level", "{:g}"),
+    ("error", "error_mean", "{:.2e}"),
+    ("error max", "error_max", "{:.2e}"),
+    ("correction", "correction_mean", "{:.2e}"),
+    ("error / correction", "error_vs_correction", "{:.3f}"),
+    ("spread before", "spread_before", "{:.2e}"),
+    ("spread after", "spread_after", "{:.2e}"),
+    ("after / before", "spread_after_vs_before", "{:.3f}"),
+]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -189,12 +211,20 @@ def markdown(rows: list[dict]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument("--levels", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4],
-                        help="per-peer perturbation, relative to each tensor's RMS")  # fmt: skip
+    parser.add_argument(
+        "--levels",
+        type=float,
+        nargs="+",
+        default=[1e-2, 1e-3, 1e-4],
+        help="per-peer perturbation, relative to each tensor's RMS",
+    )
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
-    parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="a VISSL checkpoint (file or folder): its trained trunk instead of ResNet-50's initial "
-                             "weights")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a VISSL checkpoint (file or folder): its trained trunk instead of ResNet-50's initial weights",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     return parser.parse_args(argv)
@@ -214,8 +244,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
             rows.append(measure(base, args.peers, level, scheme, index))
             row = rows[-1]
-            print(f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
-                  f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s", file=sys.stderr)  # fmt: skip
+            print(
+                f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
+                f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s",
+                file=sys.stderr,
+            )
     table = markdown(rows)
     print(table)
     if args.markdown:

@@ -42,8 +42,15 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from dsgd_swarm import Swarm, averaged_tensors, make_model  # noqa: E402
 
 MODES = {"fixes": {}, "no_slow_peer_fixes": {"slow_peer_fixes": False}}  # DecentralizedSGD kwargs of each mode
-PER_PEER = ("rounds_applied", "rounds_failed", "rounds_no_group", "slow_dht_node_bans", "slow_leader_timeouts",
-            "slow_leader_requests_skipped", "starvation_episodes")  # fmt: skip
+PER_PEER = (
+    "rounds_applied",
+    "rounds_failed",
+    "rounds_no_group",
+    "slow_dht_node_bans",
+    "slow_leader_timeouts",
+    "slow_leader_requests_skipped",
+    "starvation_episodes",
+)
 
 
 def spread(peers: list) -> float:
@@ -74,9 +81,17 @@ def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwarg
         final_spread = spread(members)
     finally:
         swarm.close()
-    result: dict[str, Any] = dict(peers=peers, group=group, deadline_s=deadline, tolerance=tolerance,
-                                  consensus_s=consensus_s, elapsed_s=round(elapsed, 2), setup_s=round(setup_s, 2),
-                                  final_spread=final_spread, load_1min=os.getloadavg()[0])  # fmt: skip
+    result: dict[str, Any] = dict(
+        peers=peers,
+        group=group,
+        deadline_s=deadline,
+        tolerance=tolerance,
+        consensus_s=consensus_s,
+        elapsed_s=round(elapsed, 2),
+        setup_s=round(setup_s, 2),
+        final_spread=final_spread,
+        load_1min=os.getloadavg()[0],
+    )
     for name in PER_PEER:
         values = [c.get(name, 0) for c in counters]
         result[name] = dict(min=min(values), median=statistics.median(values), max=max(values), total=sum(values))
@@ -88,8 +103,9 @@ def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwarg
 
 def git_commit() -> str:
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
@@ -97,18 +113,25 @@ def markdown(report: dict[str, Any]) -> str:
     def mmm(stat: dict) -> str:
         return f"{stat['min']:g} / {stat['median']:g} / {stat['max']:g} ({stat['total']:g})"
 
-    lines = [f"# Consensus of {report['runs'][0]['peers']} peers (`benchmarks/bench_consensus.py`)", "",
-             f"commit `{report['commit']}`, {report['started']}, {os.cpu_count()} CPUs; per peer: min / median / "
-             "max (swarm total)", "",
-             "| mode | consensus s | rounds/min | applied | failed | no group | DHT bans (peer 0) | leader time-outs | "
-             "joins skipped | starved | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Consensus of {report['runs'][0]['peers']} peers (`benchmarks/bench_consensus.py`)",
+        "",
+        f"commit `{report['commit']}`, {report['started']}, {os.cpu_count()} CPUs; per peer: min / median / "
+        "max (swarm total)",
+        "",
+        "| mode | consensus s | rounds/min | applied | failed | no group | DHT bans (peer 0) | leader time-outs | "
+        "joins skipped | starved | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in report["runs"]:
         consensus = "—" if run["consensus_s"] is None else f"{run['consensus_s']:.1f}"
-        lines.append(f"| {run['mode']} | {consensus} (of {run['deadline_s']:g}) | {run['rounds_per_min']} | "
-                     f"{mmm(run['rounds_applied'])} | {mmm(run['rounds_failed'])} | {mmm(run['rounds_no_group'])} | "
-                     f"{run['slow_dht_node_bans']['total']:g} ({run['slow_dht_node_bans']['peer0']:g}) | "
-                     f"{mmm(run['slow_leader_timeouts'])} | {mmm(run['slow_leader_requests_skipped'])} | "
-                     f"{run['starvation_episodes']['total']:g} | {run['load_1min']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {run['mode']} | {consensus} (of {run['deadline_s']:g}) | {run['rounds_per_min']} | "
+            f"{mmm(run['rounds_applied'])} | {mmm(run['rounds_failed'])} | {mmm(run['rounds_no_group'])} | "
+            f"{run['slow_dht_node_bans']['total']:g} ({run['slow_dht_node_bans']['peer0']:g}) | "
+            f"{mmm(run['slow_leader_timeouts'])} | {mmm(run['slow_leader_requests_skipped'])} | "
+            f"{run['starvation_episodes']['total']:g} | {run['load_1min']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

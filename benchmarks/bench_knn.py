@@ -36,7 +36,7 @@ def write_bank(path: Path, rows: int, dim: int, num_classes: int, chunk: int = 6
     for start in range(0, rows, chunk):
         block = rng.standard_normal((min(chunk, rows - start), dim), dtype=np.float32)
         block /= np.linalg.norm(block, axis=1, keepdims=True)
-        bank[start:start + len(block)] = block
+        bank[start : start + len(block)] = block
         bank.flush()
     del bank
     np.save(path.with_suffix(".labels.npy"), rng.integers(0, num_classes, rows))
@@ -60,38 +60,57 @@ def measure(bank_path: Path, queries: int, memory_gb: float, num_classes: int) -
     val = torch.nn.functional.normalize(torch.randn(queries, bank.shape[1], generator=torch.Generator().manual_seed(1)))
     rss_before = peak_rss_mb()
     start = time.perf_counter()
-    predictions = knn_predictions(bank_path, labels, val, k=20, temperature=0.1, num_classes=num_classes,
-                                  memory_gb=memory_gb)
+    predictions = knn_predictions(
+        bank_path, labels, val, k=20, temperature=0.1, num_classes=num_classes, memory_gb=memory_gb
+    )
     seconds = time.perf_counter() - start
     block, chunk = block_sizes(queries, bank.shape[1], memory_gb)
-    return {"memory_gb": memory_gb, "query_block": block, "train_chunk": chunk, "seconds": round(seconds, 1),
-            "seconds_per_1000_queries": round(seconds * 1000 / queries, 1),
-            "peak_rss_mb": round(peak_rss_mb(), 0), "rss_before_knn_mb": round(rss_before, 0),
-            "predictions": len(predictions), "torch_threads": torch.get_num_threads()}
+    return {
+        "memory_gb": memory_gb,
+        "query_block": block,
+        "train_chunk": chunk,
+        "seconds": round(seconds, 1),
+        "seconds_per_1000_queries": round(seconds * 1000 / queries, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 0),
+        "rss_before_knn_mb": round(rss_before, 0),
+        "predictions": len(predictions),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Streaming kNN: {report['rows']:,} x {report['dim']} float32 bank ({report['bank_gb']} GB, "
-             f"memory-mapped .npy), {report['queries']:,} queries, k=20", "",
-             f"commit {report['commit']}; {report['cpus']} CPU cores, run under `nice -n 19` next to other jobs "
-             "(times are upper bounds)", "",
-             "| --knn_memory_gb | query block | train chunk | peak RSS | s per 1,000 queries |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# Streaming kNN: {report['rows']:,} x {report['dim']} float32 bank ({report['bank_gb']} GB, "
+        f"memory-mapped .npy), {report['queries']:,} queries, k=20",
+        "",
+        f"commit {report['commit']}; {report['cpus']} CPU cores, run under `nice -n 19` next to other jobs "
+        "(times are upper bounds)",
+        "",
+        "| --knn_memory_gb | query block | train chunk | peak RSS | s per 1,000 queries |",
+        "|---|---|---|---|---|",
+    ]
     for run in report["runs"]:
-        lines.append(f"| {run['memory_gb']} | {run['query_block']} | {run['train_chunk']:,} | "
-                     f"{run['peak_rss_mb']:,.0f} MB | {run['seconds_per_1000_queries']} |")
+        lines.append(
+            f"| {run['memory_gb']} | {run['query_block']} | {run['train_chunk']:,} | "
+            f"{run['peak_rss_mb']:,.0f} MB | {run['seconds_per_1000_queries']} |"
+        )
     baseline = report["runs"][0]["rss_before_knn_mb"]
-    lines += ["", f"Peak RSS is the whole process's (VmHWM), {baseline:,.0f} MB of it Python, torch,"
-              " the queries and the labels before the vote started; the bank is read with file reads, so the "
-              "page cache holding it is not counted.",
-              "", "The exact vote would need the whole similarity matrix: "
-              f"{report['queries']:,} x {report['rows']:,} float32 = {report['exact_matrix_gb']} GB here, "
-              "~239 GiB for ImageNet's 50,000 val images, plus the bank itself in memory."]
+    lines += [
+        "",
+        f"Peak RSS is the whole process's (VmHWM), {baseline:,.0f} MB of it Python, torch,"
+        " the queries and the labels before the vote started; the bank is read with file reads, so the "
+        "page cache holding it is not counted.",
+        "",
+        "The exact vote would need the whole similarity matrix: "
+        f"{report['queries']:,} x {report['rows']:,} float32 = {report['exact_matrix_gb']} GB here, "
+        "~239 GiB for ImageNet's 50,000 val images, plus the bank itself in memory.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -115,15 +134,37 @@ def main() -> int:
     print(f"bank ready in {time.perf_counter() - started:.0f} s", flush=True)
     runs = []
     for memory_gb in args.memory_gb:
-        out = subprocess.run([sys.executable, __file__, "--bank", str(args.bank), "--queries", str(args.queries),
-                              "--num_classes", str(args.num_classes), "--measure_one", str(memory_gb)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--bank",
+                str(args.bank),
+                "--queries",
+                str(args.queries),
+                "--num_classes",
+                str(args.num_classes),
+                "--measure_one",
+                str(memory_gb),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
         print(runs[-1], flush=True)
     import os
-    report = {"commit": git_commit(), "rows": args.rows, "dim": args.dim, "queries": args.queries,
-              "bank_gb": round(args.rows * args.dim * 4 / 1e9, 1), "cpus": os.cpu_count(),
-              "exact_matrix_gb": round(args.queries * args.rows * 4 / 1e9, 1), "runs": runs}
+
+    report = {
+        "commit": git_commit(),
+        "rows": args.rows,
+        "dim": args.dim,
+        "queries": args.queries,
+        "bank_gb": round(args.rows * args.dim * 4 / 1e9, 1),
+        "cpus": os.cpu_count(),
+        "exact_matrix_gb": round(args.queries * args.rows * 4 / 1e9, 1),
+        "runs": runs,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.markdown:

@@ -90,10 +90,24 @@ TRAINED = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
 SWARM_MODES = {"swarm": "improved", "old": "old", "hivemind_optimizer": "hivemind_optimizer"}
 FLOOR_ROWS = {"random_init": "--", "raw_pixels": ":"}  # kNN rows drawn as horizontal lines
 HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # baselines.hivemind_optimizer.TARGET_BATCH_ENV
-DEFAULTS = {"data_path": REPO / "data/fashion", "config": "swav_fashion", "epochs": 4, "seeds": 3, "curve_points": 8,
-            "heldout_images": 1024, "heldout_batch": 64}
-QUICK = {"data_path": REPO / "data/digits", "config": "swav_tiny", "epochs": 6, "seeds": 1, "curve_points": 3,
-         "heldout_images": 128, "heldout_batch": 32}
+DEFAULTS = {
+    "data_path": REPO / "data/fashion",
+    "config": "swav_fashion",
+    "epochs": 4,
+    "seeds": 3,
+    "curve_points": 8,
+    "heldout_images": 1024,
+    "heldout_batch": 64,
+}
+QUICK = {
+    "data_path": REPO / "data/digits",
+    "config": "swav_tiny",
+    "epochs": 6,
+    "seeds": 1,
+    "curve_points": 3,
+    "heldout_images": 128,
+    "heldout_batch": 32,
+}
 NORMAL_MATCHMAKING_S, SLOW_MATCHMAKING_S = 3.0, 30.0
 NORMAL_HIVEMIND_STEPS, SLOW_HIVEMIND_STEPS = 20, 200
 # Rough costs on the 2-core machine while other work keeps it busy (load 7-10; a quiet one takes about half), from
@@ -111,45 +125,93 @@ class BenchError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="minutes: the digits and swav_tiny, 1 seed, 2 epochs, 3 curve points (what the tests run)")
-    parser.add_argument("--data_path", type=Path, default=None,
-                        help=f"train/ and val/ ImageFolders; default {DEFAULTS['data_path']} (--quick: data/digits)")
-    parser.add_argument("--config", default=None,
-                        help="config of every process; default swav_fashion (--quick: swav_tiny)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help=f"the recipe's num_epochs, the budget of samples in every mode (default "
-                             f"{DEFAULTS['epochs']}; --quick {QUICK['epochs']})")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="minutes: the digits and swav_tiny, 1 seed, 2 epochs, 3 curve points (what the tests run)",
+    )
+    parser.add_argument(
+        "--data_path",
+        type=Path,
+        default=None,
+        help=f"train/ and val/ ImageFolders; default {DEFAULTS['data_path']} (--quick: data/digits)",
+    )
+    parser.add_argument(
+        "--config", default=None, help="config of every process; default swav_fashion (--quick: swav_tiny)"
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"the recipe's num_epochs, the budget of samples in every mode (default "
+        f"{DEFAULTS['epochs']}; --quick {QUICK['epochs']})",
+    )
     parser.add_argument("--seeds", type=int, default=None, help="runs per mode: seeds 0 .. SEEDS-1 (default 3)")
     parser.add_argument("--boxes", type=int, default=3, help="boxes of a swarm (ddp: local processes)")
-    parser.add_argument("--train_images", type=int, default=0,
-                        help="train on this many images of the train split (0: all, rounded down to a multiple of "
-                             "boxes x batch)")
+    parser.add_argument(
+        "--train_images",
+        type=int,
+        default=0,
+        help="train on this many images of the train split (0: all, rounded down to a multiple of boxes x batch)",
+    )
     parser.add_argument("--curve_points", type=int, default=None, help="checkpoints evaluated along each box's run")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
-    parser.add_argument("--knn_train", type=int, default=20000,
-                        help="kNN bank: this many train images (a fixed subset); 0: the whole train split")
-    parser.add_argument("--heldout_images", type=int, default=None,
-                        help=f"val images of the held-out SwAV loss (default {DEFAULTS['heldout_images']}; --quick "
-                             f"{QUICK['heldout_images']})")
-    parser.add_argument("--heldout_batch", type=int, default=None,
-                        help=f"Sinkhorn batch of the held-out SwAV loss (default {DEFAULTS['heldout_batch']}; --quick "
-                             f"{QUICK['heldout_batch']})")
-    parser.add_argument("--slow_averaging", action="store_true",
-                        help="swarm/old/hivemind_optimizer at ~100-400 local steps per round, as ResNet-50 boxes")
-    parser.add_argument("--min_matchmaking_time", type=float, default=None,
-                        help=f"of swarm/old/hivemind_optimizer (default {NORMAL_MATCHMAKING_S:g} s; --slow_averaging "
-                             f"{SLOW_MATCHMAKING_S:g} s)")
-    parser.add_argument("--hivemind_steps_per_round", type=float, default=None,
-                        help="hivemind_optimizer's local steps per box per global epoch when swarm did not run first "
-                             f"for the seed (default {NORMAL_HIVEMIND_STEPS}; --slow_averaging {SLOW_HIVEMIND_STEPS})")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a Hydra override of the config for every process and the evaluation, e.g. "
-                             "config.LOSS.swav_loss.epsilon=0.03 (repeatable)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="checkpoints and logs, a new or empty folder; default: benchmarks/out/learning/<time>")
+    parser.add_argument(
+        "--knn_train",
+        type=int,
+        default=20000,
+        help="kNN bank: this many train images (a fixed subset); 0: the whole train split",
+    )
+    parser.add_argument(
+        "--heldout_images",
+        type=int,
+        default=None,
+        help=f"val images of the held-out SwAV loss (default {DEFAULTS['heldout_images']}; --quick "
+        f"{QUICK['heldout_images']})",
+    )
+    parser.add_argument(
+        "--heldout_batch",
+        type=int,
+        default=None,
+        help=f"Sinkhorn batch of the held-out SwAV loss (default {DEFAULTS['heldout_batch']}; --quick "
+        f"{QUICK['heldout_batch']})",
+    )
+    parser.add_argument(
+        "--slow_averaging",
+        action="store_true",
+        help="swarm/old/hivemind_optimizer at ~100-400 local steps per round, as ResNet-50 boxes",
+    )
+    parser.add_argument(
+        "--min_matchmaking_time",
+        type=float,
+        default=None,
+        help=f"of swarm/old/hivemind_optimizer (default {NORMAL_MATCHMAKING_S:g} s; --slow_averaging "
+        f"{SLOW_MATCHMAKING_S:g} s)",
+    )
+    parser.add_argument(
+        "--hivemind_steps_per_round",
+        type=float,
+        default=None,
+        help="hivemind_optimizer's local steps per box per global epoch when swarm did not run first "
+        f"for the seed (default {NORMAL_HIVEMIND_STEPS}; --slow_averaging {SLOW_HIVEMIND_STEPS})",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override of the config for every process and the evaluation, e.g. "
+        "config.LOSS.swav_loss.epsilon=0.03 (repeatable)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="checkpoints and logs, a new or empty folder; default: benchmarks/out/learning/<time>",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write settings, runs and summary here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
     parser.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
@@ -216,16 +278,25 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     if not (args.data_path / "train").is_dir() or not (args.data_path / "val").is_dir():
-        raise BenchError(f"--data_path {args.data_path}: expected train/ and val/ ImageFolders (`make data-fashion`, "
-                         f"or `python scripts/export_digits.py --out {args.data_path}`)")
+        raise BenchError(
+            f"--data_path {args.data_path}: expected train/ and val/ ImageFolders (`make data-fashion`, "
+            f"or `python scripts/export_digits.py --out {args.data_path}`)"
+        )
     images = count_images(args.data_path / "train")
     batch = batch_per_box(args.config, args.override)
     usable = min(images, args.train_images) if args.train_images else images
     data_limit = usable - usable % (batch * args.boxes)
     if data_limit < batch * args.boxes:
         raise BenchError(f"{usable} training images are fewer than {args.boxes} boxes x batch {batch}")
-    return Plan(config=args.config, batch=batch, boxes=args.boxes, train_images=images, data_limit=data_limit,
-                epochs=args.epochs, curve_points=args.curve_points)
+    return Plan(
+        config=args.config,
+        batch=batch,
+        boxes=args.boxes,
+        train_images=images,
+        data_limit=data_limit,
+        epochs=args.epochs,
+        curve_points=args.curve_points,
+    )
 
 
 def count_images(folder: Path) -> int:
@@ -247,8 +318,10 @@ def fresh_out_dir(out: Path | None) -> Path:
     if out is None:
         out = REPO / "benchmarks/out/learning" / time.strftime("%Y%m%d-%H%M%S")
     if out.exists() and any(out.iterdir()):
-        raise BenchError(f"--out {out} is not empty: its checkpoints would be resumed and evaluated as new. "
-                         "Pass a new folder, or delete this one")
+        raise BenchError(
+            f"--out {out} is not empty: its checkpoints would be resumed and evaluated as new. "
+            "Pass a new folder, or delete this one"
+        )
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -259,12 +332,16 @@ def estimated_seconds(mode: str, plan: Plan, eval_images: int) -> float:
         return 2 * eval_images * EVAL_S_PER_IMAGE
     trunks = 1 if mode in ("alone", "ddp") else plan.boxes
     evaluations = trunks * (plan.curve_points + 2)
-    return STARTUP_S[mode] + plan.expected_steps(mode) * SECONDS_PER_STEP[mode] + evaluations * eval_images * \
-        EVAL_S_PER_IMAGE
+    return (
+        STARTUP_S[mode]
+        + plan.expected_steps(mode) * SECONDS_PER_STEP[mode]
+        + evaluations * eval_images * EVAL_S_PER_IMAGE
+    )
 
 
 def git_state() -> dict:
     """The commit the numbers come from, and whether the working tree differed from it."""
+
     def git(*words: str) -> str:
         try:
             return subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
@@ -302,8 +379,15 @@ class Evaluator:
     """kNN top-1 (the bank: a fixed subset of train; the queries: all of val) and the SwAV loss on a fixed held-out
     set, of any checkpoint of the config; the images are decoded once."""
 
-    def __init__(self, config_name: str, overrides: list[str], data_path: Path, knn_train: int,
-                 heldout_images: int, heldout_batch: int) -> None:
+    def __init__(
+        self,
+        config_name: str,
+        overrides: list[str],
+        data_path: Path,
+        knn_train: int,
+        heldout_images: int,
+        heldout_batch: int,
+    ) -> None:
         from vissl_swarm import vissl_compat
 
         vissl_compat.apply()
@@ -315,8 +399,9 @@ class Evaluator:
 
         set_cpu_device()  # the evaluation runs on the CPU (SwAV's Sinkhorn would move its tensors to a GPU otherwise)
         # the held-out loss without a queue: a fresh loss has an empty one, which would enter the Sinkhorn
-        self.config, _ = compose_config(config_name, [*overrides, "config.LOSS.swav_loss.queue.queue_length=0"],
-                                        has_gpu=False)
+        self.config, _ = compose_config(
+            config_name, [*overrides, "config.LOSS.swav_loss.queue.queue_length=0"], has_gpu=False
+        )
         self.model = build_model(self.config.MODEL, self.config.OPTIMIZER)
         transform = eval_transform(self.config)
         self.bank_indices = fixed_subset(count_images(data_path / "train"), knn_train, seed=1)
@@ -327,8 +412,11 @@ class Evaluator:
 
     @property
     def sizes(self) -> dict:
-        return {"knn_bank": len(self.bank_labels), "knn_queries": len(self.val_labels),
-                "heldout_batches": len(self.heldout)}
+        return {
+            "knn_bank": len(self.bank_labels),
+            "knn_queries": len(self.val_labels),
+            "heldout_batches": len(self.heldout),
+        }
 
     def _heldout_batches(self, folder: Path, count: int, batch: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """The held-out crops, drawn once: ``count`` val images (a fixed subset, whole batches), the config's training
@@ -348,15 +436,17 @@ class Evaluator:
         np.random.seed(0)
         random.seed(0)
         try:
-            samples = [transform({"data": [dataset[index][0]], "label": [index], "data_valid": [1],
-                                  "data_idx": [index]}) for index in indices]
+            samples = [
+                transform({"data": [dataset[index][0]], "label": [index], "data_valid": [1], "data_idx": [index]})
+                for index in indices
+            ]
         finally:
             torch.set_rng_state(state[0])
             np.random.set_state(state[1])
             random.setstate(state[2])
         batches = []
         for start in range(0, len(samples), batch):
-            collated = collate(samples[start:start + batch])
+            collated = collate(samples[start : start + batch])
             batches.append((collated["data"][0], collated["label"][0]))
         return batches
 
@@ -368,15 +458,19 @@ class Evaluator:
     def features(self, images: torch.Tensor, batch: int = 512) -> torch.Tensor:
         trunk = self.model.trunk.eval()
         with torch.no_grad():
-            return torch.cat([torch.nn.functional.normalize(trunk(images[start:start + batch])[0].flatten(1).float(),
-                                                            dim=1) for start in range(0, len(images), batch)])
+            return torch.cat(
+                [
+                    torch.nn.functional.normalize(trunk(images[start : start + batch])[0].flatten(1).float(), dim=1)
+                    for start in range(0, len(images), batch)
+                ]
+            )
 
     def knn(self, bank: torch.Tensor, queries: torch.Tensor, k: int = 20, chunk: int = 2000) -> float:
         """run_eval.py's weighted kNN vote, over chunks of queries (a 10k x 60k similarity matrix is 2.4 GB)."""
         correct = 0.0
         for start in range(0, len(queries), chunk):
-            labels = self.val_labels[start:start + chunk]
-            part = knn_top1(bank, self.bank_labels, queries[start:start + chunk], labels, k, self.temperature)
+            labels = self.val_labels[start : start + chunk]
+            part = knn_top1(bank, self.bank_labels, queries[start : start + chunk], labels, k, self.temperature)
             correct += part * len(labels)
         return correct / len(queries)
 
@@ -419,11 +513,12 @@ class Evaluator:
         trunk.train()
         with torch.no_grad():
             for start in range(0, len(order), batch):
-                trunk(self.bank[order[start:start + batch]])
+                trunk(self.bank[order[start : start + batch]])
         trunk.eval()
 
     def raw_pixels(self) -> float:
         """kNN on the eval tensors themselves, flattened: what the trunk has to beat without any learning."""
+
         def flat(images: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.normalize(images.flatten(1).float(), dim=1)
 
@@ -449,8 +544,9 @@ def run_id(seed: int) -> str:
     return f"learn{seed}"
 
 
-def write_initial_model(seed: int, folder: Path, config_name: str, overrides: list[str],
-                        evaluator: Evaluator) -> InitialModel:
+def write_initial_model(
+    seed: int, folder: Path, config_name: str, overrides: list[str], evaluator: Evaluator
+) -> InitialModel:
     """The model the swarm boxes of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id and
     config name), saved as VISSL weights: alone and ddp load it with MODEL.WEIGHTS_INIT."""
     from vissl_swarm import vissl_compat
@@ -473,16 +569,18 @@ def write_initial_model(seed: int, folder: Path, config_name: str, overrides: li
     as_is = evaluator.evaluate(path)
     evaluator.load(path)
     evaluator.adapt_batchnorm()
-    return InitialModel(path, weights_fingerprint(model.trunk), as_is["knn"], as_is["heldout_loss"],
-                        round(evaluator.knn_of_model(), 4))
+    return InitialModel(
+        path, weights_fingerprint(model.trunk), as_is["knn"], as_is["heldout_loss"], round(evaluator.knn_of_model(), 4)
+    )
 
 
 def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bool:
     """Whether every process logged starting from the seed's initial model (a swarm box logs its trunk's fingerprint,
     VISSL logs loading the weights file)."""
     if mode in SWARM_MODES:
-        return all(re.findall(r"trunk fingerprint (\w+)", peer.log_text()) == [initial.trunk_fingerprint]
-                   for peer in peers)
+        return all(
+            re.findall(r"trunk fingerprint (\w+)", peer.log_text()) == [initial.trunk_fingerprint] for peer in peers
+        )
     return all(f"Initializing model from: {initial.path}" in peer.log_text() for peer in peers)
 
 
@@ -498,20 +596,36 @@ def make_peers(mode: str, seed: int, out: Path, plan: Plan, env: dict[str, str])
     return [LocalPeer(f"box{index}", run_dir, config=plan.config, env=dict(env)) for index in range(plan.boxes)]
 
 
-def trainer_arguments(mode: str, seed: int, plan: Plan, initial: InitialModel, args: argparse.Namespace
-                      ) -> tuple[list[str], list[str]]:
+def trainer_arguments(
+    mode: str, seed: int, plan: Plan, initial: InitialModel, args: argparse.Namespace
+) -> tuple[list[str], list[str]]:
     """(flags, overrides) of every process of a run, ``--override`` first; the box's own SEED_VALUE is added per box.
     Every mode: the same num_epochs (the budget) and the same DATA_LIMIT."""
     flags = ["--run_id", run_id(seed)]
-    overrides = [*args.override, f"config.OPTIMIZER.num_epochs={plan.epochs}",
-                 f"config.DATA.TRAIN.DATA_LIMIT={plan.data_limit}",
-                 f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={plan.checkpoint_every(mode)}",
-                 "config.CHECKPOINT.CHECKPOINT_FREQUENCY=1000000", "config.LOG_FREQUENCY=20"]
+    overrides = [
+        *args.override,
+        f"config.OPTIMIZER.num_epochs={plan.epochs}",
+        f"config.DATA.TRAIN.DATA_LIMIT={plan.data_limit}",
+        f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={plan.checkpoint_every(mode)}",
+        "config.CHECKPOINT.CHECKPOINT_FREQUENCY=1000000",
+        "config.LOG_FREQUENCY=20",
+    ]
     if mode in SWARM_MODES:
         group = plan.boxes + 1 if args.slow_averaging else plan.boxes  # slow: no group fills before the deadline
-        flags += ["--averager", SWARM_MODES[mode], "--target_group_size", str(group),
-                  "--min_matchmaking_time", f"{args.min_matchmaking_time:g}", "--averaging_timeout", "30",
-                  "--next_chunk_timeout", "5", "--load_state_timeout", "0"]
+        flags += [
+            "--averager",
+            SWARM_MODES[mode],
+            "--target_group_size",
+            str(group),
+            "--min_matchmaking_time",
+            f"{args.min_matchmaking_time:g}",
+            "--averaging_timeout",
+            "30",
+            "--next_chunk_timeout",
+            "5",
+            "--load_state_timeout",
+            "0",
+        ]
     else:  # VISSL's stock self_supervision_task, from the seed's initial model
         flags.append("--isolated")
         overrides.append(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={initial.path}")
@@ -524,23 +638,36 @@ def box_seed(seed: int, index: int) -> list[str]:
     return [f"config.SEED_VALUE={1000 * seed + index}"]
 
 
-def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace, plan: Plan,
-          initial: InitialModel, deadline_s: float) -> float:
+def train(
+    mode: str,
+    seed: int,
+    peers: list[LocalPeer],
+    args: argparse.Namespace,
+    plan: Plan,
+    initial: InitialModel,
+    deadline_s: float,
+) -> float:
     """Start the run's processes, wait until all exited, return the wall-clock seconds (reported, never plotted);
     BenchError if one failed or the run passed its deadline (every process is stopped then)."""
     flags, overrides = trainer_arguments(mode, seed, plan, initial, args)
     started = time.monotonic()
     try:
         if mode in SWARM_MODES:
-            start_swarm_together(peers, args.data_path, flags, overrides,
-                                 per_peer_overrides=lambda peer: box_seed(seed, peers.index(peer)))
+            start_swarm_together(
+                peers,
+                args.data_path,
+                flags,
+                overrides,
+                per_peer_overrides=lambda peer: box_seed(seed, peers.index(peer)),
+            )
         else:
             peers[0].start(args.data_path, [], flags, overrides + box_seed(seed, 0))
         while any(peer.is_running() for peer in peers):
             check_exits(mode, seed, peers)  # one crashed: stop the others rather than wait for them
             if time.monotonic() - started > deadline_s:
-                raise BenchError(f"{mode} seed {seed} did not finish within {deadline_s:.0f} s; logs: "
-                                 f"{peers[0].out_dir}")
+                raise BenchError(
+                    f"{mode} seed {seed} did not finish within {deadline_s:.0f} s; logs: {peers[0].out_dir}"
+                )
             time.sleep(1.0)
     except (RuntimeError, TimeoutError) as error:  # a box that died or hung before its join line
         raise BenchError(f"{mode} seed {seed}: {error}{crash_report(peers)}") from error
@@ -552,8 +679,11 @@ def train(mode: str, seed: int, peers: list[LocalPeer], args: argparse.Namespace
 
 def crash_report(peers: list[LocalPeer]) -> str:
     """Every process that exited with an error, with the last error line of its log."""
-    return "".join(f"\n  {peer.name} exited with code {peer.process.poll()} ({peer.log_path}): {last_error_line(peer)}"
-                   for peer in peers if peer.process is not None and peer.process.poll() not in (None, 0))
+    return "".join(
+        f"\n  {peer.name} exited with code {peer.process.poll()} ({peer.log_path}): {last_error_line(peer)}"
+        for peer in peers
+        if peer.process is not None and peer.process.poll() not in (None, 0)
+    )
 
 
 def check_exits(mode: str, seed: int, peers: list[LocalPeer]) -> None:
@@ -591,9 +721,12 @@ def rounds_of(peer: LocalPeer) -> dict:
     records = read_jsonl(peer.checkpoint_dir / "averaging_rounds.jsonl")
     applied = [record for record in records if record.get("applied")]
     staleness = [record["staleness_steps"] for record in applied if record.get("staleness_steps") is not None]
-    return {"applied": len(applied), "failed": len(records) - len(applied),
-            "group_size_mean": _rounded(mean(r["group_size"] for r in applied)) if applied else None,
-            "staleness_mean": _rounded(mean(staleness)) if staleness else None}
+    return {
+        "applied": len(applied),
+        "failed": len(records) - len(applied),
+        "group_size_mean": _rounded(mean(r["group_size"] for r in applied)) if applied else None,
+        "staleness_mean": _rounded(mean(staleness)) if staleness else None,
+    }
 
 
 def mean_curve(boxes: list[list[dict]], initial: InitialModel) -> list[dict]:
@@ -604,8 +737,12 @@ def mean_curve(boxes: list[list[dict]], initial: InitialModel) -> list[dict]:
     groups = [[next(p for p in box if p["steps"] == steps) for box in boxes] for steps in sorted(common)]
     groups.append([box[-1] for box in boxes])
     for group in groups:
-        points.append({key: _rounded(mean(point[key] for point in group), 4 if key in ("knn", "heldout_loss") else 1)
-                       for key in ("steps", "samples", "knn", "heldout_loss")})
+        points.append(
+            {
+                key: _rounded(mean(point[key] for point in group), 4 if key in ("knn", "heldout_loss") else 1)
+                for key in ("steps", "samples", "knn", "heldout_loss")
+            }
+        )
     return points
 
 
@@ -624,15 +761,27 @@ def trunk_distance(paths: list[Path]) -> float | None:
     """Mean pairwise L2 distance of the boxes' final trunks (how far the swarm's boxes are apart at the end)."""
     from run_eval import load_trunk_state
 
-    weights = [[tensor.double() for _, tensor in sorted(load_trunk_state(path).items()) if tensor.is_floating_point()]
-               for path in paths]
-    distances = [math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b, strict=True)))
-                 for a, b in itertools.combinations(weights, 2)]
+    weights = [
+        [tensor.double() for _, tensor in sorted(load_trunk_state(path).items()) if tensor.is_floating_point()]
+        for path in paths
+    ]
+    distances = [
+        math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b, strict=True)))
+        for a, b in itertools.combinations(weights, 2)
+    ]
     return _rounded(mean(distances), 3) if distances else None
 
 
-def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], plan: Plan, evaluator: Evaluator,
-                 initial: InitialModel, wall_s: float, hivemind_target: int | None) -> dict:
+def evaluate_run(
+    mode: str,
+    seed: int,
+    peers: list[LocalPeer],
+    plan: Plan,
+    evaluator: Evaluator,
+    initial: InitialModel,
+    wall_s: float,
+    hivemind_target: int | None,
+) -> dict:
     """Every box's checkpoints evaluated (kNN, held-out loss), the run's mean curve, steps, samples and rounds."""
     boxes, final_paths = [], []
     for peer in peers:
@@ -643,7 +792,9 @@ def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], plan: Plan, evalu
         boxes.append(points)
     finals = [box[-1] for box in boxes]
     result = {
-        "mode": mode, "seed": seed, "wall_s": round(wall_s, 1),
+        "mode": mode,
+        "seed": seed,
+        "wall_s": round(wall_s, 1),
         "same_initial_model": started_from(mode, peers, initial),
         "knn": round(mean(point["knn"] for point in finals), 4),
         "knn_per_box": [point["knn"] for point in finals],
@@ -652,16 +803,19 @@ def evaluate_run(mode: str, seed: int, peers: list[LocalPeer], plan: Plan, evalu
         "samples_of_swarm": max(point["samples"] for point in finals),
         "curve": mean_curve(boxes, initial),
         "curves_per_box": [[{k: v for k, v in point.items() if k != "final"} for point in box] for box in boxes],
-    }  # fmt: skip
+    }
     if mode in SWARM_MODES:
         rounds = [rounds_of(peer) for peer in peers]
         applied = [entry["applied"] for entry in rounds]
         ratios = [steps / count for steps, count in zip(result["steps_per_box"], applied, strict=True) if count]
         last_logged = [peer.progress()[-1] for peer in peers if peer.progress()]
-        result.update(rounds_per_box=rounds, rounds_applied_per_box=applied,
-                      steps_per_round=_rounded(mean(ratios), 1) if ratios else None,
-                      trunk_distance=trunk_distance(final_paths),
-                      lr_factor=[entry.get("lr_factor") for entry in last_logged])  # --swarm_lr scaling
+        result.update(
+            rounds_per_box=rounds,
+            rounds_applied_per_box=applied,
+            steps_per_round=_rounded(mean(ratios), 1) if ratios else None,
+            trunk_distance=trunk_distance(final_paths),
+            lr_factor=[entry.get("lr_factor") for entry in last_logged],
+        )  # --swarm_lr scaling
         if mode == "hivemind_optimizer":
             result["hivemind_target_batch_size"] = hivemind_target
     return result
@@ -679,30 +833,50 @@ def floor_runs(mode: str, seed: int, initial: InitialModel, raw_pixels: float | 
 def hivemind_target_for(seed: int, runs: list[dict], plan: Plan, args: argparse.Namespace) -> tuple[int, str]:
     """hivemind_optimizer's samples per global epoch: rounds as often as ``swarm``'s (its measured local steps per
     applied round, same seed), else ``--hivemind_steps_per_round``."""
-    measured = next((run.get("steps_per_round") for run in runs if run["mode"] == "swarm" and run["seed"] == seed
-                     and "error" not in run), None)
+    measured = next(
+        (
+            run.get("steps_per_round")
+            for run in runs
+            if run["mode"] == "swarm" and run["seed"] == seed and "error" not in run
+        ),
+        None,
+    )
     steps = measured or args.hivemind_steps_per_round
     source = f"swarm's {measured} steps per round" if measured else f"--hivemind_steps_per_round {steps:g}"
     return max(plan.batch, round(plan.boxes * plan.batch * steps)), source
 
 
-def run_one(mode: str, seed: int, args: argparse.Namespace, plan: Plan, evaluator: Evaluator,
-            initial: InitialModel, runs: list[dict], raw_pixels: float | None, eval_images: int) -> dict:
+def run_one(
+    mode: str,
+    seed: int,
+    args: argparse.Namespace,
+    plan: Plan,
+    evaluator: Evaluator,
+    initial: InitialModel,
+    runs: list[dict],
+    raw_pixels: float | None,
+    eval_images: int,
+) -> dict:
     if mode in FLOOR_ROWS:
         return floor_runs(mode, seed, initial, raw_pixels)
     env, target = {}, None
     if mode == "hivemind_optimizer":
         target, source = hivemind_target_for(seed, runs, plan, args)
         env[HIVEMIND_TARGET_ENV] = str(target)
-        print(f"hivemind_optimizer seed {seed}: a global epoch every {target} samples of the swarm ({source})",
-              flush=True)
+        print(
+            f"hivemind_optimizer seed {seed}: a global epoch every {target} samples of the swarm ({source})", flush=True
+        )
     peers = make_peers(mode, seed, args.out, plan, env)
     deadline_s = 4 * estimated_seconds(mode, plan, eval_images) + 600
     wall_s = train(mode, seed, peers, args, plan, initial, deadline_s)
     result = evaluate_run(mode, seed, peers, plan, evaluator, initial, wall_s, target)
     if not result["same_initial_model"]:
-        print(f"warning: {mode} seed {seed}: not every process logged starting from {initial.path} (trunk "
-              f"{initial.trunk_fingerprint}); logs: {peers[0].out_dir}", file=sys.stderr, flush=True)
+        print(
+            f"warning: {mode} seed {seed}: not every process logged starting from {initial.path} (trunk "
+            f"{initial.trunk_fingerprint}); logs: {peers[0].out_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
     return result
 
 
@@ -726,23 +900,28 @@ def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
     summary.update(knn_mean=_rounded(knn), knn_std=_rounded(knn_std))
     if mode in FLOOR_ROWS:
         return summary
-    reach = [(crossing(run["curve"], alone[run["seed"]], "steps"), crossing(run["curve"], alone[run["seed"]],
-                                                                             "samples"))
-             for run in done if run["seed"] in alone]
+    reach = [
+        (crossing(run["curve"], alone[run["seed"]], "steps"), crossing(run["curve"], alone[run["seed"]], "samples"))
+        for run in done
+        if run["seed"] in alone
+    ]
     reached = [pair for pair in reach if pair[0] is not None]
     summary.update(
         heldout_loss_mean=_rounded(mean(run["heldout_loss"] for run in done)),
         steps_per_box_mean=round(mean(s for run in done for s in run["steps_per_box"]), 1),
         samples_of_swarm_mean=round(mean(run["samples_of_swarm"] for run in done), 1),
-        seeds_reaching_alone=len(reached), seeds_compared_with_alone=len(reach),
+        seeds_reaching_alone=len(reached),
+        seeds_compared_with_alone=len(reach),
         steps_to_alone_mean=_rounded(mean(p[0] for p in reached), 1) if reached else None,
         samples_to_alone_mean=_rounded(mean(p[1] for p in reached), 1) if reached else None,
         curve=curve_over_seeds([run["curve"] for run in done]),
-    )  # fmt: skip
+    )
     if mode in SWARM_MODES:
         ratios = [run["steps_per_round"] for run in done if run.get("steps_per_round") is not None]
-        summary.update(steps_per_round_mean=_rounded(mean(ratios), 1) if ratios else None,
-                       rounds_per_box_mean=round(mean(a for run in done for a in run["rounds_applied_per_box"]), 1))
+        summary.update(
+            steps_per_round_mean=_rounded(mean(ratios), 1) if ratios else None,
+            rounds_per_box_mean=round(mean(a for run in done for a in run["rounds_applied_per_box"]), 1),
+        )
     return summary
 
 
@@ -764,24 +943,43 @@ def markdown(summaries: list[dict]) -> str:
 
     rows = []
     for summary in summaries:
-        row = {"mode": summary["mode"], "kNN top-1 (mean ± std)": "—", "seeds": summary["seeds"],
-               "steps per box": "—", "samples of the swarm": "—", "steps per box to alone's kNN": "—",
-               "held-out SwAV loss": "—", "local steps per round": "—", "rounds per box": "—"}
+        row = {
+            "mode": summary["mode"],
+            "kNN top-1 (mean ± std)": "—",
+            "seeds": summary["seeds"],
+            "steps per box": "—",
+            "samples of the swarm": "—",
+            "steps per box to alone's kNN": "—",
+            "held-out SwAV loss": "—",
+            "local steps per round": "—",
+            "rounds per box": "—",
+        }
         if summary["failed"]:
             row["seeds"] = f"{summary['seeds']} ({summary['failed']} failed)"
         if summary["seeds"]:
             row["kNN top-1 (mean ± std)"] = f"{summary['knn_mean']:.4f} ± {cell(summary['knn_std'], 4)}"
         if summary["seeds"] and summary["mode"] not in FLOOR_ROWS:
             reached, compared = summary["seeds_reaching_alone"], summary["seeds_compared_with_alone"]
-            to_alone = "—" if not compared else ("not reached" if not reached else
-                                                 f"{summary['steps_to_alone_mean']:g}"
-                                                 + (f" ({reached}/{compared} seeds)" if reached < compared else ""))
-            row.update({"steps per box": f"{summary['steps_per_box_mean']:g}",
-                        "samples of the swarm": f"{summary['samples_of_swarm_mean']:g}",
-                        "steps per box to alone's kNN": to_alone,
-                        "held-out SwAV loss": cell(summary["heldout_loss_mean"], 4),
-                        "local steps per round": cell(summary.get("steps_per_round_mean")),
-                        "rounds per box": cell(summary.get("rounds_per_box_mean"))})
+            to_alone = (
+                "—"
+                if not compared
+                else (
+                    "not reached"
+                    if not reached
+                    else f"{summary['steps_to_alone_mean']:g}"
+                    + (f" ({reached}/{compared} seeds)" if reached < compared else "")
+                )
+            )
+            row.update(
+                {
+                    "steps per box": f"{summary['steps_per_box_mean']:g}",
+                    "samples of the swarm": f"{summary['samples_of_swarm_mean']:g}",
+                    "steps per box to alone's kNN": to_alone,
+                    "held-out SwAV loss": cell(summary["heldout_loss_mean"], 4),
+                    "local steps per round": cell(summary.get("steps_per_round_mean")),
+                    "rounds per box": cell(summary.get("rounds_per_box_mean")),
+                }
+            )
         rows.append(row)
     return markdown_table(rows)
 
@@ -800,8 +998,9 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
             continue
         if summary["mode"] in FLOOR_ROWS:
             for axis in axes[0]:
-                axis.axhline(summary["knn_mean"], color="gray", linestyle=FLOOR_ROWS[summary["mode"]],
-                             label=summary["mode"])
+                axis.axhline(
+                    summary["knn_mean"], color="gray", linestyle=FLOOR_ROWS[summary["mode"]], label=summary["mode"]
+                )
             continue
         curve = summary["curve"]
         for row, key in enumerate(("knn", "heldout_loss")):
@@ -811,8 +1010,13 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
                 ys = [point[key] for point in curve]
                 stds = [point[f"{key}_std"] or 0.0 for point in curve]
                 (line,) = axis.plot(xs, ys, marker="o", markersize=3, label=summary["mode"])
-                axis.fill_between(xs, [y - s for y, s in zip(ys, stds, strict=True)],
-                                  [y + s for y, s in zip(ys, stds, strict=True)], color=line.get_color(), alpha=0.15)
+                axis.fill_between(
+                    xs,
+                    [y - s for y, s in zip(ys, stds, strict=True)],
+                    [y + s for y, s in zip(ys, stds, strict=True)],
+                    color=line.get_color(),
+                    alpha=0.15,
+                )
     for row, label in enumerate(("kNN top-1 on val", "held-out SwAV loss")):
         for column, xlabel in enumerate(("samples the swarm processed", "steps per box")):
             axis = axes[row][column]
@@ -829,8 +1033,11 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
 
 def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict]) -> list[dict]:
     alone = {run["seed"]: run["knn"] for run in runs if run["mode"] == "alone" and "error" not in run}
-    summaries = [summarize(mode, [run for run in runs if run["mode"] == mode], alone)
-                 for mode in args.modes if any(run["mode"] == mode for run in runs)]
+    summaries = [
+        summarize(mode, [run for run in runs if run["mode"] == mode], alone)
+        for mode in args.modes
+        if any(run["mode"] == mode for run in runs)
+    ]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": settings, "summary": summaries, "runs": runs}, indent=1) + "\n")
@@ -853,32 +1060,55 @@ def main(argv: list[str] | None = None) -> int:
     bank = min(args.knn_train, plan.train_images) if args.knn_train else plan.train_images
     eval_images = bank + val_images
     trained = [mode for mode in args.modes if mode in TRAINED]
-    expected = (eval_images * DECODE_S_PER_IMAGE + len(seeds) * (3 * eval_images * EVAL_S_PER_IMAGE + sum(
-        estimated_seconds(mode, plan, eval_images) for mode in args.modes)))
-    print(f"{len(args.modes)} modes x {len(seeds)} seeds: {plan.config} on {args.data_path}, {plan.epochs} epochs of "
-          f"{plan.data_limit} images = {plan.budget_samples} samples per run ({plan.alone_steps} steps alone at batch "
-          f"{plan.batch}, ~{plan.shared_steps} per box of {plan.boxes}), kNN bank {bank} / {val_images} queries, "
-          f"into {args.out}; expected about {expected / 60:.0f} min on a busy 2-core machine", flush=True)
+    expected = eval_images * DECODE_S_PER_IMAGE + len(seeds) * (
+        3 * eval_images * EVAL_S_PER_IMAGE + sum(estimated_seconds(mode, plan, eval_images) for mode in args.modes)
+    )
+    print(
+        f"{len(args.modes)} modes x {len(seeds)} seeds: {plan.config} on {args.data_path}, {plan.epochs} epochs of "
+        f"{plan.data_limit} images = {plan.budget_samples} samples per run ({plan.alone_steps} steps alone at batch "
+        f"{plan.batch}, ~{plan.shared_steps} per box of {plan.boxes}), kNN bank {bank} / {val_images} queries, "
+        f"into {args.out}; expected about {expected / 60:.0f} min on a busy 2-core machine",
+        flush=True,
+    )
     settings = {
-        "git": git_state(), "command": sys.argv if argv is None else ["bench_learning.py", *argv],
-        "dataset": {"path": str(args.data_path), "train_images": plan.train_images, "val_images": val_images,
-                    "knn_bank": bank},
-        "recipe": {**asdict(plan), "alone_steps": plan.alone_steps, "shared_steps": plan.shared_steps,
-                   "budget_samples": plan.budget_samples, "overrides": args.override,
-                   "checkpoint_every": {mode: plan.checkpoint_every(mode) for mode in trained}},
-        "averaging": {"slow_averaging": args.slow_averaging, "min_matchmaking_time": args.min_matchmaking_time,
-                      "hivemind_steps_per_round": args.hivemind_steps_per_round},
-        "heldout": {"images": args.heldout_images, "batch": args.heldout_batch}, "seeds": seeds, "out": str(args.out),
-    }  # fmt: skip
-    evaluator = Evaluator(plan.config, args.override, args.data_path, args.knn_train, args.heldout_images,
-                          args.heldout_batch)
+        "git": git_state(),
+        "command": sys.argv if argv is None else ["bench_learning.py", *argv],
+        "dataset": {
+            "path": str(args.data_path),
+            "train_images": plan.train_images,
+            "val_images": val_images,
+            "knn_bank": bank,
+        },
+        "recipe": {
+            **asdict(plan),
+            "alone_steps": plan.alone_steps,
+            "shared_steps": plan.shared_steps,
+            "budget_samples": plan.budget_samples,
+            "overrides": args.override,
+            "checkpoint_every": {mode: plan.checkpoint_every(mode) for mode in trained},
+        },
+        "averaging": {
+            "slow_averaging": args.slow_averaging,
+            "min_matchmaking_time": args.min_matchmaking_time,
+            "hivemind_steps_per_round": args.hivemind_steps_per_round,
+        },
+        "heldout": {"images": args.heldout_images, "batch": args.heldout_batch},
+        "seeds": seeds,
+        "out": str(args.out),
+    }
+    evaluator = Evaluator(
+        plan.config, args.override, args.data_path, args.knn_train, args.heldout_images, args.heldout_batch
+    )
     settings["evaluation"] = evaluator.sizes
     raw_pixels = round(evaluator.raw_pixels(), 4) if "raw_pixels" in args.modes else None
     runs: list[dict] = []
     for seed in seeds:
         initial = write_initial_model(seed, args.out / "initial", plan.config, args.override, evaluator)
-        settings.setdefault("initial_models", {})[seed] = {"knn": initial.knn, "heldout_loss": initial.heldout_loss,
-                                                           "knn_adapted_bn": initial.knn_adapted_bn}
+        settings.setdefault("initial_models", {})[seed] = {
+            "knn": initial.knn,
+            "heldout_loss": initial.heldout_loss,
+            "knn_adapted_bn": initial.knn_adapted_bn,
+        }
         for mode in args.modes:
             try:
                 run = run_one(mode, seed, args, plan, evaluator, initial, runs, raw_pixels, eval_images)
@@ -897,8 +1127,12 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(table + "\n")
     if args.plot:
         regime = "slow averaging" if args.slow_averaging else f"matchmaking {args.min_matchmaking_time:g} s"
-        plot(summaries, args.plot, f"{plan.config}, {plan.epochs} epochs of {plan.data_limit} images, {plan.boxes} "
-                                   f"boxes x batch {plan.batch}, {regime}; mean ± std over {len(seeds)} seed(s)")
+        plot(
+            summaries,
+            args.plot,
+            f"{plan.config}, {plan.epochs} epochs of {plan.data_limit} images, {plan.boxes} "
+            f"boxes x batch {plan.batch}, {regime}; mean ± std over {len(seeds)} seed(s)",
+        )
     return 0 if all("error" not in run for run in runs) else 1
 
 

@@ -37,8 +37,19 @@ def git(*args: str) -> str:
 def run_one(scenario: str, mode: str, out: Path, measure_s: float) -> dict:
     """One scenario x mode in its own namespace; its summary.json (with an "error" if the run failed)."""
     flags = ["--force_private"] if mode == "auto_relay_private" else []
-    command = ["unshare", "-rn", sys.executable, str(SCENARIO), scenario, mode.replace("_private", ""), str(out),
-               "--measure_s", str(measure_s), "--join", *flags]  # fmt: skip
+    command = [
+        "unshare",
+        "-rn",
+        sys.executable,
+        str(SCENARIO),
+        scenario,
+        mode.replace("_private", ""),
+        str(out),
+        "--measure_s",
+        str(measure_s),
+        "--join",
+        *flags,
+    ]
     t0 = time.monotonic()
     result = run_orchestrator(command, timeout=900)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
@@ -51,47 +62,60 @@ def run_one(scenario: str, mode: str, out: Path, measure_s: float) -> dict:
 def row(summary: dict) -> dict:
     """The table's columns from one summary."""
     boxes = summary.get("boxes", {})
-    layout_natted = [n for n, b in boxes.items() if b["natted"]] or (["box2"] if summary["scenario"] == "a"
-                                                                     else ["box1", "box2"])  # fmt: skip
+    layout_natted = [n for n, b in boxes.items() if b["natted"]] or (
+        ["box2"] if summary["scenario"] == "a" else ["box1", "box2"]
+    )
     joined = summary.get("joined", {})
     kinds = sorted({kind for n in layout_natted for kind in boxes.get(n, {}).get("connections", {}).values()})
     check = summary.get("nat_check", {})
     return {
-        "scenario": summary["scenario"], "mode": summary["mode"],
-        "nat_blocks_inbound": (not any(check["public_dials_natted"]) and all(check["natted_dials_public"])
-                               if check else None),
+        "scenario": summary["scenario"],
+        "mode": summary["mode"],
+        "nat_blocks_inbound": (
+            not any(check["public_dials_natted"]) and all(check["natted_dials_public"]) if check else None
+        ),
         "natted_rounds_applied": [boxes.get(n, {}).get("rounds_in_group_of_2_plus", 0) for n in layout_natted],
         "joiner_served_by": joined.get("donor"),
         "served_by_natted_box": joined.get("donor") in layout_natted,
         "rounds_per_min_per_box": (sum(b["rounds_per_min"] for b in boxes.values()) / len(boxes)) if boxes else 0.0,
         "connections": "/".join(kinds) or "-",
-        "relay_address": (None if "maddrs_at_end" not in summary else any(
-            "/p2p-circuit" in a for n in layout_natted for a in summary["maddrs_at_end"].get(n) or [])),
+        "relay_address": (
+            None
+            if "maddrs_at_end" not in summary
+            else any("/p2p-circuit" in a for n in layout_natted for a in summary["maddrs_at_end"].get(n) or [])
+        ),
         "error": summary.get("error", ""),
-    }  # fmt: skip
+    }
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        "# NAT scenarios (benchmarks/bench_nat.py)", "",
+        "# NAT scenarios (benchmarks/bench_nat.py)",
+        "",
         f"commit {meta['commit']}{' (dirty)' if meta['dirty'] else ''}, {meta['date']}; every row a fresh namespace "
         f"test bed, {meta['measure_s']:g} s of averaging once every peer runs, on a 2-core machine shared with other "
         "work (rates are relative). Scenario a: 2 public boxes + 1 NATed; b: 1 public + 2 NATed (own routers). "
-        "Mode: the NATed boxes' flags (public: the same boxes, all public).", "",
+        "Mode: the NATed boxes' flags (public: the same boxes, all public).",
+        "",
         "| scenario | mode | NAT blocks inbound | NATed boxes' rounds (group >= 2) | joiner served by "
         "(public boxes do not share) | rounds/min per box | NATed box's connections | NATed box has a relay address |",
         "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for r in rows:
         kind = "NATed" if r["mode"] != "public" else "would-be NATed"
-        served = f"{r['joiner_served_by']} ({kind if r['served_by_natted_box'] else 'public'})" \
-            if r["joiner_served_by"] else "nobody"
+        served = (
+            f"{r['joiner_served_by']} ({kind if r['served_by_natted_box'] else 'public'})"
+            if r["joiner_served_by"]
+            else "nobody"
+        )
         relay = {None: "? (not recorded)", True: "yes", False: "no"}[r["relay_address"]]
         relay = "-" if r["mode"] == "public" else relay
         blocks = "-" if r["nat_blocks_inbound"] is None else "yes" if r["nat_blocks_inbound"] else "NO"
-        lines.append(f"| {r['scenario']} | {r['mode']} | {blocks} | {', '.join(map(str, r['natted_rounds_applied']))}"
-                     f" | {served} | {r['rounds_per_min_per_box']:.1f} | {r['connections']} | {relay} |"
-                     + (f" error: {r['error'][-200:]!r}" if r["error"] else ""))  # fmt: skip
+        lines.append(
+            f"| {r['scenario']} | {r['mode']} | {blocks} | {', '.join(map(str, r['natted_rounds_applied']))}"
+            f" | {served} | {r['rounds_per_min_per_box']:.1f} | {r['connections']} | {relay} |"
+            + (f" error: {r['error'][-200:]!r}" if r["error"] else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -101,20 +125,34 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--measure_s", type=float, default=45.0)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "nat")
-    parser.add_argument("--from_runs", nargs="+", type=Path, default=[],
-                        help="only rebuild the table from these runs' folders (<scenario>_<mode>/summary.json)")
-    parser.add_argument("--runs_dir", type=Path, default=None,
-                        help="keep each run's folder (logs, records, summary.json) here; default: a temporary one")
+    parser.add_argument(
+        "--from_runs",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="only rebuild the table from these runs' folders (<scenario>_<mode>/summary.json)",
+    )
+    parser.add_argument(
+        "--runs_dir",
+        type=Path,
+        default=None,
+        help="keep each run's folder (logs, records, summary.json) here; default: a temporary one",
+    )
     args = parser.parse_args()
-    meta = {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "measure_s": args.measure_s}  # fmt: skip
+    meta = {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain")),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "measure_s": args.measure_s,
+    }
     summaries, rows = [], []
     if args.from_runs:
         for run in sorted(args.from_runs, key=lambda p: (p.name[0], MODES.index(p.name[2:]))):
             summary = {**json.loads((run / "summary.json").read_text()), "mode": run.name[2:]}
             if "maddrs_at_end" not in summary and list(run.glob("box*/maddrs.json")):  # the peers wrote them
-                summary["maddrs_at_end"] = {p.parent.name: json.loads(p.read_text())["maddrs"]
-                                            for p in run.glob("box*/maddrs.json")}  # fmt: skip
+                summary["maddrs_at_end"] = {
+                    p.parent.name: json.loads(p.read_text())["maddrs"] for p in run.glob("box*/maddrs.json")
+                }
             summaries.append(summary)
             rows.append(row(summaries[-1]))
     with tempfile.TemporaryDirectory(prefix="bench_nat_") as tmp:

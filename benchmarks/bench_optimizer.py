@@ -128,8 +128,12 @@ import torch.nn as nn
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
-IDX_FILES = {"train_images": "train-images-idx3-ubyte.gz", "train_labels": "train-labels-idx1-ubyte.gz",
-             "test_images": "t10k-images-idx3-ubyte.gz", "test_labels": "t10k-labels-idx1-ubyte.gz"}  # fmt: skip
+IDX_FILES = {
+    "train_images": "train-images-idx3-ubyte.gz",
+    "train_labels": "train-labels-idx1-ubyte.gz",
+    "test_images": "t10k-images-idx3-ubyte.gz",
+    "test_labels": "t10k-labels-idx1-ubyte.gz",
+}
 PIXEL_MEAN, PIXEL_STD = 0.2860, 0.3530  # Fashion-MNIST's training-set statistics
 MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
 SWARM_MODES = ("swarm", "old", "hivemind_optimizer")  # averaging peers: steps per round and the swarm_lr rule apply
@@ -156,7 +160,7 @@ def read_idx(path: Path) -> np.ndarray:
     if raw[:3] != b"\x00\x00\x08":
         raise ValueError(f"{path}: not an IDX file of unsigned bytes (magic {raw[:4].hex()})")
     ndim = raw[3]
-    shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    shape = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -172,10 +176,12 @@ class FashionMNIST:
     @classmethod
     def load(cls, folder: Path) -> FashionMNIST:
         arrays = {name: read_idx(folder / file) for name, file in IDX_FILES.items()}
-        return cls(torch.from_numpy(arrays["train_images"].copy()),
-                   torch.from_numpy(arrays["train_labels"].astype(np.int64)),
-                   normalize(torch.from_numpy(arrays["test_images"].copy())),
-                   torch.from_numpy(arrays["test_labels"].astype(np.int64)))  # fmt: skip
+        return cls(
+            torch.from_numpy(arrays["train_images"].copy()),
+            torch.from_numpy(arrays["train_labels"].astype(np.int64)),
+            normalize(torch.from_numpy(arrays["test_images"].copy())),
+            torch.from_numpy(arrays["test_labels"].astype(np.int64)),
+        )
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
@@ -188,17 +194,24 @@ def make_model(seed: int) -> nn.Sequential:
     buffers), so the comparison is about the averaging of the weights. The seed fixes the initial model."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(1, 16, 5, stride=2, padding=2), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(32 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 5, stride=2, padding=2),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 @torch.no_grad()
 def test_accuracy(model: nn.Module, data: FashionMNIST) -> float:
     model.eval()
-    correct = sum(int((model(data.test_images[i: i + EVAL_CHUNK]).argmax(1) == data.test_labels[i: i + EVAL_CHUNK])
-                      .sum()) for i in range(0, len(data.test_labels), EVAL_CHUNK))  # fmt: skip
+    correct = sum(
+        int((model(data.test_images[i : i + EVAL_CHUNK]).argmax(1) == data.test_labels[i : i + EVAL_CHUNK]).sum())
+        for i in range(0, len(data.test_labels), EVAL_CHUNK)
+    )
     model.train()
     return correct / len(data.test_labels)
 
@@ -213,7 +226,7 @@ class Batches:
     def next(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.at + size > len(self.order):
             self.order, self.at = torch.randperm(len(self.data.train_labels), generator=self.generator), 0
-        index = self.order[self.at: self.at + size]
+        index = self.order[self.at : self.at + size]
         self.at += size
         return normalize(self.data.train_images[index]), self.data.train_labels[index]
 
@@ -331,13 +344,24 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
     if "weighting" in args.experiments:
         for by_samples in (False, True):
             for seed in range(args.weighting_seeds):
-                add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, unequal=True, weight_by_samples=by_samples,
-                            **loopback))  # fmt: skip
+                add(
+                    RunSpec(
+                        "swarm", seed, swarm_lr=args.swarm_lr, unequal=True, weight_by_samples=by_samples, **loopback
+                    )
+                )
     if "slowed" in args.experiments:
         for rule in args.slowed_lr_rules:
             for seed in range(args.slowed_seeds):
-                add(RunSpec("swarm", seed, swarm_lr=rule, regime="slowed", target_group_size=settings.peers + 1,
-                            min_matchmaking_time=settings.slowed_min_matchmaking_time))  # fmt: skip
+                add(
+                    RunSpec(
+                        "swarm",
+                        seed,
+                        swarm_lr=rule,
+                        regime="slowed",
+                        target_group_size=settings.peers + 1,
+                        min_matchmaking_time=settings.slowed_min_matchmaking_time,
+                    )
+                )
     return sorted(runs, key=lambda spec: spec.seed)  # seed by seed: a run cut short still compares every variant
 
 
@@ -370,8 +394,12 @@ class PeerConfig:
 
     def paths(self) -> dict[str, Path]:
         run = Path(self.run_dir)
-        return {"maddrs": run / "maddrs.json", "go": run / "go.json", "ready": run / f"ready{self.rank}.json",
-                "result": run / f"result{self.rank}.json"}  # fmt: skip
+        return {
+            "maddrs": run / "maddrs.json",
+            "go": run / "go.json",
+            "ready": run / f"ready{self.rank}.json",
+            "result": run / f"result{self.rank}.json",
+        }
 
 
 def watchdog(deadline: float, orchestrator_pid: int) -> None:
@@ -382,8 +410,11 @@ def watchdog(deadline: float, orchestrator_pid: int) -> None:
         while True:
             orphaned = os.getppid() != orchestrator_pid
             if orphaned or time.time() > deadline:
-                print(f"[bench peer] {'orchestrator gone' if orphaned else 'deadline passed'}: killing my session",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[bench peer] {'orchestrator gone' if orphaned else 'deadline passed'}: killing my session",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             time.sleep(1.0)
 
@@ -409,9 +440,11 @@ def write_json(path: Path, value: Any) -> None:
 class LogCounter(logging.Handler):
     """Counts hivemind.Optimizer's own status lines (it reports averaging rounds only in its log)."""
 
-    PATTERNS = {"rounds_applied": re.compile(r"Averaged parameters with (\d+) peers"),
-                "rounds_failed": re.compile(r"Averaging failed with"),
-                "loaded_state": re.compile(r"Peer is out of sync")}  # fmt: skip
+    PATTERNS = {
+        "rounds_applied": re.compile(r"Averaged parameters with (\d+) peers"),
+        "rounds_failed": re.compile(r"Averaging failed with"),
+        "loaded_state": re.compile(r"Peer is out of sync"),
+    }
 
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
@@ -481,10 +514,16 @@ class SwarmDriver(Driver):
         from decentralized_sgd import DecentralizedSGD
 
         self.dht = start_dht(config, user_dht=False)
-        self.dsgd = DecentralizedSGD(optimizer, self.dht, prefix=f"benchopt_{Path(config.run_dir).name}",
-                                     model=model, target_group_size=spec.target_group_size,
-                                     min_matchmaking_time=spec.min_matchmaking_time,
-                                     weight_by_samples=spec.weight_by_samples, compression="none")  # fmt: skip
+        self.dsgd = DecentralizedSGD(
+            optimizer,
+            self.dht,
+            prefix=f"benchopt_{Path(config.run_dir).name}",
+            model=model,
+            target_group_size=spec.target_group_size,
+            min_matchmaking_time=spec.min_matchmaking_time,
+            weight_by_samples=spec.weight_by_samples,
+            compression="none",
+        )
         self.lock = self.dsgd.lock  # rounds are applied at step boundaries, in this thread: only the copy needs it
 
     def step(self, batch_size: int) -> None:
@@ -494,10 +533,13 @@ class SwarmDriver(Driver):
         applied = [record for record in self.dsgd.records if record.get("applied")]
         staleness = [record["staleness_steps"] for record in applied if record.get("staleness_steps") is not None]
         counters = {key: value for key, value in self.dsgd.counters.items() if value}
-        return {"rounds_applied": int(self.dsgd.counters["rounds_applied"]),
-                "rounds_failed": int(self.dsgd.counters["rounds_failed"]),
-                "group_size_mean": mean(r["group_size"] for r in applied) if applied else None,
-                "staleness_steps_mean": mean(staleness) if staleness else None, "counters": counters}  # fmt: skip
+        return {
+            "rounds_applied": int(self.dsgd.counters["rounds_applied"]),
+            "rounds_failed": int(self.dsgd.counters["rounds_failed"]),
+            "group_size_mean": mean(r["group_size"] for r in applied) if applied else None,
+            "staleness_steps_mean": mean(staleness) if staleness else None,
+            "counters": counters,
+        }
 
     def shutdown(self) -> None:
         self.dsgd.shutdown()
@@ -513,10 +555,14 @@ class OldDriver(Driver):
 
         self.dht = start_dht(config, user_dht=False)
         self.averager = OldDesignAverager(
-            optimizer, self.dht, prefix=f"benchopt_{Path(config.run_dir).name}", model=model,
-            target_group_size=spec.target_group_size, min_matchmaking_time=spec.min_matchmaking_time,
+            optimizer,
+            self.dht,
+            prefix=f"benchopt_{Path(config.run_dir).name}",
+            model=model,
+            target_group_size=spec.target_group_size,
+            min_matchmaking_time=spec.min_matchmaking_time,
             compression="none",
-        )  # fmt: skip
+        )
         self.lock = self.averager.lock
 
     def step(self, batch_size: int) -> None:
@@ -526,10 +572,12 @@ class OldDriver(Driver):
     def stats(self) -> dict:
         applied = [record for record in self.averager.records if record.get("applied")]
         staleness = [record["staleness_steps"] for record in applied if record.get("staleness_steps") is not None]
-        return {"rounds_applied": int(self.averager.counters["rounds_applied"]),
-                "rounds_failed": int(self.averager.counters["rounds_failed"]),
-                "group_size_mean": mean(r["group_size"] for r in applied) if applied else None,
-                "staleness_steps_mean": mean(staleness) if staleness else None}  # fmt: skip
+        return {
+            "rounds_applied": int(self.averager.counters["rounds_applied"]),
+            "rounds_failed": int(self.averager.counters["rounds_failed"]),
+            "group_size_mean": mean(r["group_size"] for r in applied) if applied else None,
+            "staleness_steps_mean": mean(staleness) if staleness else None,
+        }
 
     def shutdown(self) -> None:
         self.averager.shutdown()
@@ -549,13 +597,18 @@ class HivemindDriver(Driver):
             logging.getLogger(name).addHandler(self.counter)
         self.dht = start_dht(config, user_dht=True)
         self.opt = hivemind.Optimizer(
-            dht=self.dht, run_id=f"benchopt_{Path(config.run_dir).name}", params=model.parameters(),
+            dht=self.dht,
+            run_id=f"benchopt_{Path(config.run_dir).name}",
+            params=model.parameters(),
             optimizer=lambda params: torch.optim.SGD(params, lr=settings.lr, momentum=momentum),
             batch_size_per_step=spec.batches(settings)[config.rank],
-            target_batch_size=settings.hivemind_target_batch_size, use_local_updates=True,
-            matchmaking_time=spec.min_matchmaking_time, averaging_timeout=settings.hivemind_averaging_timeout,
-            average_state_every=1, verbose=True,
-        )  # fmt: skip
+            target_batch_size=settings.hivemind_target_batch_size,
+            use_local_updates=True,
+            matchmaking_time=spec.min_matchmaking_time,
+            averaging_timeout=settings.hivemind_averaging_timeout,
+            average_state_every=1,
+            verbose=True,
+        )
         super().__init__(model, self.opt.opt)
 
     def step(self, batch_size: int) -> None:
@@ -563,8 +616,11 @@ class HivemindDriver(Driver):
 
     def stats(self) -> dict:
         sizes = self.counter.group_sizes
-        return {**self.counter.counts, "epochs": int(self.opt.local_epoch),
-                "group_size_mean": mean(sizes) if sizes else None}  # fmt: skip
+        return {
+            **self.counter.counts,
+            "epochs": int(self.opt.local_epoch),
+            "group_size_mean": mean(sizes) if sizes else None,
+        }
 
     def shutdown(self) -> None:
         self.opt.shutdown()
@@ -578,9 +634,13 @@ class DdpDriver(Driver):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config.ddp_port}", rank=config.rank,
-                                world_size=config.settings["peers"],
-                                timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{config.ddp_port}",
+            rank=config.rank,
+            world_size=config.settings["peers"],
+            timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S),
+        )
         self.inner = model
         wrapped = DistributedDataParallel(model)
         super().__init__(wrapped, torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=momentum))
@@ -631,8 +691,14 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
     def evaluate(step: int) -> None:
         with driver.lock:  # a consistent copy of the weights (the old design applies from its own thread)
             evaluated.load_state_dict(driver.weights().state_dict())
-        curve.append({"step": step, "swarm_samples": step * total_batch, "local_samples": step * batch,
-                      "accuracy": test_accuracy(evaluated, data)})  # fmt: skip
+        curve.append(
+            {
+                "step": step,
+                "swarm_samples": step * total_batch,
+                "local_samples": step * batch,
+                "accuracy": test_accuracy(evaluated, data),
+            }
+        )
 
     losses: list[float] = []
     t_train, train_s = time.time(), 0.0
@@ -655,10 +721,19 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
             time.sleep(max(0.0, pause))  # also lets the old design's averaging thread take its lock
             if step + 1 in evaluates:
                 evaluate(step + 1)
-        result = {"rank": config.rank, "batch": batch, "steps": steps, "local_samples": steps * batch,
-                  "peak_lr": peak, "curve": curve, "final_accuracy": curve[-1]["accuracy"] if curve else None,
-                  "loss_tail": mean(losses[-50:]) if losses else None, "train_s": train_s,
-                  "wall_s": time.time() - t_train, **driver.stats()}  # fmt: skip
+        result = {
+            "rank": config.rank,
+            "batch": batch,
+            "steps": steps,
+            "local_samples": steps * batch,
+            "peak_lr": peak,
+            "curve": curve,
+            "final_accuracy": curve[-1]["accuracy"] if curve else None,
+            "loss_tail": mean(losses[-50:]) if losses else None,
+            "train_s": train_s,
+            "wall_s": time.time() - t_train,
+            **driver.stats(),
+        }
         rounds = result.get("rounds_applied")
         result["steps_per_round"] = steps / rounds if rounds else None
         write_json(paths["result"], result)
@@ -682,8 +757,14 @@ def peer_main(config_path: Path) -> int:
 
 
 def peer_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               MASTER_ADDR="127.0.0.1")  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        MASTER_ADDR="127.0.0.1",
+    )
     env["PYTHONPATH"] = str(REPO)
     return env
 
@@ -708,8 +789,14 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
     from vissl_swarm.local_swarm import free_port
 
     port = free_port() if spec.mode == "ddp" else 0
-    record: dict[str, Any] = {"variant": spec.variant, **asdict(spec), "run_dir": str(run_dir), "error": None,
-                              "loadavg_before": os.getloadavg()[0], "commit": git_commit()}  # fmt: skip
+    record: dict[str, Any] = {
+        "variant": spec.variant,
+        **asdict(spec),
+        "run_dir": str(run_dir),
+        "error": None,
+        "loadavg_before": os.getloadavg()[0],
+        "commit": git_commit(),
+    }
     processes: list[subprocess.Popen] = []
     logs = []
     started = time.time()
@@ -718,16 +805,22 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
             config = PeerConfig(asdict(settings), asdict(spec), rank, str(run_dir), deadline, os.getpid(), port)
             (run_dir / f"peer{rank}.json").write_text(json.dumps(asdict(config)))
             logs.append(open(run_dir / f"peer{rank}.log", "w"))  # noqa: SIM115 (closed in finally)
-            processes.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--peer", str(run_dir / f"peer{rank}.json")],
-                cwd=REPO, env=peer_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
-        wait_for_all(processes, [run_dir / f"ready{rank}.json" for rank in range(count)],
-                     started + SETUP_TIMEOUT_S, "ready")  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--peer", str(run_dir / f"peer{rank}.json")],
+                    cwd=REPO,
+                    env=peer_env(),
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        wait_for_all(
+            processes, [run_dir / f"ready{rank}.json" for rank in range(count)], started + SETUP_TIMEOUT_S, "ready"
+        )
         record["setup_s"] = time.time() - started
         write_json(run_dir / "go.json", {"start_at": time.time() + 0.5})
-        results = wait_for_all(processes, [run_dir / f"result{rank}.json" for rank in range(count)], deadline,
-                               "result")  # fmt: skip
+        results = wait_for_all(processes, [run_dir / f"result{rank}.json" for rank in range(count)], deadline, "result")
         exit_by = time.time() + SHUTDOWN_GRACE_S
         for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -754,8 +847,9 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
 def leftovers(sessions: list[int]) -> list[str]:
     """Processes still alive in the sessions this run's peers led (p2pd, averagers): there should be none."""
     listing = subprocess.run(["ps", "-e", "-o", "sid=,pid=,args="], capture_output=True, text=True, timeout=30)
-    return [line.strip()[:200] for line in listing.stdout.splitlines()
-            if line.split() and int(line.split()[0]) in sessions]  # fmt: skip
+    return [
+        line.strip()[:200] for line in listing.stdout.splitlines() if line.split() and int(line.split()[0]) in sessions
+    ]
 
 
 def wait_for_all(processes: list[subprocess.Popen], files: list[Path], deadline: float, what: str) -> list[dict]:
@@ -790,10 +884,14 @@ def summarize_run(peers: list[dict]) -> dict:
         accuracies = [peer["curve"][at]["accuracy"] for peer in evaluated]
         points.append({"step": first["step"], "swarm_samples": first["swarm_samples"], "accuracy": mean(accuracies)})
     per_round = [peer["steps_per_round"] for peer in peers if peer.get("steps_per_round")]
-    return {"curve": points, "final_accuracy": points[-1]["accuracy"], "steps_per_peer": peers[0]["steps"],
-            "rounds_applied_per_peer": mean(peer.get("rounds_applied", 0) for peer in peers),
-            "steps_per_round": mean(per_round) if per_round else None,
-            "peer_final_accuracies": [peer["final_accuracy"] for peer in evaluated]}  # fmt: skip
+    return {
+        "curve": points,
+        "final_accuracy": points[-1]["accuracy"],
+        "steps_per_peer": peers[0]["steps"],
+        "rounds_applied_per_peer": mean(peer.get("rounds_applied", 0) for peer in peers),
+        "steps_per_round": mean(per_round) if per_round else None,
+        "peer_final_accuracies": [peer["final_accuracy"] for peer in evaluated],
+    }
 
 
 def crossing(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -828,19 +926,31 @@ def summarize(runs: list[dict]) -> list[dict]:
     summaries = []
     for variant, group in variants.items():
         done = [run for run in group if run["error"] is None]
-        entry: dict[str, Any] = {"variant": variant, "mode": group[0]["mode"], "swarm_lr": group[0]["swarm_lr"],
-                                 "unequal": group[0]["unequal"], "regime": group[0]["regime"],
-                                 "weight_by_samples": group[0]["weight_by_samples"], "runs": len(group),
-                                 "seeds": [run["seed"] for run in done], "errors": len(group) - len(done)}  # fmt: skip
+        entry: dict[str, Any] = {
+            "variant": variant,
+            "mode": group[0]["mode"],
+            "swarm_lr": group[0]["swarm_lr"],
+            "unequal": group[0]["unequal"],
+            "regime": group[0]["regime"],
+            "weight_by_samples": group[0]["weight_by_samples"],
+            "runs": len(group),
+            "seeds": [run["seed"] for run in done],
+            "errors": len(group) - len(done),
+        }
         if done:
             finals = [run["final_accuracy"] for run in done]
             entry["final_mean"], entry["final_std"] = spread(finals)
             entry["per_seed"] = {str(run["seed"]): round(run["final_accuracy"], 4) for run in done}
             curves = [run["curve"] for run in done if len(run["curve"]) == len(done[0]["curve"])]
-            entry["curve"] = [{"step": point["step"], "swarm_samples": point["swarm_samples"],
-                               "accuracy": mean(curve[at]["accuracy"] for curve in curves),
-                               "std": spread([curve[at]["accuracy"] for curve in curves])[1]}
-                              for at, point in enumerate(curves[0])]  # fmt: skip
+            entry["curve"] = [
+                {
+                    "step": point["step"],
+                    "swarm_samples": point["swarm_samples"],
+                    "accuracy": mean(curve[at]["accuracy"] for curve in curves),
+                    "std": spread([curve[at]["accuracy"] for curve in curves])[1],
+                }
+                for at, point in enumerate(curves[0])
+            ]
             entry["steps_per_peer"] = done[0]["steps_per_peer"]
             entry["rounds_per_peer"] = mean(run["rounds_applied_per_peer"] for run in done)
             per_round = [run["steps_per_round"] for run in done if run["steps_per_round"]]
@@ -864,9 +974,11 @@ def add_comparisons(summaries: list[dict]) -> None:
         if alone is not None and "curve" in alone:
             alone_curve = [(point["step"], point["accuracy"]) for point in alone["curve"]]
             alone_steps = alone_curve[-1][0]
-            targets = {"final": (alone["final_mean"], alone_steps),
-                       "half": (value_at(alone_curve, alone_steps / 2), alone_steps / 2),
-                       "third": (value_at(alone_curve, alone_steps / 3), alone_steps / 3)}  # fmt: skip
+            targets = {
+                "final": (alone["final_mean"], alone_steps),
+                "half": (value_at(alone_curve, alone_steps / 2), alone_steps / 2),
+                "third": (value_at(alone_curve, alone_steps / 3), alone_steps / 3),
+            }
             for name, (target, steps) in targets.items():
                 reached = steps if entry is alone else crossing(curve, target)  # alone: the reference, by definition
                 entry[f"target_{name}"] = target
@@ -905,9 +1017,18 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def row(entry: dict) -> list[str]:
-    return [entry["variant"], mean_std(entry), str(len(entry.get("seeds", []))), str(entry.get("steps_per_peer", "—")),
-            speedup(entry, "final"), speedup(entry, "half"), speedup(entry, "third"),
-            fmt(entry.get("vs_ddp"), signed=True), steps_per_round(entry), fmt(entry.get("rounds_per_peer"), 1)]
+    return [
+        entry["variant"],
+        mean_std(entry),
+        str(len(entry.get("seeds", []))),
+        str(entry.get("steps_per_peer", "—")),
+        speedup(entry, "final"),
+        speedup(entry, "half"),
+        speedup(entry, "third"),
+        fmt(entry.get("vs_ddp"), signed=True),
+        steps_per_round(entry),
+        fmt(entry.get("rounds_per_peer"), 1),
+    ]
 
 
 def steps_per_round(entry: dict) -> str:
@@ -918,10 +1039,18 @@ def steps_per_round(entry: dict) -> str:
     return f"{median(values):.0f} ({min(values):.0f}–{max(values):.0f})" if len(values) > 1 else f"{values[0]:.0f}"
 
 
-HEADER = ["variant", "final test acc (mean ± std)", "seeds", "steps per peer", "speed-up to alone's final",
-          "speed-up to alone's half-run acc", "speed-up to alone's third-run acc", "final acc − ddp's",
-          "local steps per applied round (median (min–max) over seeds)",
-          "applied rounds per peer"]  # fmt: skip
+HEADER = [
+    "variant",
+    "final test acc (mean ± std)",
+    "seeds",
+    "steps per peer",
+    "speed-up to alone's final",
+    "speed-up to alone's half-run acc",
+    "speed-up to alone's third-run acc",
+    "final acc − ddp's",
+    "local steps per applied round (median (min–max) over seeds)",
+    "applied rounds per peer",
+]
 
 
 def markdown(result: dict) -> str:
@@ -938,38 +1067,60 @@ def markdown(result: dict) -> str:
             by_exp["main"].append(entry)
     reference = [e for e in by_exp["main"] if e["mode"] in ("alone", "ddp")]
     main_swarm = [e for e in by_exp["main"] if e["mode"] == "swarm"]
-    parts = [f"Fashion-MNIST, S = {settings['samples']} samples (the swarm's total), B = {settings['batch']}, peak LR "
-             f"{settings['lr']} at B, momentum {settings['momentum']}, warm-up {settings['warmup']:.0%} + cosine; "
-             f"{settings['peers']} peers; commit {result['commit']['head'][:10]}"
-             f"{' (dirty)' if result['commit']['dirty'] else ''}. Speed-ups: alone's steps / the steps per peer at "
-             "which the variant's mean curve first reaches alone's mean accuracy (final, or at half or a third of its "
-             "run; a third: the steps a swarm peer takes, so below 1x the swarm does worse than one peer alone in "
-             "the same steps). \"not reached\": the variant's curve never gets there.", ""]
-    sections = [("Modes", by_exp["main"], []),
-                (f"LR scaling of the swarm (swarm_lr; main rule: {result['swarm_lr']})", by_exp["lr"],
-                 reference + main_swarm),
-                ("Unequal peers: one at 2B; equal weights vs weight_by_samples", by_exp["weighting"], reference),
-                ("Averaging frequency: slowed rounds", by_exp["slowed"], reference + main_swarm)]  # fmt: skip
+    parts = [
+        f"Fashion-MNIST, S = {settings['samples']} samples (the swarm's total), B = {settings['batch']}, peak LR "
+        f"{settings['lr']} at B, momentum {settings['momentum']}, warm-up {settings['warmup']:.0%} + cosine; "
+        f"{settings['peers']} peers; commit {result['commit']['head'][:10]}"
+        f"{' (dirty)' if result['commit']['dirty'] else ''}. Speed-ups: alone's steps / the steps per peer at "
+        "which the variant's mean curve first reaches alone's mean accuracy (final, or at half or a third of its "
+        "run; a third: the steps a swarm peer takes, so below 1x the swarm does worse than one peer alone in "
+        'the same steps). "not reached": the variant\'s curve never gets there.',
+        "",
+    ]
+    sections = [
+        ("Modes", by_exp["main"], []),
+        (f"LR scaling of the swarm (swarm_lr; main rule: {result['swarm_lr']})", by_exp["lr"], reference + main_swarm),
+        ("Unequal peers: one at 2B; equal weights vs weight_by_samples", by_exp["weighting"], reference),
+        ("Averaging frequency: slowed rounds", by_exp["slowed"], reference + main_swarm),
+    ]
     for title, own, context in sections:
         if own:
             entries = sorted(context + own, key=lambda e: (e["mode"] not in ("alone", "ddp"), e["variant"]))
             parts += [f"### {title}", "", table(HEADER, [row(entry) for entry in entries]), ""]
     if by_exp["weighting"]:
-        parts += ["Unequal: final accuracy of the 2B peer / of the B peers (mean over seeds): " + "; ".join(
-            f"{e['variant']}: {fmt(e.get('fast_peer_final_mean'))} / {fmt(e.get('slow_peers_final_mean'))}"
-            for e in by_exp["weighting"]), ""]  # fmt: skip
+        parts += [
+            "Unequal: final accuracy of the 2B peer / of the B peers (mean over seeds): "
+            + "; ".join(
+                f"{e['variant']}: {fmt(e.get('fast_peer_final_mean'))} / {fmt(e.get('slow_peers_final_mean'))}"
+                for e in by_exp["weighting"]
+            ),
+            "",
+        ]
     parts += ["Per seed (final test accuracy, mean of the run's peers):", ""]
-    parts += [f"- {e['variant']}: " + ", ".join(f"seed {seed} {acc:.4f}" for seed, acc in e.get("per_seed", {}).items())
-              for e in summaries]  # fmt: skip
-    commits = sorted({f"{run['commit']['head'][:10]}{' (dirty)' if run['commit']['dirty'] else ''}"
-                      for run in result["runs"] if run.get("commit")})
+    parts += [
+        f"- {e['variant']}: " + ", ".join(f"seed {seed} {acc:.4f}" for seed, acc in e.get("per_seed", {}).items())
+        for e in summaries
+    ]
+    commits = sorted(
+        {
+            f"{run['commit']['head'][:10]}{' (dirty)' if run['commit']['dirty'] else ''}"
+            for run in result["runs"]
+            if run.get("commit")
+        }
+    )
     commands = result.get("commands", [result["command"]])
-    parts += ["", f"Runs measured at commit(s) {', '.join(commits) or '—'}; command(s): "
-              + "; ".join("`" + " ".join(command) + "`" for command in commands)]
+    parts += [
+        "",
+        f"Runs measured at commit(s) {', '.join(commits) or '—'}; command(s): "
+        + "; ".join("`" + " ".join(command) + "`" for command in commands),
+    ]
     errors = [run for run in result["runs"] if run["error"]]
     if errors:
-        parts += ["", "Failed runs:",
-                  *(f"- {run['variant']} seed {run['seed']}: {run['error'][:300]}" for run in errors)]
+        parts += [
+            "",
+            "Failed runs:",
+            *(f"- {run['variant']} seed {run['seed']}: {run['error'][:300]}" for run in errors),
+        ]
     return "\n".join(parts) + "\n"
 
 
@@ -1000,8 +1151,9 @@ def plot(result: dict, path: Path) -> None:
         axis.set_ylim(max(0.0, low - 0.02), None)
         axis.grid(alpha=0.3)
     by_steps.legend(fontsize=7, loc="lower right")
-    figure.suptitle(f"bench_optimizer: S = {result['settings']['samples']}, B = {result['settings']['batch']}; "
-                    "mean over seeds")  # fmt: skip
+    figure.suptitle(
+        f"bench_optimizer: S = {result['settings']['samples']}, B = {result['settings']['batch']}; mean over seeds"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -1035,38 +1187,66 @@ def write_outputs(args: argparse.Namespace, result: dict, final: bool = True) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     defaults = Settings()
     parser.add_argument("--quick", action="store_true", help="a tiny budget, 1 seed, experiment main with --modes")
     parser.add_argument("--experiments", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=None,
-                        help="modes of experiment main (default: all; --quick: alone swarm)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=None,
+        help="modes of experiment main (default: all; --quick: alone swarm)",
+    )
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 of experiments main and lr")
     parser.add_argument("--weighting_seeds", type=int, default=3)
     parser.add_argument("--slowed_seeds", type=int, default=3)
-    parser.add_argument("--slowed_lr_rules", nargs="+", choices=LR_RULES, default=list(LR_RULES),
-                        help="experiment slowed: does the LR rule's ranking carry over to rounds far apart?")
-    parser.add_argument("--resume", type=Path, default=None,
-                        help="a JSON this script wrote with the same settings: keep its runs, run only the rest "
-                             "(a setting of one mode only, e.g. --hivemind_target_batch_size, may differ: that "
-                             "mode's runs are redone)")
-    parser.add_argument("--swarm_lr", choices=LR_RULES, default="sqrt",
-                        help="how a swarm peer's LR scales with the swarm's total batch (main, weighting, slowed)")
+    parser.add_argument(
+        "--slowed_lr_rules",
+        nargs="+",
+        choices=LR_RULES,
+        default=list(LR_RULES),
+        help="experiment slowed: does the LR rule's ranking carry over to rounds far apart?",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a JSON this script wrote with the same settings: keep its runs, run only the rest "
+        "(a setting of one mode only, e.g. --hivemind_target_batch_size, may differ: that "
+        "mode's runs are redone)",
+    )
+    parser.add_argument(
+        "--swarm_lr",
+        choices=LR_RULES,
+        default="sqrt",
+        help="how a swarm peer's LR scales with the swarm's total batch (main, weighting, slowed)",
+    )
     parser.add_argument("--lr_rules", nargs="+", choices=LR_RULES, default=list(LR_RULES), help="experiment lr")
     parser.add_argument("--samples", type=int, default=defaults.samples, help="S, the budget (the swarm's total)")
     parser.add_argument("--batch", type=int, default=defaults.batch, help="B, a peer's batch")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak LR at batch B")
     parser.add_argument("--curve_points", type=int, default=defaults.curve_points)
-    parser.add_argument("--min_matchmaking_time", type=float, default=defaults.min_matchmaking_time,
-                        help="the main regime's (hivemind_optimizer: its matchmaking_time)")
+    parser.add_argument(
+        "--min_matchmaking_time",
+        type=float,
+        default=defaults.min_matchmaking_time,
+        help="the main regime's (hivemind_optimizer: its matchmaking_time)",
+    )
     parser.add_argument("--slowed_min_matchmaking_time", type=float, default=defaults.slowed_min_matchmaking_time)
     parser.add_argument("--hivemind_target_batch_size", type=int, default=defaults.hivemind_target_batch_size)
-    parser.add_argument("--min_step_s", type=float, default=defaults.min_step_s,
-                        help="an averaging peer's step lasts at least this long (the rest is a sleep)")
+    parser.add_argument(
+        "--min_step_s",
+        type=float,
+        default=defaults.min_step_s,
+        help="an averaging peer's step lasts at least this long (the rest is a sleep)",
+    )
     parser.add_argument("--data_dir", type=Path, default=DATA_DIR, help="the Fashion-MNIST IDX files (.gz)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="peer configs and logs; default benchmarks/out/optimizer/<time>")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="peer configs and logs; default benchmarks/out/optimizer/<time>"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
@@ -1085,31 +1265,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.experiments, args.seeds = ["main"], 1
         args.modes = args.modes or ["alone", "swarm"]
-        settings = Settings(samples=24_000, curve_points=4, min_step_s=0.04, data_dir=str(args.data_dir),
-                            batch=args.batch, lr=args.lr, min_matchmaking_time=args.min_matchmaking_time,
-                            hivemind_target_batch_size=min(args.hivemind_target_batch_size, 4 * 3 * args.batch))
+        settings = Settings(
+            samples=24_000,
+            curve_points=4,
+            min_step_s=0.04,
+            data_dir=str(args.data_dir),
+            batch=args.batch,
+            lr=args.lr,
+            min_matchmaking_time=args.min_matchmaking_time,
+            hivemind_target_batch_size=min(args.hivemind_target_batch_size, 4 * 3 * args.batch),
+        )
     else:
         args.modes = args.modes or list(MODES)
-        settings = Settings(samples=args.samples, batch=args.batch, lr=args.lr, curve_points=args.curve_points,
-                            min_matchmaking_time=args.min_matchmaking_time,
-                            slowed_min_matchmaking_time=args.slowed_min_matchmaking_time,
-                            hivemind_target_batch_size=args.hivemind_target_batch_size, data_dir=str(args.data_dir),
-                            min_step_s=args.min_step_s)
+        settings = Settings(
+            samples=args.samples,
+            batch=args.batch,
+            lr=args.lr,
+            curve_points=args.curve_points,
+            min_matchmaking_time=args.min_matchmaking_time,
+            slowed_min_matchmaking_time=args.slowed_min_matchmaking_time,
+            hivemind_target_batch_size=args.hivemind_target_batch_size,
+            data_dir=str(args.data_dir),
+            min_step_s=args.min_step_s,
+        )
     runs = plan(args, settings)
     out = args.out or REPO / "benchmarks/out/optimizer" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"commit": git_commit(), "command": [sys.argv[0], *(argv or sys.argv[1:])],
-                              "dataset": {"name": "Fashion-MNIST" if args.data_dir == DATA_DIR else "IDX files",
-                                          "dir": str(args.data_dir), "files": list(IDX_FILES.values())},
-                              "settings": asdict(settings), "swarm_lr": args.swarm_lr, "quick": args.quick,
-                              "experiments": args.experiments, "cpus": os.cpu_count(), "runs": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "commit": git_commit(),
+        "command": [sys.argv[0], *(argv or sys.argv[1:])],
+        "dataset": {
+            "name": "Fashion-MNIST" if args.data_dir == DATA_DIR else "IDX files",
+            "dir": str(args.data_dir),
+            "files": list(IDX_FILES.values()),
+        },
+        "settings": asdict(settings),
+        "swarm_lr": args.swarm_lr,
+        "quick": args.quick,
+        "experiments": args.experiments,
+        "cpus": os.cpu_count(),
+        "runs": [],
+    }
     if args.resume is not None:
         previous = json.loads(args.resume.read_text())
         changed = {key for key, value in previous["settings"].items() if result["settings"].get(key) != value}
         redo = {MODE_SETTINGS[key] for key in changed if key in MODE_SETTINGS}  # modes whose own settings changed
         if changed - set(MODE_SETTINGS) or previous["swarm_lr"] != args.swarm_lr:
-            print(f"error: --resume {args.resume} was measured with other settings ({sorted(changed)})",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: --resume {args.resume} was measured with other settings ({sorted(changed)})", file=sys.stderr
+            )
             return 2
         result["commands"] = [*previous.get("commands", [previous["command"]]), result["command"]]
         result["previous_commits"] = [*previous.get("previous_commits", []), previous["commit"]]
@@ -1118,9 +1322,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = [spec for spec in runs if json.dumps(asdict(spec), sort_keys=True) not in done]
         print(f"resuming {args.resume}: {len(result['runs'])} runs kept, {len(runs)} to run", flush=True)
     expected = sum(estimated_seconds(spec, settings) for spec in runs)
-    print(f"bench_optimizer: {len(runs)} runs ({', '.join(sorted({spec.variant for spec in runs}))}), S = "
-          f"{settings.samples}, B = {settings.batch}; expected about {expected / 60:.1f} min on a quiet 2-core machine "
-          f"(a busy one takes 2-3x); logs in {out}", flush=True)  # fmt: skip
+    print(
+        f"bench_optimizer: {len(runs)} runs ({', '.join(sorted({spec.variant for spec in runs}))}), S = "
+        f"{settings.samples}, B = {settings.batch}; expected about {expected / 60:.1f} min on a quiet 2-core machine "
+        f"(a busy one takes 2-3x); logs in {out}",
+        flush=True,
+    )
     if not runs:
         write_outputs(args, result)
         return 0
@@ -1130,11 +1337,16 @@ def main(argv: list[str] | None = None) -> int:
         for index, spec in enumerate(runs):
             run = run_one(spec, settings, out, index)
             result["runs"].append(run)
-            status = run["error"] or (f"final {run['final_accuracy']:.4f}, steps/round "
-                                      f"{fmt(run['steps_per_round'], 0)}, rounds/peer "
-                                      f"{run['rounds_applied_per_peer']:.1f}")  # fmt: skip
-            print(f"[{index + 1}/{len(runs)}] {spec.variant} seed {spec.seed}: {status} ({run['wall_s']:.0f} s; "
-                  f"load {run['loadavg_before']:.1f})", flush=True)  # fmt: skip
+            status = run["error"] or (
+                f"final {run['final_accuracy']:.4f}, steps/round "
+                f"{fmt(run['steps_per_round'], 0)}, rounds/peer "
+                f"{run['rounds_applied_per_peer']:.1f}"
+            )
+            print(
+                f"[{index + 1}/{len(runs)}] {spec.variant} seed {spec.seed}: {status} ({run['wall_s']:.0f} s; "
+                f"load {run['loadavg_before']:.1f})",
+                flush=True,
+            )
             result["wall_s"] = time.time() - t0
             write_outputs(args, result, final=index == len(runs) - 1)  # after every run: a cut-short run keeps data
     except KeyboardInterrupt:  # run_one's finally has killed that run's processes; the outputs hold the runs done

@@ -53,8 +53,10 @@ def resnet50_values() -> int:
 def wan_prefix(rank: int) -> list[str]:
     """The trainer in a network namespace of its own, started once its link (plugged in from outside) has its
     address: hivemind listens on it."""
-    script = (f'ip link set lo up; while ! ip -4 addr show | grep -q "{netns.host_address(rank)}/"; do sleep 0.05; '
-              'done; exec "$0" "$@"')
+    script = (
+        f'ip link set lo up; while ! ip -4 addr show | grep -q "{netns.host_address(rank)}/"; do sleep 0.05; '
+        'done; exec "$0" "$@"'
+    )
     return ["unshare", "-n", "sh", "-c", script]
 
 
@@ -98,24 +100,37 @@ def run_regime(name: str, mbit: float | None, boxes: int, seconds: float, data: 
     for peer in peers:
         reports = sorted(peer.checkpoint_dir.glob(f"{preflight.FOLDER}/*/{preflight.REPORT_FILE}"))
         log = peer.log_text()
-        row: dict[str, Any] = {"box": peer.name, "exit_code": peer.process.returncode,
-                               "traceback": "Traceback" in log}
+        row: dict[str, Any] = {"box": peer.name, "exit_code": peer.process.returncode, "traceback": "Traceback" in log}
         if reports:
             document = json.loads(reports[-1].read_text())
             row.update(document)
-            measured = preflight.Measured(**{key: value for key, value in document["measured"].items()
-                                             if key in preflight.Measured.__dataclass_fields__}
-                                          | {"group_sizes": tuple(document["measured"]["group_sizes"])})
+            measured = preflight.Measured(
+                **{
+                    key: value
+                    for key, value in document["measured"].items()
+                    if key in preflight.Measured.__dataclass_fields__
+                }
+                | {"group_sizes": tuple(document["measured"]["group_sizes"])}
+            )
             current = preflight.Settings(**document["settings"])
             big = resnet50_values()
             row["advice_resnet50"] = [vars(a) for a in preflight.advise(measured, current, values=big)]
             if mbit is not None:  # the same at the link's own rate, which the small model's rounds do not reach
-                row["advice_resnet50_at_link"] = [vars(a) for a in preflight.advise(measured, current, values=big,
-                                                                                    link_mbit=mbit)]
-            row["table"] = log[log.index("pre-flight of this box"):].split("(as JSON")[0].rstrip()
+                row["advice_resnet50_at_link"] = [
+                    vars(a) for a in preflight.advise(measured, current, values=big, link_mbit=mbit)
+                ]
+            row["table"] = log[log.index("pre-flight of this box") :].split("(as JSON")[0].rstrip()
         rows.append(row)
-    return {"regime": name, "mbit": mbit, "boxes": boxes, "seconds": seconds, "wall_s": round(time.time() - started),
-            "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+    return {
+        "regime": name,
+        "mbit": mbit,
+        "boxes": boxes,
+        "seconds": seconds,
+        "wall_s": round(time.time() - started),
+        "loadavg_before": load_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "rows": rows,
+    }
 
 
 def advice_line(advice: list[dict]) -> str:
@@ -123,14 +138,17 @@ def advice_line(advice: list[dict]) -> str:
 
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [f"`benchmarks/bench_preflight.py {' '.join(meta['argv'])}` at {meta['commit']} ({meta['started']}, "
-             f"load before {meta['loadavg_before']}, {meta['cpus']} cores); {meta['resnet50_values']:,} values for "
-             f"{RESNET50}.", "",
-             "| link (load before, after) | box | exit | rounds applied / failed / no group | groups | AllReduce s "
-             "median / max | sent per round | link rate (bytes / AllReduce s) | staleness median / max | steps per "
-             "round | s per step | advice | advice for swav_resnet50's size at the measured rate | the same at the "
-             "link's rate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`benchmarks/bench_preflight.py {' '.join(meta['argv'])}` at {meta['commit']} ({meta['started']}, "
+        f"load before {meta['loadavg_before']}, {meta['cpus']} cores); {meta['resnet50_values']:,} values for "
+        f"{RESNET50}.",
+        "",
+        "| link (load before, after) | box | exit | rounds applied / failed / no group | groups | AllReduce s "
+        "median / max | sent per round | link rate (bytes / AllReduce s) | staleness median / max | steps per "
+        "round | s per step | advice | advice for swav_resnet50's size at the measured rate | the same at the "
+        "link's rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for result in results:
         for row in result["rows"]:
             m = row.get("measured")
@@ -152,16 +170,19 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for result in results:
         for row in result["rows"]:
             if "advice" in row:
-                lines.append(f"{result['regime']} {row['box']}, reasons: "
-                             + "; ".join(f"`{a['flag']} {a['value']}`: {a['reason']}" for a in row["advice"]))
+                lines.append(
+                    f"{result['regime']} {row['box']}, reasons: "
+                    + "; ".join(f"`{a['flag']} {a['value']}`: {a['reason']}" for a in row["advice"])
+                )
                 lines.append("")
     return "\n".join(lines)
 
 
 def git_commit() -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     return commit.stdout.strip() + ("+changes" if dirty else "")
 
 
@@ -186,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_COMMIT"] = git_commit()  # git may not read the repository inside the user namespace
         netns.reexec_inside([str(Path(__file__).resolve()), *meta_argv])
     netns.create_bridge()
-    meta = {"argv": sys.argv[1:] if argv is None else argv, "commit": os.environ.get("BENCH_COMMIT", "?"),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-            "loadavg_before": json.loads(os.environ.get("BENCH_LOADAVG_BEFORE", "null")),
-            "resnet50_values": resnet50_values()}
+    meta = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "commit": os.environ.get("BENCH_COMMIT", "?"),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "loadavg_before": json.loads(os.environ.get("BENCH_LOADAVG_BEFORE", "null")),
+        "resnet50_values": resnet50_values(),
+    }
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_preflight-"))
     results = []
     for regime in args.regimes:

@@ -34,10 +34,26 @@ from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook  # noqa
 from demo import markdown_table  # noqa: E402
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until  # noqa: E402
 
-FLAGS = ["--run_id", "restart", "--target_group_size", "3", "--min_matchmaking_time", "2", "--averaging_timeout",
-         "20", "--next_chunk_timeout", "4", "--compression", "none"]
-OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=3000",
-             "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10", "config.LOG_FREQUENCY=5"]
+FLAGS = [
+    "--run_id",
+    "restart",
+    "--target_group_size",
+    "3",
+    "--min_matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "4",
+    "--compression",
+    "none",
+]
+OVERRIDES = [
+    "config.DATA.TRAIN.DATA_LIMIT=160",
+    "config.OPTIMIZER.num_epochs=3000",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10",
+    "config.LOG_FREQUENCY=5",
+]
 
 
 def one_restart(data: Path, out: Path, down_for: float) -> dict:
@@ -46,25 +62,41 @@ def one_restart(data: Path, out: Path, down_for: float) -> dict:
     try:
         start_swarm(peers, data, FLAGS, OVERRIDES, first_flags=first_flags)
         for peer in peers:
-            wait_until(lambda peer=peer: any(r["group_size"] >= 2 for r in peer.applied_rounds()), 300,
-                       f"a round on {peer.name}")
-        wait_until(lambda: len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2, 120,
-                   "box1 and box2 in box0's address book")
+            wait_until(
+                lambda peer=peer: any(r["group_size"] >= 2 for r in peer.applied_rounds()),
+                300,
+                f"a round on {peer.name}",
+            )
+        wait_until(
+            lambda: len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2,
+            120,
+            "box1 and box2 in box0's address book",
+        )
         os.kill(peers[0].process.pid, signal.SIGKILL)  # the trainer only; its DHT and p2pd must end by themselves
         peers[0].process.wait()
         time.sleep(down_for)
         peers[0].start(data, [], [*FLAGS, *first_flags], OVERRIDES)
         started = peers[0].started_at
-        first_step = wait_until(lambda: next((e["time"] for e in peers[0].progress() if e["time"] > started), None),
-                                300, "box0's first logged step after its restart")
-        first_round = wait_until(lambda: min((r["t_end"] for r in peers[0].applied_rounds(since=started)
-                                              if r["group_size"] >= 2), default=None), 300,
-                                 "box0's first round with a groupmate after its restart")
+        first_step = wait_until(
+            lambda: next((e["time"] for e in peers[0].progress() if e["time"] > started), None),
+            300,
+            "box0's first logged step after its restart",
+        )
+        first_round = wait_until(
+            lambda: min(
+                (r["t_end"] for r in peers[0].applied_rounds(since=started) if r["group_size"] >= 2), default=None
+            ),
+            300,
+            "box0's first round with a groupmate after its restart",
+        )
         back = "back in the swarm" in peers[0].log_text()
     finally:
         stop_all(peers)
-    return {"first_step_s": round(first_step - started, 1), "first_round_s": round(first_round - started, 1),
-            "dialed_known_peers": back}
+    return {
+        "first_step_s": round(first_step - started, 1),
+        "first_round_s": round(first_round - started, 1),
+        "dialed_known_peers": back,
+    }
 
 
 def main() -> int:
@@ -80,12 +112,18 @@ def main() -> int:
     for repeat in range(args.repeats):
         runs.append(one_restart(args.data_path, out / f"run{repeat}", args.down_for))
         print(f"run {repeat}: {runs[-1]}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    summary = {"commit": commit, "repeats": args.repeats, "down_for_s": args.down_for, "runs": runs,
-               "first_round_s_median": statistics.median(run["first_round_s"] for run in runs),
-               "first_round_s_max": max(run["first_round_s"] for run in runs),
-               "load_average_1min_at_end": round(os.getloadavg()[0], 2)}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    summary = {
+        "commit": commit,
+        "repeats": args.repeats,
+        "down_for_s": args.down_for,
+        "runs": runs,
+        "first_round_s_median": statistics.median(run["first_round_s"] for run in runs),
+        "first_round_s_max": max(run["first_round_s"] for run in runs),
+        "load_average_1min_at_end": round(os.getloadavg()[0], 2),
+    }
     rows = [{"run": index, **run} for index, run in enumerate(runs)]
     table = markdown_table(rows)
     print(table)
@@ -97,7 +135,8 @@ def main() -> int:
             f"`python benchmarks/bench_restart.py --repeats {args.repeats}` at commit {commit} (3 swav_tiny boxes on "
             f"127.0.0.1, 2 cores; box0 killed with SIGKILL once all averaged, started again {args.down_for:g} s "
             f"later)\n\n{table}\n\nmedian to the first round: {summary['first_round_s_median']} s, max "
-            f"{summary['first_round_s_max']} s\n")
+            f"{summary['first_round_s_max']} s\n"
+        )
     return 0
 
 

@@ -85,27 +85,62 @@ def install(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     _folder = folder
     for rpc in ("call_ping", "call_store", "call_find"):
-        _wrap(DHTProtocol, rpc, "dht_rpc", lambda self, a, k, r, e, rpc=rpc: {
-            "rpc": rpc, "peer": str(a[0] if a else k.get("peer")), "answered": r is not None,
-            "keys": len(a[1]) if len(a) > 1 else None,
-            "in_cache": k.get("in_cache", a[5] if len(a) > 5 else None)})  # fmt: skip
-    _wrap(DHTNode, "store_many", "dht_store", lambda self, a, k, r, e: {"keys": len(a[0]) if a else None,
-                                                                         "key": str(a[0][0])[:80] if a else None})
+        _wrap(
+            DHTProtocol,
+            rpc,
+            "dht_rpc",
+            lambda self, a, k, r, e, rpc=rpc: {
+                "rpc": rpc,
+                "peer": str(a[0] if a else k.get("peer")),
+                "answered": r is not None,
+                "keys": len(a[1]) if len(a) > 1 else None,
+                "in_cache": k.get("in_cache", a[5] if len(a) > 5 else None),
+            },
+        )
+    _wrap(
+        DHTNode,
+        "store_many",
+        "dht_store",
+        lambda self, a, k, r, e: {"keys": len(a[0]) if a else None, "key": str(a[0][0])[:80] if a else None},
+    )
     _wrap(DHTNode, "get_many", "dht_get", lambda self, a, k, r, e: {"keys": len(a[0]) if a else None})
     for name in ("leader_assemble_group", "follower_assemble_group"):
-        _wrap(Matchmaking, name, "assembled", lambda self, a, k, r, e, name=name: {"role": name.split("_")[0],
-                                                                                   "group": _group(r)})  # fmt: skip
-    _wrap(Matchmaking, "_request_join_group", "join", lambda self, a, k, r, e: {
-        "leader": str(a[0] if a else k.get("leader")),
-        "outcome": "error" if e is not None else "none" if r is None else "group", "group": _group(r)})  # fmt: skip
-    _wrap(Matchmaking, "look_for_group", "look_for_group",
-          lambda self, a, k, r, e: {"group": _group(r), "me": str(self.peer_id)})  # fmt: skip
-    _wrap(GroupKeyManager, "declare_averager", "declare", lambda self, a, k, r, e: {
-        "active": bool(k.get("looking_for_group", a[3] if len(a) > 3 else True))})  # fmt: skip
+        _wrap(
+            Matchmaking,
+            name,
+            "assembled",
+            lambda self, a, k, r, e, name=name: {"role": name.split("_")[0], "group": _group(r)},
+        )
+    _wrap(
+        Matchmaking,
+        "_request_join_group",
+        "join",
+        lambda self, a, k, r, e: {
+            "leader": str(a[0] if a else k.get("leader")),
+            "outcome": "error" if e is not None else "none" if r is None else "group",
+            "group": _group(r),
+        },
+    )
+    _wrap(
+        Matchmaking,
+        "look_for_group",
+        "look_for_group",
+        lambda self, a, k, r, e: {"group": _group(r), "me": str(self.peer_id)},
+    )
+    _wrap(
+        GroupKeyManager,
+        "declare_averager",
+        "declare",
+        lambda self, a, k, r, e: {"active": bool(k.get("looking_for_group", a[3] if len(a) > 3 else True))},
+    )
     _wrap(GroupKeyManager, "get_averagers", "get_averagers", lambda self, a, k, r, e: {"found": len(r or ())})
     _wrap(DecentralizedAverager, "_trigger_declare_load_state", "state_priority_changed", lambda *_: {})
-    _wrap(DecentralizedAverager, "_aggregate_with_group", "allreduce",
-          lambda self, a, k, r, e: {"group": _group(a[0] if a else k.get("group_info"))})  # fmt: skip
+    _wrap(
+        DecentralizedAverager,
+        "_aggregate_with_group",
+        "allreduce",
+        lambda self, a, k, r, e: {"group": _group(a[0] if a else k.get("group_info"))},
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- summary
@@ -144,8 +179,11 @@ def _name(event: dict, slow: str) -> str:
 
 def _stats(values: list[float], minutes: float) -> dict:
     ordered = sorted(values)
-    return {"per_min": len(values) / minutes, "mean_s": sum(values) / len(values),
-            "p90_s": ordered[int(0.9 * (len(ordered) - 1))]}  # fmt: skip
+    return {
+        "per_min": len(values) / minutes,
+        "mean_s": sum(values) / len(values),
+        "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
+    }
 
 
 def summarize(trace_dir: Path, run: dict) -> dict:
@@ -181,8 +219,12 @@ def summarize(trace_dir: Path, run: dict) -> dict:
 def markdown(summary: dict) -> str:
     calls = sorted({call for table in summary["windows"].values() for call in table})
     windows = list(summary["windows"])
-    lines = [f"slow peer: {summary['slow_peer']}; per healthy peer: calls per minute, mean / p90 seconds", "",
-             "| call | " + " | ".join(windows) + " |", "|---|" + "---|" * len(windows)]  # fmt: skip
+    lines = [
+        f"slow peer: {summary['slow_peer']}; per healthy peer: calls per minute, mean / p90 seconds",
+        "",
+        "| call | " + " | ".join(windows) + " |",
+        "|---|" + "---|" * len(windows),
+    ]
     for call in calls:
         cells = []
         for table in summary["windows"].values():

@@ -105,20 +105,22 @@ class MeasureWindowHook(ClassyHook):
     def _snapshot(self, task) -> dict:
         counters = self.averaging.counters if self.averaging is not None else {}
         return {
-            "time": time.perf_counter(), "counters": {key: counters.get(key, 0.0) for key in COUNTED},
+            "time": time.perf_counter(),
+            "counters": {key: counters.get(key, 0.0) for key in COUNTED},
             "read_sample": _host_timer_total(task, "read_sample"),
             "records": len(self.averaging.records) if self.averaging is not None else 0,
-        }  # fmt: skip
+        }
 
     def _result(self, task, end: dict) -> dict:
         start, steps = self.start, self.settings.window_steps
         elapsed = end["time"] - start["time"]
         result = {
-            "steps": steps, "step_s": elapsed / steps,
+            "steps": steps,
+            "step_s": elapsed / steps,
             "samples_per_s": task.get_global_batchsize() * steps / elapsed,
             "data_wait_ms_per_step": 1000 * (end["read_sample"] - start["read_sample"]) / steps,
             "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        }  # fmt: skip
+        }
         if self.averaging is None:
             return result
         records = self.averaging.records[start["records"] : end["records"]]

@@ -38,8 +38,10 @@ def reexec_inside(argv: Sequence[str]) -> None:
     """Replace this process by itself inside a new user + network namespace (root there, nobody outside)."""
     missing = missing_tools()
     if missing:
-        raise SystemExit(f"bandwidth-limited regimes need {', '.join(missing)} (util-linux, iproute2); install them "
-                         "or run without the wan_* regimes")  # fmt: skip
+        raise SystemExit(
+            f"bandwidth-limited regimes need {', '.join(missing)} (util-linux, iproute2); install them "
+            "or run without the wan_* regimes"
+        )
     os.environ[ENV_FLAG] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -75,8 +77,22 @@ def enter_own_namespace() -> None:
 def _shape(netns: Sequence[str], device: str, mbit: float) -> None:
     """Token bucket at `mbit`: a bucket of 10 ms of traffic (at least 64 KiB, so GSO packets pass), queue 50 ms."""
     burst = max(int(mbit * 1e6 / 8 * 0.01), 64 * 1024)
-    _run(*netns, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
-         "latency", "50ms")  # fmt: skip
+    _run(
+        *netns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        device,
+        "root",
+        "tbf",
+        "rate",
+        f"{mbit}mbit",
+        "burst",
+        str(burst),
+        "latency",
+        "50ms",
+    )
 
 
 def wait_for_own_namespace(pid: int, timeout: float) -> None:

@@ -48,10 +48,13 @@ def ours(values: list[float], references: list[float | None], healthy: list[int]
     """The verdict leaves the outliers out; a healthy member left alone keeps its own weights."""
     sketch = WeightSketch([SIZE], seed="robust_aggregation")
     summaries = {
-        i: Summary(np.array(sketch([torch.full((SIZE,), v)])), step=0,
-                   reference=None if r is None else np.array(sketch([torch.full((SIZE,), r)])))
+        i: Summary(
+            np.array(sketch([torch.full((SIZE,), v)])),
+            step=0,
+            reference=None if r is None else np.array(sketch([torch.full((SIZE,), r)])),
+        )
         for i, (v, r) in enumerate(zip(values, references, strict=True))
-    }  # fmt: skip
+    }
     inliers = OutlierRule().judge(summaries).inliers
     member = healthy[0]
     kept = inliers if member in inliers and len(inliers) >= 2 else (member,)

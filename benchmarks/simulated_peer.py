@@ -29,9 +29,16 @@ def run(args: argparse.Namespace) -> int:
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[LOOPBACK], start=True)
     tensors = [torch.nn.Parameter(torch.zeros(shape)) for shape in schema["shapes"]]
     base_prefix = schema["prefix"].rsplit("_", 1)[0]
-    averaging = DecentralizedSGD(torch.optim.SGD(tensors, lr=0.0), dht, prefix=base_prefix, target_group_size=2,
-                                 min_matchmaking_time=2.0, allreduce_timeout=60.0, next_chunk_timeout=10.0,
-                                 compression="fp16")
+    averaging = DecentralizedSGD(
+        torch.optim.SGD(tensors, lr=0.0),
+        dht,
+        prefix=base_prefix,
+        target_group_size=2,
+        min_matchmaking_time=2.0,
+        allreduce_timeout=60.0,
+        next_chunk_timeout=10.0,
+        compression="fp16",
+    )
     assert averaging.prefix == schema["prefix"], (averaging.prefix, schema["prefix"])
     loaded = averaging.averager.load_state_from_peers(timeout=60)
     if loaded is not None:  # the trainer's parameters and float buffers, in the order it averages them

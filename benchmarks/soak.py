@@ -36,47 +36,84 @@ from demo import markdown_table  # noqa: E402
 from vissl_swarm.local_swarm import LocalPeer, start_swarm, stop_all, wait_until  # noqa: E402
 
 # fast rounds on a small machine, as in tests/test_swarm_training.py
-FLAGS = ["--run_id", "soak", "--target_group_size", "3", "--min_matchmaking_time", "2", "--averaging_timeout", "20",
-         "--next_chunk_timeout", "4", "--compression", "none"]
+FLAGS = [
+    "--run_id",
+    "soak",
+    "--target_group_size",
+    "3",
+    "--min_matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "4",
+    "--compression",
+    "none",
+]
 STEPS_PER_EPOCH = 10  # DATA_LIMIT 160 / batch 16
 DEFINITIONS = {
     "soak window": "from the end of the warm-up (every peer applied a round, then --settle s) to the moment the "
-                   "harness starts stopping the peers; round counts only take rounds with t_start and t_applied in it",
+    "harness starts stopping the peers; round counts only take rounds with t_start and t_applied in it",
     "rounds_attempted": "per-peer round records (one per peer per round, all incarnations) whose group formed "
-                        "(t_group_formed or group set), plus those that failed for any reason other than a "
-                        "cancellation or 'could not find a group'",
+    "(t_group_formed or group set), plus those that failed for any reason other than a "
+    "cancellation or 'could not find a group'",
     "rounds_succeeded": "attempted records with applied=true",
     "success_ratio": "rounds_succeeded / rounds_attempted over the whole soak window, faults included",
     "faults_over_at": "the last restart + --grace s, or the restarted peer's first applied round if later; the soak "
-                      "start if there was no fault",
+    "start if there was no fault",
     "success_ratio_after_faults": "the same ratio over rounds with t_start >= faults_over_at",
     "max_seconds_without_applied_round": "longest gap between consecutive applied rounds (t_applied) of one peer "
-                                         "incarnation while it was up, gaps ending in the soak window, including "
-                                         "from its last applied round to its kill / the end; a restarted peer's "
-                                         "own downtime and its time to rejoin are excluded (see rejoin_seconds)",
+    "incarnation while it was up, gaps ending in the soak window, including "
+    "from its last applied round to its kill / the end; a restarted peer's "
+    "own downtime and its time to rejoin are excluded (see rejoin_seconds)",
     "rejoin_seconds": "from a restart to that incarnation's first applied round (null: it never rejoined)",
     "nonfinite_events": "round records whose error says 'not finite' (local snapshot or averaged result) plus "
-                        "progress.jsonl lines whose loss is NaN or inf, whole run, all peers",
+    "progress.jsonl lines whose loss is NaN or inf, whole run, all peers",
     "survivor_crashes": "times a peer process exited while the harness had not killed or stopped it",
     "rss_mb": "VmRSS summed over the trainer and every process of its session (averager, DHT, p2pd children); "
-              "median of 3 samples 1 s apart",
+    "median of 3 samples 1 s apart",
     "rss_growth_ratio": "peer0's rss_mb at the end of the soak / at its start (after the warm-up)",
-}  # fmt: skip
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=15.0, help="length of the soak, after the warm-up")
-    parser.add_argument("--fault_fraction", type=float, default=0.67,
-                        help="faults only during this first part of the soak; the rest is a quiet tail")
-    parser.add_argument("--kill_every", type=float, nargs=2, default=[45.0, 90.0], metavar=("MIN", "MAX"),
-                        help="seconds from a start (or restart) to the next kill, uniform in [MIN, MAX]")
-    parser.add_argument("--down_for", type=float, nargs=2, default=[10.0, 25.0], metavar=("MIN", "MAX"),
-                        help="seconds a killed peer stays down, uniform in [MIN, MAX]")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds after the last restart before "
-                        "success_ratio_after_faults starts counting (the restarted peer rejoins)")
-    parser.add_argument("--settle", type=float, default=30.0,
-                        help="seconds after every peer's first applied round before the soak (and RSS) starts")
+    parser.add_argument(
+        "--fault_fraction",
+        type=float,
+        default=0.67,
+        help="faults only during this first part of the soak; the rest is a quiet tail",
+    )
+    parser.add_argument(
+        "--kill_every",
+        type=float,
+        nargs=2,
+        default=[45.0, 90.0],
+        metavar=("MIN", "MAX"),
+        help="seconds from a start (or restart) to the next kill, uniform in [MIN, MAX]",
+    )
+    parser.add_argument(
+        "--down_for",
+        type=float,
+        nargs=2,
+        default=[10.0, 25.0],
+        metavar=("MIN", "MAX"),
+        help="seconds a killed peer stays down, uniform in [MIN, MAX]",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds after the last restart before "
+        "success_ratio_after_faults starts counting (the restarted peer rejoins)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        help="seconds after every peer's first applied round before the soak (and RSS) starts",
+    )
     parser.add_argument("--seed", type=int, default=0, help="which peer is killed when, and for how long")
     parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (make data)")
     parser.add_argument("--out", type=Path, default=None, help="checkpoints and logs (default: a new temp folder)")
@@ -158,9 +195,13 @@ class Soak:
         self.peers = [LocalPeer(f"peer{index}", self.out) for index in range(3)]
         # plenty of epochs (10 steps/s of headroom) so that no peer finishes its schedule during the run
         epochs = max(300, math.ceil((args.minutes + 5) * 60 * 10 / STEPS_PER_EPOCH))
-        self.overrides = ["config.DATA.TRAIN.DATA_LIMIT=160", f"config.OPTIMIZER.num_epochs={epochs}",
-                          "config.CHECKPOINT.CHECKPOINT_FREQUENCY=5", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=50",
-                          "config.LOG_FREQUENCY=5"]  # fmt: skip
+        self.overrides = [
+            "config.DATA.TRAIN.DATA_LIMIT=160",
+            f"config.OPTIMIZER.num_epochs={epochs}",
+            "config.CHECKPOINT.CHECKPOINT_FREQUENCY=5",
+            "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=50",
+            "config.LOG_FREQUENCY=5",
+        ]
         self.addresses: list[str] = []
         self.incarnations: list[Incarnation] = []
         self.faults: list[dict] = []
@@ -189,14 +230,18 @@ class Soak:
 
     def start(self) -> None:
         """Start the swarm and wait out the warm-up, so that import-time memory and the first rounds are not soaked."""
-        self.addresses = start_swarm(self.peers, self.args.data_path, FLAGS, self.overrides,
-                                     per_peer_overrides=self._seed)
+        self.addresses = start_swarm(
+            self.peers, self.args.data_path, FLAGS, self.overrides, per_peer_overrides=self._seed
+        )
         for peer in self.peers:
             self._started(peer)
         print(f"swarm started in {self.out}; warming up", flush=True)
         for peer in self.peers:
-            wait_until(lambda peer=peer: self._check_exits() or peer.applied_rounds(), 600,
-                       f"the first applied round of {peer.name}")
+            wait_until(
+                lambda peer=peer: self._check_exits() or peer.applied_rounds(),
+                600,
+                f"the first applied round of {peer.name}",
+            )
         self._watch(time.time() + self.args.settle)
         self.soak_start = time.time()
         self.rss_start = tree_rss_mb(self.peers[0].process.pid, samples=3)
@@ -211,14 +256,25 @@ class Soak:
             if inc.end is not None:
                 continue
             lines = peer.log_text().splitlines()
-            inc.ended, inc.end, inc.exit_code, inc.log_tail = time.time(), "crashed", peer.process.returncode, \
-                "\n".join(lines[-60:])
-            self.crashes.append({"peer": peer.name, "t": round(inc.ended - self.t0, 1), "exit_code": inc.exit_code,
-                                 "log_tail": inc.log_tail})
+            inc.ended, inc.end, inc.exit_code, inc.log_tail = (
+                time.time(),
+                "crashed",
+                peer.process.returncode,
+                "\n".join(lines[-60:]),
+            )
+            self.crashes.append(
+                {
+                    "peer": peer.name,
+                    "t": round(inc.ended - self.t0, 1),
+                    "exit_code": inc.exit_code,
+                    "log_tail": inc.log_tail,
+                }
+            )
             print(f"CRASH: {peer.name} exited with code {inc.exit_code}; see {peer.log_path}", flush=True)
             if peer is self.peers[0] or self.soak_start is None:
-                self.aborted = f"{peer.name} crashed" + (" (the bootstrap peer)" if peer is self.peers[0] else
-                                                         " during the warm-up")
+                self.aborted = f"{peer.name} crashed" + (
+                    " (the bootstrap peer)" if peer is self.peers[0] else " during the warm-up"
+                )
             else:
                 self._restart(peer)
         if self.aborted:
@@ -238,9 +294,15 @@ class Soak:
                             self._current(peer).rss_mb.append((round(now - self.t0, 1), rss))
             if now >= self._next_status:
                 self._next_status = now + 30.0
-                print(f"t={now - self.t0:5.0f} s  " + "  ".join(
-                    f"{peer.name}: {'up' if peer.is_running() else 'DOWN'} step {peer.last_step()} "
-                    f"applied {len(peer.applied_rounds())}" for peer in self.peers), flush=True)
+                print(
+                    f"t={now - self.t0:5.0f} s  "
+                    + "  ".join(
+                        f"{peer.name}: {'up' if peer.is_running() else 'DOWN'} step {peer.last_step()} "
+                        f"applied {len(peer.applied_rounds())}"
+                        for peer in self.peers
+                    ),
+                    flush=True,
+                )
             time.sleep(min(2.0, max(until - time.time(), 0.0)))
 
     def soak(self) -> None:
@@ -314,8 +376,9 @@ def report(soak: Soak) -> dict:
     rejoins: list[float | None] = []
     for fault in soak.faults:
         inc = next(i for i in soak.incarnations if i.peer == fault["peer"] and i.started == fault["restarted_at"])
-        applied = [applied_at(r) for r in by_peer[inc.peer].rounds()
-                   if r.get("applied") and r["t_start"] >= inc.started]
+        applied = [
+            applied_at(r) for r in by_peer[inc.peer].rounds() if r.get("applied") and r["t_start"] >= inc.started
+        ]
         fault["rejoin_seconds"] = round(min(applied) - inc.started, 1) if applied else None
         rejoins.append(fault["rejoin_seconds"])
     faults_over = start
@@ -343,17 +406,32 @@ def report(soak: Soak) -> dict:
             times = sorted(applied_at(r) for r in records if r.get("applied") and inc.started <= r["t_start"] < up_to)
             gaps = [b - a for a, b in zip(times, [*times[1:], up_to], strict=True) if b > start]
             max_gap = max([max_gap, *gaps])
-        peers.append({
-            "peer": peer.name, "final_step": peer.last_step(), "rounds_attempted": len(in_window),
-            "rounds_succeeded": peer_ok, "incarnations": [
-                {**{k: v for k, v in asdict(inc).items() if k not in ("peer", "log_tail")},
-                 "started": round(inc.started - t0, 1),
-                 "ended": None if inc.ended is None else round(inc.ended - t0, 1)} for inc in incs],
-        })  # fmt: skip
+        peers.append(
+            {
+                "peer": peer.name,
+                "final_step": peer.last_step(),
+                "rounds_attempted": len(in_window),
+                "rounds_succeeded": peer_ok,
+                "incarnations": [
+                    {
+                        **{k: v for k, v in asdict(inc).items() if k not in ("peer", "log_tail")},
+                        "started": round(inc.started - t0, 1),
+                        "ended": None if inc.ended is None else round(inc.ended - t0, 1),
+                    }
+                    for inc in incs
+                ],
+            }
+        )
 
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(soak.args).items()}
-    config.update(argv=sys.argv[1:], out=str(soak.out), flags=FLAGS, overrides=soak.overrides, cpus=os.cpu_count(),
-                  loadavg_end=os.getloadavg())
+    config.update(
+        argv=sys.argv[1:],
+        out=str(soak.out),
+        flags=FLAGS,
+        overrides=soak.overrides,
+        cpus=os.cpu_count(),
+        loadavg_end=os.getloadavg(),
+    )
     rss_ratio = round(soak.rss_end / soak.rss_start, 4) if soak.rss_start and soak.rss_end else None
     result = {
         "survivor_crashes": len(soak.crashes),
@@ -372,17 +450,26 @@ def report(soak: Soak) -> dict:
         "restarts_rejoined": sum(r is not None for r in rejoins),
         "rejoin_seconds_max": max((r for r in rejoins if r is not None), default=None),
         "aborted": soak.aborted,
-        "timeline_s": {"warmup_done": round(start - t0, 1), "faults_over_at": round(faults_over - t0, 1),
-                       "stopped_at": round(stop - t0, 1)},
-        "fault_timeline": [{"peer": f["peer"], "killed_at": round(f["killed_at"] - t0, 1),
-                            "restarted_at": round(f["restarted_at"] - t0, 1), "rejoin_seconds": f["rejoin_seconds"]}
-                           for f in soak.faults],
+        "timeline_s": {
+            "warmup_done": round(start - t0, 1),
+            "faults_over_at": round(faults_over - t0, 1),
+            "stopped_at": round(stop - t0, 1),
+        },
+        "fault_timeline": [
+            {
+                "peer": f["peer"],
+                "killed_at": round(f["killed_at"] - t0, 1),
+                "restarted_at": round(f["restarted_at"] - t0, 1),
+                "rejoin_seconds": f["rejoin_seconds"],
+            }
+            for f in soak.faults
+        ],
         "failed_round_errors": dict(errors.most_common(10)),
         "crashes": soak.crashes,
         "peers": peers,
         "definitions": DEFINITIONS,
         "config": config,
-    }  # fmt: skip
+    }
     result["targets"] = targets(result)
     return result
 
@@ -412,8 +499,15 @@ def targets(result: dict) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    rows = [{"metric": t["metric"], "value": t["value"], "target": t["target"],
-             "met": {True: "yes", False: "**NO**", None: ""}[t["met"]]} for t in result["targets"]]
+    rows = [
+        {
+            "metric": t["metric"],
+            "value": t["value"],
+            "target": t["target"],
+            "met": {True: "yes", False: "**NO**", None: ""}[t["met"]],
+        }
+        for t in result["targets"]
+    ]
     return markdown_table(rows)
 
 

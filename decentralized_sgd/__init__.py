@@ -36,5 +36,10 @@ from .hivemind_fixes import FixedDHT, keep_ctrl_c
 from .optimizer import DecentralizedSGD
 
 __all__ = [
-    "DecentralizedSGD", "FixedDHT", "keep_ctrl_c", "keep_dht_connected", "make_compression", "schema_fingerprint",
-]  # fmt: skip
+    "DecentralizedSGD",
+    "FixedDHT",
+    "keep_ctrl_c",
+    "keep_dht_connected",
+    "make_compression",
+    "schema_fingerprint",
+]

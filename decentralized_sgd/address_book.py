@@ -46,8 +46,12 @@ class AddressBook:
         peer ids (our own)."""
         excluded = {str(peer_id) for peer_id in exclude}
         peers = sorted(self._peers.items(), key=lambda item: -item[1]["seen"])
-        return [f"{address}/p2p/{peer_id}" for peer_id, entry in peers if peer_id not in excluded
-                for address in entry["addrs"]]
+        return [
+            f"{address}/p2p/{peer_id}"
+            for peer_id, entry in peers
+            if peer_id not in excluded
+            for address in entry["addrs"]
+        ]
 
     def remember(self, peers: dict[str, list[str]], now: float | None = None) -> bool:
         """Record these peers (peer id -> multiaddrs without /p2p) as seen now; True when the file changed."""
@@ -71,11 +75,15 @@ class AddressBook:
             return {}
         try:
             peers = json.loads(self.path.read_text())["peers"]
-            return {str(peer_id): {"addrs": [str(a) for a in entry["addrs"]], "seen": float(entry["seen"])}
-                    for peer_id, entry in peers.items()}
+            return {
+                str(peer_id): {"addrs": [str(a) for a in entry["addrs"]], "seen": float(entry["seen"])}
+                for peer_id, entry in peers.items()
+            }
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            logger.warning(f"ignoring the address book {self.path}, which cannot be read ({error!r}); "
-                           "this box will find the swarm through --initial_peers only")
+            logger.warning(
+                f"ignoring the address book {self.path}, which cannot be read ({error!r}); "
+                "this box will find the swarm through --initial_peers only"
+            )
             return {}
 
     def _write(self) -> None:
@@ -90,5 +98,8 @@ async def dht_neighbours(_dht: hivemind.DHT, node: DHTNode) -> dict[str, list[st
     """Runs in the DHT process: the peers in our routing table and the addresses libp2p knows for them (their
     announced listen addresses), as {peer id: [multiaddr without /p2p]}."""
     in_table = {str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid}
-    return {str(info.peer_id): [str(address) for address in info.addrs]
-            for info in await node.p2p.list_peers() if str(info.peer_id) in in_table}
+    return {
+        str(info.peer_id): [str(address) for address in info.addrs]
+        for info in await node.p2p.list_peers()
+        if str(info.peer_id) in in_table
+    }

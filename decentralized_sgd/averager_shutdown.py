@@ -77,8 +77,12 @@ async def leave_matchmaking(averager: Any, timeout: float) -> bool:
     return True
 
 
-async def shut_down_averager(averager: Any, timeout: float | None, steps: Collection[StepControl] = (),
-                             dht_requests: Collection[asyncio.Task] = ()) -> None:
+async def shut_down_averager(
+    averager: Any,
+    timeout: float | None,
+    steps: Collection[StepControl] = (),
+    dht_requests: Collection[asyncio.Task] = (),
+) -> None:
     """The body of ``DecentralizedAverager._shutdown``, without the problems 2 and 3 above. ``timeout`` is the
     averager's ``shutdown_timeout``, after which its owner terminates the process: this takes at most 80% of it
     (leaving matchmaking waits for one DHT request, which can take seconds on a busy machine).

@@ -65,8 +65,13 @@ class DHTRejoiner(threading.Thread):
     """Checks one DHT every ``period`` s until stopped or the DHT is shut down; counts successful rejoins. ``alone``
     (read by any thread) is True while the last check found nobody in our routing table and nobody answered."""
 
-    def __init__(self, dht: hivemind.DHT, period: float = CHECK_PERIOD_S,
-                 addresses: Callable[[], Sequence[str]] | None = None, book: AddressBook | None = None):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        period: float = CHECK_PERIOD_S,
+        addresses: Callable[[], Sequence[str]] | None = None,
+        book: AddressBook | None = None,
+    ):
         super().__init__(name="dht-rejoiner", daemon=True)
         self.dht, self.period, self.rejoins = dht, period, 0
         self.addresses = addresses or (lambda: [str(address) for address in dht.initial_peers or []])
@@ -86,8 +91,9 @@ class DHTRejoiner(threading.Thread):
                 self.rejoins += 1
                 logger.warning(f"Our DHT had lost every peer; rejoined through {answered} known peer(s)")
             elif answered == 0 and not self.alone:
-                logger.warning(f"Our DHT has lost every peer; dialing the initial and known peers every "
-                               f"{self.period:.0f}s")
+                logger.warning(
+                    f"Our DHT has lost every peer; dialing the initial and known peers every {self.period:.0f}s"
+                )
             self.alone = answered == 0
 
     def check(self, note_peers: bool = True) -> int | None:
@@ -106,9 +112,12 @@ class DHTRejoiner(threading.Thread):
         self._stopping.set()
 
 
-def keep_dht_connected(dht: hivemind.DHT, period: float = CHECK_PERIOD_S,
-                       addresses: Callable[[], Sequence[str]] | None = None,
-                       book: AddressBook | None = None) -> DHTRejoiner:
+def keep_dht_connected(
+    dht: hivemind.DHT,
+    period: float = CHECK_PERIOD_S,
+    addresses: Callable[[], Sequence[str]] | None = None,
+    book: AddressBook | None = None,
+) -> DHTRejoiner:
     """Start (once per DHT) the thread that re-bootstraps `dht` after it lost every peer, dialing ``addresses()``
     (default: its initial peers), and keeps ``book`` up to date; returns it."""
     with _registry_lock:

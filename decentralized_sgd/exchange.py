@@ -50,9 +50,17 @@ class RoundExchange:
     """Moves one peer's tensors in and out of its rounds. ``before_allreduce``: the caller's hook, run under
     ``dsgd.lock`` right before a fill reads the tensors (hivemind has no such hook)."""
 
-    def __init__(self, settings: RoundSettings, trainer: TrainerState, tensors: AveragedTensors, book: RoundBook,
-                 supervisor: AveragerSupervisor, vetting: RoundVetting, counters: dict[str, float],
-                 before_allreduce: Callable[[], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        settings: RoundSettings,
+        trainer: TrainerState,
+        tensors: AveragedTensors,
+        book: RoundBook,
+        supervisor: AveragerSupervisor,
+        vetting: RoundVetting,
+        counters: dict[str, float],
+        before_allreduce: Callable[[], None] | None = None,
+    ):
         self.settings, self.trainer, self.tensors, self.book = settings, trainer, tensors, book
         self.supervisor, self.vetting, self.counters = supervisor, vetting, counters
         self.before_allreduce = before_allreduce
@@ -107,8 +115,9 @@ class RoundExchange:
         finally:
             self.trainer.lock.release()
 
-    def _read_snapshot(self, slot: list[torch.Tensor], r: Round, pending: list[list[torch.Tensor]]
-                       ) -> tuple[list[list[torch.Tensor]], int]:  # fmt: skip
+    def _read_snapshot(
+        self, slot: list[torch.Tensor], r: Round, pending: list[list[torch.Tensor]]
+    ) -> tuple[list[list[torch.Tensor]], int]:
         """Holding dsgd.lock: the trainer's values into the round's slot. The round averages the params as they will
         be once the ``pending`` updates (of DONE rounds) are applied. Returns the updates still to add to the slot
         (that needs no lock) and how many pending updates the snapshot includes."""

@@ -46,8 +46,9 @@ def member_test(secret: SwarmSecret | None) -> Callable[[PeerID, object], bool] 
     return lambda peer, token: secret.is_member(peer.to_bytes(), token)
 
 
-def group_verdict(gathered: Mapping[PeerID, Any], summary_size: int, rule: OutlierRule,
-                  secret: SwarmSecret | None) -> tuple[dict, Verdict[PeerID]]:  # fmt: skip
+def group_verdict(
+    gathered: Mapping[PeerID, Any], summary_size: int, rule: OutlierRule, secret: SwarmSecret | None
+) -> tuple[dict, Verdict[PeerID]]:
     """The verdict on one group from its gathered payloads: the same in every member and in both processes."""
     return judge_group(gathered, summary_size, rule, member_test(secret))
 
@@ -77,8 +78,16 @@ class GroupGuard(hivemind.DecentralizedAverager):
     _rpc_handlers = None  # hivemind caches handlers per class: collect ours
     _stub_type = None
 
-    def __init__(self, *args, summary_size: int = 0, secret: SwarmSecret | None = None, rule: OutlierRule | None = None,
-                 refusals: JoinRefusals | None = None, ban_s: float = BAN_S, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        *args,
+        summary_size: int = 0,
+        secret: SwarmSecret | None = None,
+        rule: OutlierRule | None = None,
+        refusals: JoinRefusals | None = None,
+        ban_s: float = BAN_S,
+        **kwargs,
+    ):
         """Defaults (no summaries, no secret): an averager on its own, as hivemind's, whose groups nobody vets."""
         self.summary_size, self.secret, self.ban_s = summary_size, secret, ban_s
         self.rule = rule if rule is not None else OutlierRule()
@@ -91,8 +100,11 @@ class GroupGuard(hivemind.DecentralizedAverager):
         return group_verdict(gathered, self.summary_size, self.rule, self.secret)[1]
 
     # --- averager process ---
-    def _join_refusal(self, request: averaging_pb2.JoinRequest, sender: PeerID,
-                      ) -> averaging_pb2.MessageFromLeader | None:  # fmt: skip
+    def _join_refusal(
+        self,
+        request: averaging_pb2.JoinRequest,
+        sender: PeerID,
+    ) -> averaging_pb2.MessageFromLeader | None:
         until = self._banned_until.get(sender)
         if until is not None and until > get_dht_time():
             JoinRefusals.count(self.refusals.banned)
@@ -110,8 +122,10 @@ class GroupGuard(hivemind.DecentralizedAverager):
         JoinRefusals.count(self.refusals.token)
         if sender not in self._logged_outsiders:  # once per peer: it asks again every round
             self._logged_outsiders.add(sender)
-            logger.warning(f"Refused a join request from {sender}: no valid swarm token (it knows this swarm's "
-                           "averaging key but not its secret)")
+            logger.warning(
+                f"Refused a join request from {sender}: no valid swarm token (it knows this swarm's "
+                "averaging key but not its secret)"
+            )
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
 
     async def rpc_join_group(
@@ -148,7 +162,10 @@ class GroupGuard(hivemind.DecentralizedAverager):
             self._running_groups[group_info.group_id].cancel()  # registered by hivemind, ends without an AllReduce
             return gathered
         if len(kept) < len(group_info.peer_ids):
-            group_info = GroupInfo(group_info.group_id, tuple(group_info.peer_ids[i] for i in kept),
-                                   tuple(group_info.gathered[i] for i in kept))  # fmt: skip
+            group_info = GroupInfo(
+                group_info.group_id,
+                tuple(group_info.peer_ids[i] for i in kept),
+                tuple(group_info.gathered[i] for i in kept),
+            )
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return gathered

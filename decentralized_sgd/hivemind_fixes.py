@@ -134,8 +134,13 @@ class _NoGroupIsNoError(logging.Filter):
 
 # what a departure raises in hivemind: a groupmate that left mid-round, or our own p2p daemon gone (Ctrl-C reaches
 # the whole process group and ends the daemon first: its control socket is missing, FileNotFoundError)
-_DEPARTURE_ERRORS = (AllreduceException, ConnectionError, FileNotFoundError, asyncio.IncompleteReadError,
-                     P2PDaemonError)  # fmt: skip
+_DEPARTURE_ERRORS = (
+    AllreduceException,
+    ConnectionError,
+    FileNotFoundError,
+    asyncio.IncompleteReadError,
+    P2PDaemonError,
+)
 
 
 class _DepartureIsOneLine(logging.Filter):
@@ -156,8 +161,9 @@ class _DepartureIsOneLine(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         abandoned = (record.name, record.funcName) == ("hivemind.utils.asyncio", "await_cancelled")
         slow_donor = isinstance(error, TimeoutError) and record.funcName == "_load_state_from_peers"
-        if record.name.startswith("hivemind") and (isinstance(error, _DEPARTURE_ERRORS) or slow_donor
-                                                   or abandoned and error):
+        if record.name.startswith("hivemind") and (
+            isinstance(error, _DEPARTURE_ERRORS) or slow_donor or abandoned and error
+        ):
             message = record.getMessage().rstrip(":")
             record.msg = message if message == str(error) or repr(error) in message else f"{message}: {error!r}"
             record.args, record.exc_info, record.exc_text = (), None, None
@@ -317,8 +323,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     _stub_type = None
     background_dht_requests: Collection[asyncio.Task] = ()  # sent without waiting (a mixin's): shutdown waits
 
-    def __init__(self, *args, trigger_grace: float, handler_address: multiprocessing.sharedctypes.SynchronizedArray,
-                 **kwargs):  # fmt: skip
+    def __init__(
+        self, *args, trigger_grace: float, handler_address: multiprocessing.sharedctypes.SynchronizedArray, **kwargs
+    ):
         self.trigger_grace = trigger_grace
         self._handler_address = handler_address  # shared by every averager this peer starts, see add_p2p_handlers
         self._live_steps: set[asyncio.Task] = set()
@@ -337,8 +344,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         with fixed_8bit_decoding(), fixed_part_reducer():
             super().run()
 
-    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None,
-                               balanced: bool = False) -> None:  # fmt: skip
+    async def add_p2p_handlers(
+        self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None, balanced: bool = False
+    ) -> None:
         """Averager process. hivemind cannot restart an averager on a running DHT: the p2p daemon keeps the
         handlers a killed averager registered and refuses new ones ("handler ... already set"). So each averager
         records the address it registers from, and its successor first removes what was registered from there.
@@ -420,8 +428,13 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         matchmaking stuck for good (a join request to its dead handlers never ends).
         Upstream: none found; still so on hivemind's master (4bd43b7)."""
         data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
-        step = StepControl(scheduled_time=scheduled_time, deadline=deadline, allow_retries=False, weight=1.0,
-                           data_for_gather=data_for_gather)  # fmt: skip
+        step = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=deadline,
+            allow_retries=False,
+            weight=1.0,
+            data_for_gather=data_for_gather,
+        )
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
         try:

@@ -127,8 +127,9 @@ class BackgroundDeclarations:
         self._senders: dict[Any, asyncio.Task] = {}  # group key -> the task sending its withdrawals, one at a time
         self.store_s = 0.0  # how long a declaration takes to store (moving average)
 
-    async def declare_averager(self, group_key: Any, peer_id: PeerID, expiration_time: float,
-                               looking_for_group: bool = True) -> bool:  # fmt: skip
+    async def declare_averager(
+        self, group_key: Any, peer_id: PeerID, expiration_time: float, looking_for_group: bool = True
+    ) -> bool:
         if looking_for_group:
             started = time.monotonic()
             try:
@@ -165,8 +166,14 @@ class RelativeLateness:
     median moves with them and nobody is an outlier; noise can still push a few above it, which is why the callers
     also cap how many they exclude at once (``cap``)."""
 
-    def __init__(self, window: int = 16, min_answers: int = 8, min_share: float = 0.6, margin: float = 0.35,
-                 memory_s: float = 60.0):  # fmt: skip
+    def __init__(
+        self,
+        window: int = 16,
+        min_answers: int = 8,
+        min_share: float = 0.6,
+        margin: float = 0.35,
+        memory_s: float = 60.0,
+    ):
         self.window, self.min_answers, self.min_share, self.margin = window, min_answers, min_share, margin
         self.memory_s = memory_s
         self.late: dict[PeerID, deque[bool]] = {}
@@ -212,8 +219,15 @@ class LeaderAvoidance:
     Upstream: none found (hivemind#676, open, asks for straggler-aware deadlines); still so on hivemind's master
     (4bd43b7)."""
 
-    def __init__(self, request_timeout: float, counts: SharedCounts | None = None, base_s: float = 5.0,
-                 max_s: float = 30.0, max_share: float = 0.25, lateness: RelativeLateness | None = None):  # fmt: skip
+    def __init__(
+        self,
+        request_timeout: float,
+        counts: SharedCounts | None = None,
+        base_s: float = 5.0,
+        max_s: float = 30.0,
+        max_share: float = 0.25,
+        lateness: RelativeLateness | None = None,
+    ):
         self.request_timeout, self.base_s, self.max_s, self.max_share = request_timeout, base_s, max_s, max_share
         self.counts = counts if counts is not None else SharedCounts()
         # join requests are fewer than DHT answers: a shorter memory, and two time-outs in a row may decide
@@ -275,8 +289,14 @@ class SlowReplyBlacklist:
     groupmate, we just do not wait for its answers.
     Upstream: none found (closest: hivemind#676, #624); still so on hivemind's master (4bd43b7)."""
 
-    def __init__(self, counts: SharedCounts | None = None, factor: float = 4.0, min_s: float = 0.1,
-                 max_share: float = 0.2, lateness: RelativeLateness | None = None):  # fmt: skip
+    def __init__(
+        self,
+        counts: SharedCounts | None = None,
+        factor: float = 4.0,
+        min_s: float = 0.1,
+        max_share: float = 0.2,
+        lateness: RelativeLateness | None = None,
+    ):
         self.counts = counts if counts is not None else SharedCounts()
         self.factor, self.min_s, self.max_share = factor, min_s, max_share
         self.lateness = lateness or RelativeLateness()
@@ -333,8 +353,10 @@ def install_slow_reply_blacklist(dht: hivemind.DHT, counts: SharedCounts, timeou
         dht.run_coroutine(SlowReplyBlacklist(counts).install, return_future=True).result(timeout)
         return True
     except Exception as e:
-        logger.warning(f"DecentralizedSGD: could not install the slow-reply DHT blacklist ({e!r}); DHT lookups will "
-                       "wait for a DHT node that answers late")  # fmt: skip
+        logger.warning(
+            f"DecentralizedSGD: could not install the slow-reply DHT blacklist ({e!r}); DHT lookups will "
+            "wait for a DHT node that answers late"
+        )
         return False
 
 
@@ -346,8 +368,9 @@ class SlowPeerFixes:
     _matchmaking: Any
     request_timeout: float
 
-    def __init__(self, *args: Any, slow_peer_fixes: bool = True, slow_peer_counts: SharedCounts | None = None,
-                 **kwargs: Any):  # fmt: skip
+    def __init__(
+        self, *args: Any, slow_peer_fixes: bool = True, slow_peer_counts: SharedCounts | None = None, **kwargs: Any
+    ):
         self.slow_peer_fixes = slow_peer_fixes
         self.slow_peer_counts = slow_peer_counts if slow_peer_counts is not None else SharedCounts()
         self._declarations: BackgroundDeclarations | None = None

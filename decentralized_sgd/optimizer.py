@@ -49,11 +49,27 @@ SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own 
 AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
 SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see HivemindFixes.shutdown
 COUNTERS = (
-    "rounds_applied", "rounds_failed", "rounds_no_group", "rounds_discarded_nonfinite",
-    "rounds_skipped_local_nonfinite", "rounds_cancelled", "ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s",
-    "dht_rejoins", "averager_failures", "averager_restarts", *STARVATION_COUNTS, *SLOW_PEER_COUNTS,
-    "fills", "fill_s", "fill_locked_s", "applies", "apply_s",  # the data path's cost: see _count_apply, scheduler
-) + vetting.COUNTERS  # fmt: skip
+    "rounds_applied",
+    "rounds_failed",
+    "rounds_no_group",
+    "rounds_discarded_nonfinite",
+    "rounds_skipped_local_nonfinite",
+    "rounds_cancelled",
+    "ssp_waits",
+    "ssp_timeouts",
+    "ssp_wait_s",
+    "trainer_s",
+    "dht_rejoins",
+    "averager_failures",
+    "averager_restarts",
+    *STARVATION_COUNTS,
+    *SLOW_PEER_COUNTS,
+    "fills",
+    "fill_s",
+    "fill_locked_s",
+    "applies",
+    "apply_s",  # the data path's cost: see _count_apply, scheduler
+) + vetting.COUNTERS
 
 
 class TorchOptimizerFacade:
@@ -145,11 +161,17 @@ class DecentralizedSGD(TorchOptimizerFacade):
         assert "." not in prefix, "prefix may not contain '.'"
         self.optimizer, self.dht, self.model = optimizer, dht, model
         self.settings = RoundSettings(
-            min_matchmaking_time=min_matchmaking_time, next_chunk_timeout=next_chunk_timeout,
-            allreduce_timeout=allreduce_timeout, averager_timeout=averager_timeout,
-            boundary_wait_share=boundary_wait_share, weight_by_samples=weight_by_samples, delta_rule=delta_rule,
-            refresh_before_allreduce=refresh_before_allreduce, pipeline=pipeline, fill_when_formed=fill_when_formed,
-        )  # fmt: skip
+            min_matchmaking_time=min_matchmaking_time,
+            next_chunk_timeout=next_chunk_timeout,
+            allreduce_timeout=allreduce_timeout,
+            averager_timeout=averager_timeout,
+            boundary_wait_share=boundary_wait_share,
+            weight_by_samples=weight_by_samples,
+            delta_rule=delta_rule,
+            refresh_before_allreduce=refresh_before_allreduce,
+            pipeline=pipeline,
+            fill_when_formed=fill_when_formed,
+        )
         self.max_staleness, self.staleness_timeout = max_staleness, staleness_timeout
         self.slow_peer_fixes = slow_peer_fixes  # False: hivemind's behaviour with a slow groupmate (an ablation)
         self.trainer = TrainerState()
@@ -162,8 +184,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self._closed = False
 
         # what is averaged, and the host copies of it (one flat buffer per device, pinned for a GPU: see staging)
-        self.averaged_tensors = AveragedTensors(optimizer, model, average_buffers=average_buffers,
-                                                average_optimizer_state=average_optimizer_state)  # fmt: skip
+        self.averaged_tensors = AveragedTensors(
+            optimizer, model, average_buffers=average_buffers, average_optimizer_state=average_optimizer_state
+        )
         run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
         self.prefix = keyed_prefix(run, swarm_secret)  # with a secret, its keyed hash: see secret
         if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
@@ -172,39 +195,85 @@ class DecentralizedSGD(TorchOptimizerFacade):
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
         self.round_book = RoundBook(self.counters, slots, records_path, verbose, self.peer)
         self.records: list[dict] = self.round_book.records
-        self.state_transfer = StateTransfer(optimizer, model, self.averaged_tensors, self.trainer,
-                                            StagingCache(self.boundary_marks), self.boundary_marks, self.round_book,
-                                            get_extra_state)  # fmt: skip
+        self.state_transfer = StateTransfer(
+            optimizer,
+            model,
+            self.averaged_tensors,
+            self.trainer,
+            StagingCache(self.boundary_marks),
+            self.boundary_marks,
+            self.round_book,
+            get_extra_state,
+        )
 
         # the averager process, and the parts that drive it
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
         checks = GroupChecks.for_tensors(self.averaged_tensors, seed=self.prefix)
         averager_kwargs = dict(
-            prefix=self.prefix, target_group_size=target_group_size, min_group_size=min_group_size,
-            min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
-            allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout,
-            compression=make_compression(compression), client_mode=client_mode, state_fn=self.state_transfer.serve,
-            trigger_grace=next_chunk_timeout, handler_address=handler_address_slot(),
-            shutdown_timeout=AVERAGER_SHUTDOWN_S, slow_peer_fixes=slow_peer_fixes,
-            slow_peer_counts=self.slow_peer_counts, summary_size=checks.sketch.size, secret=swarm_secret,
-            rule=checks.rule, refusals=checks.refusals,
-        )  # fmt: skip
+            prefix=self.prefix,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=request_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            compression=make_compression(compression),
+            client_mode=client_mode,
+            state_fn=self.state_transfer.serve,
+            trigger_grace=next_chunk_timeout,
+            handler_address=handler_address_slot(),
+            shutdown_timeout=AVERAGER_SHUTDOWN_S,
+            slow_peer_fixes=slow_peer_fixes,
+            slow_peer_counts=self.slow_peer_counts,
+            summary_size=checks.sketch.size,
+            secret=swarm_secret,
+            rule=checks.rule,
+            refusals=checks.refusals,
+        )
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
         )
-        self.vetting = RoundVetting(checks, self.trainer, self.averaged_tensors, self.round_book, self._supervisor,
-                                    self.state_transfer, self.counters, dht.peer_id, swarm_secret,
-                                    MembershipCheck(dht, run, swarm_secret, patience=no_group_patience),
-                                    heal_timeout=allreduce_timeout)  # fmt: skip
-        self.exchange = RoundExchange(self.settings, self.trainer, self.averaged_tensors, self.round_book,
-                                      self._supervisor, self.vetting, self.counters, before_allreduce)  # fmt: skip
+        self.vetting = RoundVetting(
+            checks,
+            self.trainer,
+            self.averaged_tensors,
+            self.round_book,
+            self._supervisor,
+            self.state_transfer,
+            self.counters,
+            dht.peer_id,
+            swarm_secret,
+            MembershipCheck(dht, run, swarm_secret, patience=no_group_patience),
+            heal_timeout=allreduce_timeout,
+        )
+        self.exchange = RoundExchange(
+            self.settings,
+            self.trainer,
+            self.averaged_tensors,
+            self.round_book,
+            self._supervisor,
+            self.vetting,
+            self.counters,
+            before_allreduce,
+        )
         # the starvation monitor samples from start() on; the scheduler asks it before it starts a round
         self.starvation = StarvationMonitor(start=False) if slow_peer_fixes else None
-        counts = [lambda: {"dht_rejoins": rejoin_count(dht)}, self.slow_peer_counts.as_dict,
-                  *([self.starvation.counts] if self.starvation is not None else [])]  # fmt: skip
-        self._scheduler = RoundScheduler(self.settings, self.trainer, self.round_book, self._supervisor,
-                                         self.exchange, self.vetting, self.counters, starvation=self.starvation,
-                                         counts=counts)  # fmt: skip
+        counts = [
+            lambda: {"dht_rejoins": rejoin_count(dht)},
+            self.slow_peer_counts.as_dict,
+            *([self.starvation.counts] if self.starvation is not None else []),
+        ]
+        self._scheduler = RoundScheduler(
+            self.settings,
+            self.trainer,
+            self.round_book,
+            self._supervisor,
+            self.exchange,
+            self.vetting,
+            self.counters,
+            starvation=self.starvation,
+            counts=counts,
+        )
         if start:
             self.start()
 
@@ -337,8 +406,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
         or ``accept(extra_state)`` said no (e.g. the donor is not ahead of our checkpoint): then nothing changes.
         The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
         """
-        return self.state_transfer.load(self.averager, self.settings.allreduce_timeout if timeout is None else timeout,
-                                        accept)  # fmt: skip
+        return self.state_transfer.load(
+            self.averager, self.settings.allreduce_timeout if timeout is None else timeout, accept
+        )
 
     # --- lifecycle ---
     def shutdown(self) -> None:

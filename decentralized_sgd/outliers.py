@@ -114,8 +114,13 @@ class Summary:
         """msgpack-friendly (hivemind's serializer accepts only exact Python types)."""
         reference = None if self.reference is None else [float(x) for x in self.reference]
         reference_step = None if self.reference_step is None else int(self.reference_step)
-        return {"v": SUMMARY_VERSION, "point": [float(x) for x in self.point], "step": int(self.step),
-                "ref": reference, "ref_step": reference_step}  # fmt: skip
+        return {
+            "v": SUMMARY_VERSION,
+            "point": [float(x) for x in self.point],
+            "step": int(self.step),
+            "ref": reference,
+            "ref_step": reference_step,
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, size: int) -> Summary | None:
@@ -157,15 +162,19 @@ class Verdict(Generic[K]):
         center = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
         why = self.outliers.get(member, "not refused")
         rates = ", ".join(f"{rate:.4g}" for rate in self.rates.values()) or "none"
-        return (f"{why}; the group's median |w| {center}, median distance {self.median_distance:.4g}, movements per "
-                f"step {rates}")  # fmt: skip
+        return (
+            f"{why}; the group's median |w| {center}, median distance {self.median_distance:.4g}, movements per "
+            f"step {rates}"
+        )
 
     def describe(self) -> str:
         """One line with the numbers, for the log."""
         center_norm = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
         refused = "; ".join(f"{member}: {why}" for member, why in self.outliers.items()) or "none"
-        return (f"refused {len(self.outliers)} of {len(self.members)} ({refused}); distance threshold "
-                f"{self.threshold:.4g}, median distance {self.median_distance:.4g}, median |w| {center_norm}")
+        return (
+            f"refused {len(self.outliers)} of {len(self.members)} ({refused}); distance threshold "
+            f"{self.threshold:.4g}, median distance {self.median_distance:.4g}, median |w| {center_norm}"
+        )
 
 
 @dataclass(frozen=True)
@@ -211,8 +220,9 @@ class OutlierRule:
 
     def __post_init__(self) -> None:
         if not (self.multiple >= 2 and self.blowup_floor >= 0 and self.rate_floor >= 0 and self.abs_floor > 0):
-            raise ValueError("OutlierRule needs multiple >= 2, blowup_floor >= 0, rate_floor >= 0 and abs_floor > 0, "
-                             f"got {self}")
+            raise ValueError(
+                f"OutlierRule needs multiple >= 2, blowup_floor >= 0, rate_floor >= 0 and abs_floor > 0, got {self}"
+            )
 
     def judge(self, summaries: Mapping[K, Summary | None]) -> Verdict[K]:
         members = tuple(summaries)
@@ -231,29 +241,42 @@ class OutlierRule:
         center = np.median(stacked, axis=0)
         all_distances = np.linalg.norm(stacked - center, axis=1)
         median_distance = float(np.median(all_distances))
-        threshold = max(self.multiple * median_distance, self.blowup_floor * float(np.linalg.norm(center)),
-                        self.abs_floor)  # fmt: skip
+        threshold = max(
+            self.multiple * median_distance, self.blowup_floor * float(np.linalg.norm(center)), self.abs_floor
+        )
         distances = {member: float(d) for member, d in zip(valid, all_distances, strict=False)}
         for member, distance in distances.items():
             if distance > threshold:
                 summary = valid[member]
-                outliers[member] = (f"distance {distance:.4g} to the group's median > {threshold:.4g}; "
-                                    f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
-        rates = {member: rate for member, s in valid.items()
-                 if member not in outliers and (rate := s.rate()) is not None}  # fmt: skip
+                outliers[member] = (
+                    f"distance {distance:.4g} to the group's median > {threshold:.4g}; "
+                    f"|w| {summary.norm:.4g}, step {summary.step}"
+                )
+        rates = {
+            member: rate for member, s in valid.items() if member not in outliers and (rate := s.rate()) is not None
+        }
         for member, rate in rates.items():
             others = [other_rate for other, other_rate in rates.items() if other != member]
-            limit = max(self.multiple * float(np.median(others)) if others else 0.0,
-                        self.rate_floor * float(np.linalg.norm(valid[member].reference)), self.abs_floor)  # fmt: skip
+            limit = max(
+                self.multiple * float(np.median(others)) if others else 0.0,
+                self.rate_floor * float(np.linalg.norm(valid[member].reference)),
+                self.abs_floor,
+            )
             if rate > limit:
                 summary = valid[member]
-                outliers[member] = (f"moved {rate:.4g} per step since step {summary.reference_step} > {limit:.4g}; "
-                                    f"|w| {summary.norm:.4g}, step {summary.step}")  # fmt: skip
+                outliers[member] = (
+                    f"moved {rate:.4g} per step since step {summary.reference_step} > {limit:.4g}; "
+                    f"|w| {summary.norm:.4g}, step {summary.step}"
+                )
         return Verdict(members, outliers, distances, rates, threshold, median_distance, center)
 
 
-def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None = None,
-                is_member: Callable[[K, Any], bool] | None = None) -> tuple[dict[K, Summary | None], Verdict[K]]:
+def judge_group(
+    payloads: Mapping[K, Any],
+    size: int,
+    rule: OutlierRule | None = None,
+    is_member: Callable[[K, Any], bool] | None = None,
+) -> tuple[dict[K, Summary | None], Verdict[K]]:
     """The verdict of one group from its gathered payloads ``{"summary": Summary.to_wire(), "token": ...}``, the same
     at every member (hivemind gives all of them the same gathered data). With ``is_member`` (the swarm secret), a
     member whose token does not match is refused and its summary ignored. Returns the parsed summaries too."""
@@ -267,10 +290,20 @@ def judge_group(payloads: Mapping[K, Any], size: int, rule: OutlierRule | None =
             continue
         summaries[member] = Summary.from_wire(payload.get("summary") if isinstance(payload, dict) else None, size)
     verdict = rule.judge(summaries)
-    outliers = {member: refused.get(member) or verdict.outliers[member] for member in payloads
-                if member in refused or member in verdict.outliers}  # fmt: skip
-    return summaries, Verdict(tuple(payloads), outliers, verdict.distances, verdict.rates, verdict.threshold,
-                              verdict.median_distance, verdict.center)  # fmt: skip
+    outliers = {
+        member: refused.get(member) or verdict.outliers[member]
+        for member in payloads
+        if member in refused or member in verdict.outliers
+    }
+    return summaries, Verdict(
+        tuple(payloads),
+        outliers,
+        verdict.distances,
+        verdict.rates,
+        verdict.threshold,
+        verdict.median_distance,
+        verdict.center,
+    )
 
 
 def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:
@@ -313,8 +346,10 @@ class UpdateCheck:
         recent = f"{np.median(self._recent):.4g}" if self._recent else "none"
         expected_text = "n/a" if expected is None else f"{expected:.4g}"
         ok = math.isfinite(update_norm) and update_norm <= limit
-        return ok, (f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g} "
-                    f"(expected {expected_text}, median of recent updates {recent}, |snapshot| {snapshot_norm:.4g})")
+        return ok, (
+            f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g} "
+            f"(expected {expected_text}, median of recent updates {recent}, |snapshot| {snapshot_norm:.4g})"
+        )
 
     def applied(self, update_norm: float) -> None:
         self._recent.append(float(update_norm))

@@ -200,26 +200,44 @@ class Round:
 
         resolved = step_at_apply is not None
         return dict(
-            round=self.index, state=self.state.name, group_size=None if self.group is None else len(self.group),
-            group=self.group, applied=self.state is S.APPLIED, error=self.error, weight=self.weight,
+            round=self.index,
+            state=self.state.name,
+            group_size=None if self.group is None else len(self.group),
+            group=self.group,
+            applied=self.state is S.APPLIED,
+            error=self.error,
+            weight=self.weight,
             matchmaking_s=span(self.t_start, self.t_group_formed),
             awaiting_trigger_s=span(self.t_group_formed, self.t_triggered),
-            allreduce_s=self.allreduce_s, t_start=self.t_start,
-            t_group_formed=self.t_group_formed, t_triggered=self.t_triggered, t_allreduce_start=self.t_allreduce_start,
-            t_end=self.t_end, t_snapshot=self.t_snapshot, t_update_ready=self.t_update_ready,
-            t_applied=time.time() if resolved else None, step_at_start=self.step_at_start,
-            step_at_group_formed=self.step_at_group_formed, step_at_snapshot=self.step_at_snapshot,
-            step_at_apply=step_at_apply, results_included=self.results_included,
-            staleness_steps=None if self.step_at_snapshot is None or not resolved
+            allreduce_s=self.allreduce_s,
+            t_start=self.t_start,
+            t_group_formed=self.t_group_formed,
+            t_triggered=self.t_triggered,
+            t_allreduce_start=self.t_allreduce_start,
+            t_end=self.t_end,
+            t_snapshot=self.t_snapshot,
+            t_update_ready=self.t_update_ready,
+            t_applied=time.time() if resolved else None,
+            step_at_start=self.step_at_start,
+            step_at_group_formed=self.step_at_group_formed,
+            step_at_snapshot=self.step_at_snapshot,
+            step_at_apply=step_at_apply,
+            results_included=self.results_included,
+            staleness_steps=None
+            if self.step_at_snapshot is None or not resolved
             else step_at_apply - self.step_at_snapshot,
-            formed_during_prev_allreduce=self.formed_during_prev_allreduce, peer=peer, **self.extra,
-        )  # fmt: skip
+            formed_during_prev_allreduce=self.formed_during_prev_allreduce,
+            peer=peer,
+            **self.extra,
+        )
 
 
 # what a resolved round adds to DecentralizedSGD.counters
 _COUNTED = {S.APPLIED: "rounds_applied", S.CANCELLED: "rounds_cancelled"}
-_DISCARD_COUNTERS = {"local snapshot not finite": "rounds_skipped_local_nonfinite",
-                     "averaged result not finite": "rounds_discarded_nonfinite"}  # fmt: skip
+_DISCARD_COUNTERS = {
+    "local snapshot not finite": "rounds_skipped_local_nonfinite",
+    "averaged result not finite": "rounds_discarded_nonfinite",
+}
 
 
 class RoundBook:
@@ -229,8 +247,9 @@ class RoundBook:
     (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path).
     The transitions of several rounds at once are here too, each taking ``lock`` itself."""
 
-    def __init__(self, counters: dict[str, float], slots: ResultSlots, records_path: str | None, verbose: bool,
-                 peer: str):  # fmt: skip
+    def __init__(
+        self, counters: dict[str, float], slots: ResultSlots, records_path: str | None, verbose: bool, peer: str
+    ):
         self.lock = threading.Lock()
         self.rounds: list[Round] = []
         self.records: list[dict] = []
@@ -273,8 +292,7 @@ class RoundBook:
             return [r.record(None, self.peer) for r in self.rounds]
 
     # --- transitions of several rounds (each takes lock) ---
-    def cancel_untriggered(self, reason: str, states: tuple[RoundState, ...] = (S.LOOKING, S.FORMED, S.FILLED)
-                           ) -> int:  # fmt: skip
+    def cancel_untriggered(self, reason: str, states: tuple[RoundState, ...] = (S.LOOKING, S.FORMED, S.FILLED)) -> int:
         """The rounds in ``states`` (none triggered) → CANCELLED. Scheduler thread (starved of CPU: LOOKING only) or
         trainer thread (healing: hivemind owns the triggered ones, whose results are then discarded as stale).
         Returns how many."""

@@ -77,10 +77,19 @@ class RoundScheduler(threading.Thread):
     supervisor, the exchange (the rounds' tensor work), the vetting (payloads and verdicts), the trainer's counts,
     the starvation monitor (None: never starved), and ``counts``: sources of counters it copies every tick."""
 
-    def __init__(self, settings: RoundSettings, trainer: TrainerState, book: RoundBook, supervisor: AveragerSupervisor,
-                 exchange: RoundExchange, vetting: RoundVetting, counters: dict[str, float], *,
-                 starvation: StarvationMonitor | None = None,
-                 counts: Sequence[Callable[[], Mapping[str, float]]] = ()):  # fmt: skip
+    def __init__(
+        self,
+        settings: RoundSettings,
+        trainer: TrainerState,
+        book: RoundBook,
+        supervisor: AveragerSupervisor,
+        exchange: RoundExchange,
+        vetting: RoundVetting,
+        counters: dict[str, float],
+        *,
+        starvation: StarvationMonitor | None = None,
+        counts: Sequence[Callable[[], Mapping[str, float]]] = (),
+    ):
         super().__init__(name="dsgd-scheduler", daemon=True)
         self.settings, self.trainer, self.book, self.supervisor = settings, trainer, book, supervisor
         self.exchange, self.vetting, self.counters = exchange, vetting, counters
@@ -270,7 +279,9 @@ class RoundScheduler(threading.Thread):
             early, step = taken
         scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * settings.min_matchmaking_time
         control = self.supervisor.averager.start_step(
-            scheduled_time=scheduled, deadline=scheduled + slack, gather=gather,
+            scheduled_time=scheduled,
+            deadline=scheduled + slack,
+            gather=gather,
             timeout=settings.averager_timeout,
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away

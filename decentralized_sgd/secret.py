@@ -63,8 +63,10 @@ class SwarmSecret:
             except OSError as error:
                 raise SwarmSecretError(f"--swarm_secret_file: cannot read {path}: {error.strerror or error}") from error
             if not content:
-                raise SwarmSecretError(f"--swarm_secret_file: {path} is empty; put the swarm's secret in it "
-                                       "(e.g. python -c 'import secrets; print(secrets.token_hex(16))' > swarm.key)")
+                raise SwarmSecretError(
+                    f"--swarm_secret_file: {path} is empty; put the swarm's secret in it "
+                    "(e.g. python -c 'import secrets; print(secrets.token_hex(16))' > swarm.key)"
+                )
             return cls(content)
         if secret is not None and not secret.strip():
             raise SwarmSecretError("--swarm_secret is empty; leave it out to run without a secret")
@@ -109,8 +111,13 @@ def announce_member(dht: Any, prefix: str, secret: SwarmSecret | None, ttl: floa
     """Write our entry under :func:`members_key` (expires after ``ttl`` s: call it again well before); returns the
     DHT's future (True if stored)."""
     peer_id = dht.peer_id.to_bytes()
-    return dht.store(members_key(prefix), subkey=peer_id, value=member_tag(secret, peer_id),
-                     expiration_time=get_dht_time() + ttl, return_future=True)  # fmt: skip
+    return dht.store(
+        members_key(prefix),
+        subkey=peer_id,
+        value=member_tag(secret, peer_id),
+        expiration_time=get_dht_time() + ttl,
+        return_future=True,
+    )
 
 
 def read_members(dht: Any, prefix: str, timeout: float = 10.0) -> dict[bytes, object]:
@@ -124,8 +131,9 @@ def _entries(found: Any) -> dict[bytes, object]:
     return {peer: entry.value for peer, entry in found.value.items() if isinstance(peer, bytes)}
 
 
-def diagnose_members(entries: Mapping[bytes, object], own_peer_id: bytes, secret: SwarmSecret | None,
-                     run: str) -> str | None:  # fmt: skip
+def diagnose_members(
+    entries: Mapping[bytes, object], own_peer_id: bytes, secret: SwarmSecret | None, run: str
+) -> str | None:
     """Why we find no group, if the members' key can tell: None when some other peer shares our secret (or our lack
     of one) or when no other peer of the run is online; otherwise the line to log."""
     others = {peer: tag for peer, tag in entries.items() if peer != own_peer_id}
@@ -134,17 +142,24 @@ def diagnose_members(entries: Mapping[bytes, object], own_peer_id: bytes, secret
     if secret is None:
         same = [peer for peer, tag in others.items() if tag == b""]
     else:
-        same = [peer for peer, tag in others.items() if isinstance(tag, bytes) and tag and
-                secret.verify(tag, "members-key", peer)]  # fmt: skip
+        same = [
+            peer
+            for peer, tag in others.items()
+            if isinstance(tag, bytes) and tag and secret.verify(tag, "members-key", peer)
+        ]
     if same:
         return None
     if secret is None:
-        return (f"no peer of this swarm accepts us: {len(others)} peer(s) of run {run!r} are online, and all of them "
-                "use a swarm secret; start this peer with the same --swarm_secret / --swarm_secret_file")
+        return (
+            f"no peer of this swarm accepts us: {len(others)} peer(s) of run {run!r} are online, and all of them "
+            "use a swarm secret; start this peer with the same --swarm_secret / --swarm_secret_file"
+        )
     with_secret = sum(1 for tag in others.values() if tag)
-    return (f"no peer of this swarm accepts our secret: {len(others)} peer(s) of run {run!r} are online, "
-            f"{with_secret} with another swarm secret and {len(others) - with_secret} without one; check "
-            "--swarm_secret / --swarm_secret_file (it must be the same on every peer)")
+    return (
+        f"no peer of this swarm accepts our secret: {len(others)} peer(s) of run {run!r} are online, "
+        f"{with_secret} with another swarm secret and {len(others) - with_secret} without one; check "
+        "--swarm_secret / --swarm_secret_file (it must be the same on every peer)"
+    )
 
 
 class MembershipCheck:

@@ -25,5 +25,7 @@ class RoundSettings:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.boundary_wait_share < 1.0:
-            raise ValueError(f"boundary_wait_share must be in [0, 1) (a share of an AllReduce's time; 0: never wait "
-                             f"for a step boundary before a fill), got {self.boundary_wait_share}")
+            raise ValueError(
+                f"boundary_wait_share must be in [0, 1) (a share of an AllReduce's time; 0: never wait "
+                f"for a step boundary before a fill), got {self.boundary_wait_share}"
+            )

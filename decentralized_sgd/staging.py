@@ -185,8 +185,9 @@ class FlatStaging:
                 group.last_read = _event_after(side)
             trainer.wait_event(group.last_read)  # the GPU waits, not this thread
             flat.record_stream(trainer)  # freed only once the trainer's stream has used it
-            on_device = [part.view(view.shape) for part, view in zip(flat.split([v.numel() for v in views]), views,
-                                                                       strict=True)]  # fmt: skip
+            on_device = [
+                part.view(view.shape) for part, view in zip(flat.split([v.numel() for v in views]), views, strict=True)
+            ]
             if add:
                 torch._foreach_add_(group_targets, on_device)
             else:

@@ -42,9 +42,16 @@ _BLIND = "this peer will not notice when its box starves it of CPU"  # said when
 class StarvationMonitor:
     """Thread "starvation-monitor" samples wake-up lateness; `starved`, `lost_share()` are read by any thread."""
 
-    def __init__(self, period: float = 0.1, window_s: float = 5.0, enter_share: float = 0.5,
-                 exit_share: float = 0.1, recover_s: float = 5.0, max_starved_s: float = 60.0,
-                 start: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        period: float = 0.1,
+        window_s: float = 5.0,
+        enter_share: float = 0.5,
+        exit_share: float = 0.1,
+        recover_s: float = 5.0,
+        max_starved_s: float = 60.0,
+        start: bool = True,
+    ):
         """``max_starved_s`` bounds an episode: after that long the peer tries averaging again, and leaves again only
         after another full window above ``enter_share``, so a peer never drops out of the swarm for good."""
         self.period, self.window_s, self.recover_s, self.max_starved_s = period, window_s, recover_s, max_starved_s
@@ -70,8 +77,12 @@ class StarvationMonitor:
     def _start_sampler(self) -> None:
         """Starts the wake-up sampler process (this file as a script) and the thread that reads it (caller's thread)."""
         try:
-            self._sampler = subprocess.Popen([sys.executable, "-I", __file__, repr(self.period)], text=True,
-                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # fmt: skip
+            self._sampler = subprocess.Popen(
+                [sys.executable, "-I", __file__, repr(self.period)],
+                text=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+            )
         except OSError as error:
             logger.warning(f"The starvation monitor could not start its sampler process ({error}): {_BLIND}")
             return
@@ -84,8 +95,9 @@ class StarvationMonitor:
             now, lost = (float(field) for field in line.split())
             self.observe(now, lost)
         if not self._stop.is_set():
-            logger.warning(f"The starvation monitor's sampler process ended (exit code {self._sampler.wait()}): "
-                           f"{_BLIND}")  # fmt: skip
+            logger.warning(
+                f"The starvation monitor's sampler process ended (exit code {self._sampler.wait()}): {_BLIND}"
+            )
 
     def observe(self, now: float, lost: float) -> None:
         """One wake-up `lost` seconds late at monotonic time `now`; updates `starved` (monitor thread)."""
@@ -100,8 +112,10 @@ class StarvationMonitor:
             if not self.starved and full_window and share > self.enter_share:
                 self.starved, self._starved_at, self._calm_since = True, now, None
                 self.episodes += 1
-                logger.warning(f"This peer's processes are starved of CPU ({share:.0%} of the last "
-                               f"{self.window_s:.0f}s lost): leaving averaging groups until it recovers")  # fmt: skip
+                logger.warning(
+                    f"This peer's processes are starved of CPU ({share:.0%} of the last "
+                    f"{self.window_s:.0f}s lost): leaving averaging groups until it recovers"
+                )
             elif self.starved:
                 self._calm_since = (self._calm_since or now) if share < self.exit_share else None
                 if self._calm_since is not None and now - self._calm_since >= self.recover_s:
@@ -111,8 +125,10 @@ class StarvationMonitor:
                     self._end_episode(now)
                     self._samples.clear()
                     self._first = now  # leaves again only after a new full window
-                    logger.warning(f"This peer has been starved of CPU for {self.max_starved_s:.0f}s ({share:.0%} "
-                                   "lost): trying to average again")  # fmt: skip
+                    logger.warning(
+                        f"This peer has been starved of CPU for {self.max_starved_s:.0f}s ({share:.0%} "
+                        "lost): trying to average again"
+                    )
 
     def _end_episode(self, now: float) -> None:
         self.starved = False

@@ -40,9 +40,17 @@ class StateTransfer:
     buffers, the averaged tensors, the counts) and where copies go through; the averager to download with is given
     at each ``load`` (it is replaced when it restarts)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, tensors: AveragedTensors,
-                 trainer: TrainerState, staging: StagingCache, marks: StepBoundaryMarks, book: RoundBook,
-                 get_extra_state: Callable[[], dict] | None):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None,
+        tensors: AveragedTensors,
+        trainer: TrainerState,
+        staging: StagingCache,
+        marks: StepBoundaryMarks,
+        book: RoundBook,
+        get_extra_state: Callable[[], dict] | None,
+    ):
         self.optimizer, self.model, self.tensors, self.trainer = optimizer, model, tensors, trainer
         self.staging, self.marks, self.book, self.get_extra_state = staging, marks, book, get_extra_state
 
@@ -53,8 +61,7 @@ class StateTransfer:
         """hivemind's state-fetching thread: our state as (metadata, tensors, compression infos)."""
         trainer = self.trainer
         if not trainer.lock.acquire(timeout=SERVE_LOCK_TIMEOUT_S):
-            raise TimeoutError(f"the trainer held its lock for over {SERVE_LOCK_TIMEOUT_S}s; not serving our state "
-                               "now")  # fmt: skip
+            raise TimeoutError(f"the trainer held its lock for over {SERVE_LOCK_TIMEOUT_S}s; not serving our state now")
         with contextlib.ExitStack() as staging_held:  # dsgd.lock first, then the staging's, released last
             try:
                 opt_metadata, opt_tensors = optimizer_state(self.optimizer)
@@ -65,15 +72,19 @@ class StateTransfer:
                 with torch.no_grad():
                     staging.download_(served)
                 metadata = dict(
-                    local_step=trainer.local_step, samples=trainer.samples, num_params=len(params),
-                    num_buffers=len(buffers), optimizer=opt_metadata,
+                    local_step=trainer.local_step,
+                    samples=trainer.samples,
+                    num_params=len(params),
+                    num_buffers=len(buffers),
+                    optimizer=opt_metadata,
                     extra_state=self.get_extra_state() if self.get_extra_state else {},
-                )  # fmt: skip
+                )
             finally:
                 trainer.lock.release()
             # hivemind sends what we return (moving it to shared memory): copies, made while the trainer goes on
-            tensors = [torch.empty_like(t, device="cpu").copy_(view)
-                       for t, view in zip(served, staging.views, strict=True)]  # fmt: skip
+            tensors = [
+                torch.empty_like(t, device="cpu").copy_(view) for t, view in zip(served, staging.views, strict=True)
+            ]
         return metadata, tensors, None
 
     def load(self, averager: Averager, timeout: float, accept: Callable[[dict], bool] | None) -> dict | None:
@@ -84,8 +95,10 @@ class StateTransfer:
         except TimeoutError:
             loaded = None
         if loaded is None:
-            logger.info("load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
-                        "README, Behind NAT)")
+            logger.info(
+                "load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
+                "README, Behind NAT)"
+            )
             return None
         metadata, tensors = loaded
         num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]

@@ -52,8 +52,10 @@ class AveragerSupervisor:
         try:
             self.averager.start_in_background(self.timeout)
         except AveragerUnresponsive as e:  # at construction: nothing to fall back on yet
-            raise RuntimeError(f"DecentralizedSGD: the averager {e}; is the DHT running, and the machine not "
-                               "overloaded? (averager_timeout sets this limit)") from None
+            raise RuntimeError(
+                f"DecentralizedSGD: the averager {e}; is the DHT running, and the machine not "
+                "overloaded? (averager_timeout sets this limit)"
+            ) from None
         self._next_probe_at = time.monotonic() + PROBE_PERIOD_S
 
     def check(self) -> bool:
@@ -110,8 +112,9 @@ class AveragerSupervisor:
                 averager.kill_now()
             self._failures_in_a_row += 1
             self._restart_at = time.monotonic() + self._backoff()
-            logger.error(f"DecentralizedSGD: could not restart the averager ({e!r}); next try in "
-                         f"{self._backoff():.0f}s")
+            logger.error(
+                f"DecentralizedSGD: could not restart the averager ({e!r}); next try in {self._backoff():.0f}s"
+            )
             return
         if self._closed:  # shutdown() ran meanwhile and stopped the old one
             averager.shutdown()

@@ -27,21 +27,33 @@ if TYPE_CHECKING:
 class AveragedTensors:
     """Which local tensors are averaged, in the averager's order; ``local()`` returns the current references."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, *, average_buffers: bool,
-                 average_optimizer_state: bool):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None,
+        *,
+        average_buffers: bool,
+        average_optimizer_state: bool,
+    ):
         self.optimizer, self.model = optimizer, model
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.buffer_names = [
-            name for name, buf in (model.named_buffers() if model is not None and average_buffers else ())
+            name
+            for name, buf in (model.named_buffers() if model is not None and average_buffers else ())
             if buf.is_floating_point()
-        ]  # fmt: skip
+        ]
         if average_optimizer_state and not any(optimizer.state.values()):
             self.init_optimizer_state()
         self.opt_keys = [
-            (i, key) for i, p in enumerate(self.params) for key, value in sorted(optimizer.state.get(p, {}).items())
-            if average_optimizer_state and key != "step" and torch.is_tensor(value)
-            and value.is_floating_point() and value.shape == p.shape
-        ]  # fmt: skip
+            (i, key)
+            for i, p in enumerate(self.params)
+            for key, value in sorted(optimizer.state.get(p, {}).items())
+            if average_optimizer_state
+            and key != "step"
+            and torch.is_tensor(value)
+            and value.is_floating_point()
+            and value.shape == p.shape
+        ]
 
     def local(self) -> list[torch.Tensor]:
         buffers = dict(self.model.named_buffers()) if self.buffer_names else {}

@@ -47,9 +47,14 @@ from .trainer_state import TrainerState
 logger = logging.getLogger(__name__)
 
 COUNTERS = (
-    "rounds_outliers_excluded", "rounds_refused_as_outlier", "rounds_rejected_large_update", "outlier_heals",
-    "outlier_heals_failed", "joins_refused_banned", "joins_refused_token",
-)  # fmt: skip
+    "rounds_outliers_excluded",
+    "rounds_refused_as_outlier",
+    "rounds_rejected_large_update",
+    "outlier_heals",
+    "outlier_heals_failed",
+    "joins_refused_banned",
+    "joins_refused_token",
+)
 LOCK_POLL_S = 0.1  # longest the summary waits for dsgd.lock (then the round starts at a later tick)
 REFUSED = "refused by its group as an outlier"  # discard reasons (the records' "error")
 ALONE = "no groupmate left after refusing outliers"
@@ -90,10 +95,22 @@ class RoundVetting:
     works with: the trainer's state and tensors, the round book, the averager's supervisor and the state transfer
     (the heal), the membership check."""
 
-    def __init__(self, checks: GroupChecks, trainer: TrainerState, tensors: AveragedTensors, book: RoundBook,
-                 supervisor: AveragerSupervisor, state: StateTransfer, counters: dict[str, float], peer_id: PeerID,
-                 secret: SwarmSecret | None, membership: MembershipCheck | None, *, heal_timeout: float,
-                 update_check: UpdateCheck | None = None):  # fmt: skip
+    def __init__(
+        self,
+        checks: GroupChecks,
+        trainer: TrainerState,
+        tensors: AveragedTensors,
+        book: RoundBook,
+        supervisor: AveragerSupervisor,
+        state: StateTransfer,
+        counters: dict[str, float],
+        peer_id: PeerID,
+        secret: SwarmSecret | None,
+        membership: MembershipCheck | None,
+        *,
+        heal_timeout: float,
+        update_check: UpdateCheck | None = None,
+    ):
         """``membership``: the check that says when our secret matches nobody's (it announces us in the DHT); None
         for a peer that has nobody to announce itself to. ``heal_timeout``: how long a heal waits for a donor."""
         self.trainer, self.tensors, self.book, self.supervisor, self.state = trainer, tensors, book, supervisor, state
@@ -147,8 +164,10 @@ class RoundVetting:
         own = self.peer_id
         summaries, verdict = group_verdict(gathered, self.sketch.size, self.rule, self.secret)
         is_member = member_test(self.secret)
-        if any(peer != own and (is_member is None or is_member(peer, _token(payload)))
-               for peer, payload in gathered.items()):  # fmt: skip
+        if any(
+            peer != own and (is_member is None or is_member(peer, _token(payload)))
+            for peer, payload in gathered.items()
+        ):
             self._met_member = True
         group = [str(peer) for peer in verdict.inliers]
         r.extra["outliers"] = [str(peer) for peer in verdict.outliers]
@@ -160,14 +179,19 @@ class RoundVetting:
         if verdict.outliers:
             self.counters["rounds_outliers_excluded"] += 1
             if len(verdict.inliers) < 2:
-                logger.warning(f"Round {r.index}: no groupmate left after refusing outliers, keeping local weights: "
-                               f"{verdict.describe()}")
+                logger.warning(
+                    f"Round {r.index}: no groupmate left after refusing outliers, keeping local weights: "
+                    f"{verdict.describe()}"
+                )
                 return Judgement(group, ALONE)
-            logger.warning(f"Round {r.index}: averaged without {len(verdict.outliers)} member(s) of the group: "
-                           f"{verdict.describe()}")
+            logger.warning(
+                f"Round {r.index}: averaged without {len(verdict.outliers)} member(s) of the group: "
+                f"{verdict.describe()}"
+            )
         own_summary = summaries.get(own)
-        return Judgement(group, None, expected_update_norm(summaries, verdict, own),
-                         0.0 if own_summary is None else own_summary.norm)  # fmt: skip
+        return Judgement(
+            group, None, expected_update_norm(summaries, verdict, own), 0.0 if own_summary is None else own_summary.norm
+        )
 
     def check_update(self, r: Round, judgement: Judgement, update_norm: float) -> str | None:
         """The update of a round the verdict kept (finite): None to apply it, else why not."""
@@ -236,11 +260,14 @@ class RoundVetting:
                 self._reference_step = step
             self.update_check.reset()
             self.counters["outlier_heals"] += 1
-            logger.warning(f"DecentralizedSGD: took the swarm's state in {time.monotonic() - t0:.1f}s; averaging "
-                           "resumes")
+            logger.warning(
+                f"DecentralizedSGD: took the swarm's state in {time.monotonic() - t0:.1f}s; averaging resumes"
+            )
         else:
             self.counters["outlier_heals_failed"] += 1
-            logger.error("DecentralizedSGD: could not take the swarm's state (no peer shared it in time); this peer "
-                         "keeps training and tries again when a group refuses it next")
+            logger.error(
+                "DecentralizedSGD: could not take the swarm's state (no peer shared it in time); this peer "
+                "keeps training and tries again when a group refuses it next"
+            )
         self._heal.clear()
         return taken

@@ -24,9 +24,18 @@ from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noq
 from hooks.stop_on_step_hook import StopOnStepHook  # noqa: E402
 from hooks.warn_when_alone_on_step_hook import ALONE_AFTER_S, WarnWhenAloneOnStepHook  # noqa: E402
 
-__all__ = ["AverageOnUpdateHook", "FollowSwarmScheduleOnStepHook", "FreezeParametersOnSwarmScheduleHook",
-           "LeaveSwarmOnEndHook", "LogProgressOnStepHook", "PreflightOnStepHook", "PublishProgressOnStepHook",
-           "StopOnStepHook", "WarnWhenAloneOnStepHook", "swarm_hook_generator"]
+__all__ = [
+    "AverageOnUpdateHook",
+    "FollowSwarmScheduleOnStepHook",
+    "FreezeParametersOnSwarmScheduleHook",
+    "LeaveSwarmOnEndHook",
+    "LogProgressOnStepHook",
+    "PreflightOnStepHook",
+    "PublishProgressOnStepHook",
+    "StopOnStepHook",
+    "WarnWhenAloneOnStepHook",
+    "swarm_hook_generator",
+]
 
 
 def swarm_hook_generator(cfg) -> list[ClassyHook]:
@@ -48,8 +57,11 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
     preflight_s = float(cfg.get("SWARM", {}).get("preflight_s", 0.0) or 0.0)
     vissl_hooks = default_hook_generator(cfg)
     normalizer = next((hook for hook in vissl_hooks if isinstance(hook, NormalizePrototypesHook)), None)
-    vissl_hooks = [FreezeParametersOnSwarmScheduleHook() if type(hook) is FreezeParametersHook else hook
-                   for hook in vissl_hooks if not isinstance(hook, NormalizePrototypesHook)]
+    vissl_hooks = [
+        FreezeParametersOnSwarmScheduleHook() if type(hook) is FreezeParametersHook else hook
+        for hook in vissl_hooks
+        if not isinstance(hook, NormalizePrototypesHook)
+    ]
     return [
         *vissl_hooks,
         AverageOnUpdateHook(normalizer),

@@ -66,12 +66,16 @@ class FollowSwarmScheduleOnStepHook(ClassyHook):
             return
         position = sync_position(task)
         follow_queue_and_assignment(task)
-        logging.info(f"Swarm schedule: the swarm's budget is {schedule.budget} samples ({task.num_train_phases} "
-                     f"epochs x {schedule.budget // max(task.num_train_phases, 1)}); the swarm is at {position} "
-                     f"(where {task.where:.4f}); this box's batch {schedule.box_batch}")
+        logging.info(
+            f"Swarm schedule: the swarm's budget is {schedule.budget} samples ({task.num_train_phases} "
+            f"epochs x {schedule.budget // max(task.num_train_phases, 1)}); the swarm is at {position} "
+            f"(where {task.where:.4f}); this box's batch {schedule.box_batch}"
+        )
         if schedule.done(position):
-            logging.info(f"Swarm schedule: the swarm's budget was done already ({position} of {schedule.budget} "
-                         "samples): nothing left to train")
+            logging.info(
+                f"Swarm schedule: the swarm's budget was done already ({position} of {schedule.budget} "
+                "samples): nothing left to train"
+            )
             end_training_now(task)
 
     def on_update(self, task) -> None:
@@ -92,10 +96,12 @@ class FollowSwarmScheduleOnStepHook(ClassyHook):
         if schedule.done(position):
             self._stopping = True
             own = progress.own_samples if progress is not None else None
-            logging.info(f"Swarm schedule: the swarm's budget is done ({position} of {schedule.budget} samples); "
-                         f"this box trained {task.iteration} iterations"
-                         + (f" ({own} samples)" if own is not None else "")
-                         + f", last lr {float(task.optimizer.options_view.lr):.6g} (x{task.lr_factor:.4g} for the "
-                         f"swarm's batch {task.swarm_batch}). Ending with a final checkpoint")
+            logging.info(
+                f"Swarm schedule: the swarm's budget is done ({position} of {schedule.budget} samples); "
+                f"this box trained {task.iteration} iterations"
+                + (f" ({own} samples)" if own is not None else "")
+                + f", last lr {float(task.optimizer.options_view.lr):.6g} (x{task.lr_factor:.4g} for the "
+                f"swarm's batch {task.swarm_batch}). Ending with a final checkpoint"
+            )
             end_training_now(task)
             raise StopIteration

@@ -33,8 +33,9 @@ def prototypes_norm_error(task) -> float | None:
         return None
     head = task.base_model.heads[0]
     with torch.no_grad():
-        errors = [getattr(head, f"prototypes{j}").weight.float().norm(dim=1).sub(1).abs().max()
-                  for j in range(head.nmb_heads)]
+        errors = [
+            getattr(head, f"prototypes{j}").weight.float().norm(dim=1).sub(1).abs().max() for j in range(head.nmb_heads)
+        ]
     return float(max(errors)) if errors else None
 
 
@@ -93,44 +94,54 @@ class LogProgressOnStepHook(ClassyHook):
         samples_per_s, _ = self._rate.update(task.iteration, task.get_global_batchsize())
         loss = getattr(task.last_batch, "loss", None)
         loss = loss if loss is not None else self._last_loss
-        fields = {"loss": float(loss.item()) if loss is not None else float("nan"),
-                  "samples_per_s": round(samples_per_s, 2), "lr": float(task.optimizer.options_view.lr)}
+        fields = {
+            "loss": float(loss.item()) if loss is not None else float("nan"),
+            "samples_per_s": round(samples_per_s, 2),
+            "lr": float(task.optimizer.options_view.lr),
+        }
         if getattr(task, "schedule", None) is not None:  # the swarm-wide schedule: where the swarm is
             fields["swarm_samples"] = int(task.schedule_position)
             fields["where"] = round(float(task.where), 6)
             fields["lr_factor"] = round(float(task.lr_factor), 4)
             progress = getattr(task, "swarm_progress", None)
             if progress is not None:
-                fields.update(own_samples=progress.own_samples, swarm_batch=progress.swarm_batch(),
-                              boxes=progress.live_boxes())
+                fields.update(
+                    own_samples=progress.own_samples, swarm_batch=progress.swarm_batch(), boxes=progress.live_boxes()
+                )
         norm_error = prototypes_norm_error(task)
         if norm_error is not None:  # SwAV: how far the prototypes are from the unit sphere the loss assumes
             fields["prototypes_norm_error"] = norm_error
         optimizer: Averaging | None = getattr(task, "decentralized_sgd", None)  # None: not averaging
         if optimizer is not None:
             last = optimizer.last_applied_record() or {}
-            fields.update({
-                "peer_id": str(optimizer.peer_id),
-                "rounds_ok": int(optimizer.counters["rounds_applied"]),
-                "rounds_failed": int(optimizer.counters["rounds_failed"]),
-                "averager_failures": int(optimizer.counters.get("averager_failures", 0)),
-                "group_size": last.get("group_size"),
-                "staleness_steps": last.get("staleness_steps"),
-                "round_s": round(last["t_end"] - last["t_start"], 2) if last else None,
-            })  # fmt: skip
+            fields.update(
+                {
+                    "peer_id": str(optimizer.peer_id),
+                    "rounds_ok": int(optimizer.counters["rounds_applied"]),
+                    "rounds_failed": int(optimizer.counters["rounds_failed"]),
+                    "averager_failures": int(optimizer.counters.get("averager_failures", 0)),
+                    "group_size": last.get("group_size"),
+                    "staleness_steps": last.get("staleness_steps"),
+                    "round_s": round(last["t_end"] - last["t_start"], 2) if last else None,
+                }
+            )
         return fields
 
     @staticmethod
     def _line(entry: dict) -> str:
-        line = (f"step {entry['step']} | loss {entry['loss']:.4f} | {entry['samples_per_s']:.1f} samples/s | "
-                f"lr {entry['lr']:.5f}")
+        line = (
+            f"step {entry['step']} | loss {entry['loss']:.4f} | {entry['samples_per_s']:.1f} samples/s | "
+            f"lr {entry['lr']:.5f}"
+        )
         if "swarm_samples" in entry:
             line += f" | swarm at {entry['swarm_samples']} samples (where {entry['where']:.4f}"
             line += f", {entry['boxes']} boxes, batch {entry['swarm_batch']})" if "boxes" in entry else ")"
         if "rounds_ok" in entry:
-            line += (f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
-                     f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} | "
-                     f"averager failures {entry['averager_failures']}")
+            line += (
+                f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
+                f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} | "
+                f"averager failures {entry['averager_failures']}"
+            )
         return line
 
     def on_end(self, task) -> None:

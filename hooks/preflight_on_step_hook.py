@@ -70,10 +70,14 @@ class PreflightOnStepHook(ClassyHook):
         optimizer = getattr(task, "decentralized_sgd", None)
         if not folder or optimizer is None or self._started is None:  # not the box's swarm peer, or no swarm
             return
-        run = {"values": averaged_values(task), "compression": task.swarm_settings.compression,
-               "peer": getattr(optimizer, "peer", None) or str(optimizer.peer_id),
-               "steps": int(task.iteration - self._first_iteration),
-               "seconds": round(time.monotonic() - self._started, 3), "preflight_s": self.seconds}
+        run = {
+            "values": averaged_values(task),
+            "compression": task.swarm_settings.compression,
+            "peer": getattr(optimizer, "peer", None) or str(optimizer.peer_id),
+            "steps": int(task.iteration - self._first_iteration),
+            "seconds": round(time.monotonic() - self._started, 3),
+            "preflight_s": self.seconds,
+        }
         path = Path(folder) / preflight.RUN_FILE
         path.with_suffix(".tmp").write_text(json.dumps(run))
         path.with_suffix(".tmp").replace(path)

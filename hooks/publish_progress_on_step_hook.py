@@ -70,8 +70,9 @@ class PublishProgressOnStepHook(ClassyHook):
         try:
             record, interval = self._record(task)
             expiration = get_dht_time() + max(self.expiration_s, 3 * interval)
-            self._pending = task.dht.store(self._key, record, expiration_time=expiration, subkey=self._subkey,
-                                           return_future=True)
+            self._pending = task.dht.store(
+                self._key, record, expiration_time=expiration, subkey=self._subkey, return_future=True
+            )
         except Exception as error:
             self._warn(f"could not publish progress to the DHT: {error!r}")
 
@@ -81,10 +82,16 @@ class PublishProgressOnStepHook(ClassyHook):
         last = optimizer.last_applied_record() or {}
         loss = getattr(task.last_batch, "loss", None) if task.last_batch is not None else None
         record = make_record(
-            step=task.iteration, samples_per_s=samples_per_s, loss=None if loss is None else float(loss.item()),
-            group_size=last.get("group_size"), staleness_steps=last.get("staleness_steps"),
-            rounds_ok=optimizer.counters["rounds_applied"], rounds_failed=optimizer.counters["rounds_failed"],
-            averager_failures=optimizer.counters.get("averager_failures", 0), time=time.time(), peer_id=self._peer_id,
+            step=task.iteration,
+            samples_per_s=samples_per_s,
+            loss=None if loss is None else float(loss.item()),
+            group_size=last.get("group_size"),
+            staleness_steps=last.get("staleness_steps"),
+            rounds_ok=optimizer.counters["rounds_applied"],
+            rounds_failed=optimizer.counters["rounds_failed"],
+            averager_failures=optimizer.counters.get("averager_failures", 0),
+            time=time.time(),
+            peer_id=self._peer_id,
             no_group_s=time.time() - (last.get("t_end") or self._started),
         )
         return record, interval
@@ -101,8 +108,10 @@ class PublishProgressOnStepHook(ClassyHook):
             if stored:
                 self._warned = False
             else:
-                self._warn("the DHT rejected our progress record (do all peers and the monitor add "
-                           "swarm_metrics.metrics_validators to their DHT?)")
+                self._warn(
+                    "the DHT rejected our progress record (do all peers and the monitor add "
+                    "swarm_metrics.metrics_validators to their DHT?)"
+                )
         self._pending = None
         return True
 

@@ -20,11 +20,15 @@ def alone_message(seconds: float, failed: int, dht_peers: int | None, run_id: st
     if dht_peers is None:
         seen = "Our DHT did not answer how many peers it knows."
     elif dht_peers == 0:
-        seen = ("Our DHT knows no other peer: nobody reached us and we reached nobody (check --initial_peers, "
-                "the network and the firewall first).")
+        seen = (
+            "Our DHT knows no other peer: nobody reached us and we reached nobody (check --initial_peers, "
+            "the network and the firewall first)."
+        )
     else:
-        seen = (f"Our DHT knows {dht_peers} other peer(s), so the network reaches some: check the run id, config "
-                "and secret first.")
+        seen = (
+            f"Our DHT knows {dht_peers} other peer(s), so the network reaches some: check the run id, config "
+            "and secret first."
+        )
     return (
         f"This box has averaged with nobody for {seconds:.0f} s ({failed} rounds found no group); it trains alone. "
         f"{seen} Likely causes: (1) no other box runs this swarm yet: start one with the join line printed above; "
@@ -50,8 +54,12 @@ class WarnWhenAloneOnStepHook(ClassyHook):
     on_end = ClassyHook._noop
     on_exception = ClassyHook._noop
 
-    def __init__(self, alone_after_s: float = ALONE_AFTER_S, repeat_every_s: float = REPEAT_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        alone_after_s: float = ALONE_AFTER_S,
+        repeat_every_s: float = REPEAT_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         self.alone_after_s, self.repeat_every_s, self.clock = alone_after_s, repeat_every_s, clock
         self._since = 0.0  # when the last round was applied, or the start
@@ -72,13 +80,22 @@ class WarnWhenAloneOnStepHook(ClassyHook):
         if applied != self._applied:
             self._applied, self._since, self._warned_at = applied, now, None
             return
-        due = now - self._since >= self.alone_after_s if self._warned_at is None else \
-            now - self._warned_at >= self.repeat_every_s
+        due = (
+            now - self._since >= self.alone_after_s
+            if self._warned_at is None
+            else now - self._warned_at >= self.repeat_every_s
+        )
         if not due:
             return
         settings = task.swarm_settings
-        logging.warning(alone_message(now - self._since, int(optimizer.counters["rounds_failed"]),
-                                      dht_peer_count(getattr(task, "dht", None)), settings.run_id,
-                                      settings.config_name))
+        logging.warning(
+            alone_message(
+                now - self._since,
+                int(optimizer.counters["rounds_failed"]),
+                dht_peer_count(getattr(task, "dht", None)),
+                settings.run_id,
+                settings.config_name,
+            )
+        )
         self._warned_at = now
         self.warnings += 1

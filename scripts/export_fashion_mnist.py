@@ -34,8 +34,7 @@ SPLITS = {  # export split -> (images file, labels file), the names both Debian 
     "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 }
-CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-               "Ankle boot")
+CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 IDX_UBYTE = 0x08  # the IDX type code of unsigned bytes, the only one Fashion-MNIST uses
 
 
@@ -45,9 +44,11 @@ class IdxError(ValueError):
 
 def how_to_get_idx(idx_dir: Path) -> str:
     """The fix for missing IDX files, said the same way by the script and the Makefile."""
-    return (f"install Debian's package (`sudo apt-get install dataset-fashion-mnist`, files in {DEBIAN_IDX_DIR}), or "
-            f"download the four IDX .gz files from {GITHUB_URL} into a folder and pass it as --idx_dir "
-            f"(looked in {idx_dir})")
+    return (
+        f"install Debian's package (`sudo apt-get install dataset-fashion-mnist`, files in {DEBIAN_IDX_DIR}), or "
+        f"download the four IDX .gz files from {GITHUB_URL} into a folder and pass it as --idx_dir "
+        f"(looked in {idx_dir})"
+    )
 
 
 def idx_file(idx_dir: Path, stem: str) -> Path:
@@ -67,22 +68,30 @@ def read_idx(path: Path, ndim: int) -> np.ndarray:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError, zlib.error) as error:  # BadGzipFile is an OSError; a cut-off stream an EOFError
-        raise IdxError(f"{path}: not a readable gzip file ({type(error).__name__}: {error}); it is corrupt or "
-                       f"truncated, fetch it again ({GITHUB_URL})") from error
+        raise IdxError(
+            f"{path}: not a readable gzip file ({type(error).__name__}: {error}); it is corrupt or "
+            f"truncated, fetch it again ({GITHUB_URL})"
+        ) from error
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise IdxError(f"{path}: not an IDX file (its magic number {raw[:4].hex() or 'is missing'} should be "
-                       f"0000{IDX_UBYTE:02x}{ndim:02x}); fetch it again ({GITHUB_URL})")
+        raise IdxError(
+            f"{path}: not an IDX file (its magic number {raw[:4].hex() or 'is missing'} should be "
+            f"0000{IDX_UBYTE:02x}{ndim:02x}); fetch it again ({GITHUB_URL})"
+        )
     if raw[2] != IDX_UBYTE or raw[3] != ndim:
-        raise IdxError(f"{path}: IDX magic number {raw[:4].hex()}, expected 0000{IDX_UBYTE:02x}{ndim:02x} (unsigned "
-                       f"bytes, {ndim} dimension(s)); is it the {'labels' if ndim == 1 else 'images'} file?")
+        raise IdxError(
+            f"{path}: IDX magic number {raw[:4].hex()}, expected 0000{IDX_UBYTE:02x}{ndim:02x} (unsigned "
+            f"bytes, {ndim} dimension(s)); is it the {'labels' if ndim == 1 else 'images'} file?"
+        )
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise IdxError(f"{path}: truncated IDX header ({len(raw)} bytes, the header alone is {header})")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
     expected = header + int(np.prod(shape, dtype=np.int64))
     if len(raw) != expected:
-        raise IdxError(f"{path}: {len(raw)} bytes, but its header {shape} says {expected}; the file is truncated "
-                       f"or padded, fetch it again ({GITHUB_URL})")
+        raise IdxError(
+            f"{path}: {len(raw)} bytes, but its header {shape} says {expected}; the file is truncated "
+            f"or padded, fetch it again ({GITHUB_URL})"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 
@@ -91,16 +100,21 @@ def read_split(idx_dir: Path, images_stem: str, labels_stem: str) -> tuple[np.nd
     images_path, labels_path = idx_file(idx_dir, images_stem), idx_file(idx_dir, labels_stem)
     images, labels = read_idx(images_path, ndim=3), read_idx(labels_path, ndim=1)
     if len(images) != len(labels):
-        raise IdxError(f"{images_path} holds {len(images)} images but {labels_path} {len(labels)} labels: the two "
-                       "files are from different datasets or splits")
+        raise IdxError(
+            f"{images_path} holds {len(images)} images but {labels_path} {len(labels)} labels: the two "
+            "files are from different datasets or splits"
+        )
     if len(labels) and labels.max() >= len(CLASS_NAMES):
-        raise IdxError(f"{labels_path}: label {int(labels.max())} found, Fashion-MNIST has {len(CLASS_NAMES)} "
-                       "classes (0-9); is it another dataset's file?")
+        raise IdxError(
+            f"{labels_path}: label {int(labels.max())} found, Fashion-MNIST has {len(CLASS_NAMES)} "
+            "classes (0-9); is it another dataset's file?"
+        )
     return images, labels
 
 
-def export_fashion_mnist(out_dir: Path, idx_dir: Path = DEBIAN_IDX_DIR, limit_train: int | None = None
-                         ) -> dict[str, int]:
+def export_fashion_mnist(
+    out_dir: Path, idx_dir: Path = DEBIAN_IDX_DIR, limit_train: int | None = None
+) -> dict[str, int]:
     """Write ``out_dir/val`` then ``out_dir/train``; return how many images each holds. A split whose
     ``.complete`` marker exists is left untouched, unless it holds another count than asked (then an error: a
     different ``--limit_train`` needs another ``--out`` or the old folder removed)."""
@@ -117,8 +131,10 @@ def export_fashion_mnist(out_dir: Path, idx_dir: Path = DEBIAN_IDX_DIR, limit_tr
         if marker.exists():
             done = marker.read_text().strip()
             if done != str(len(labels)):
-                raise ValueError(f"{out_dir / split} is a complete export of {done} images, not the {len(labels)} "
-                                 f"asked for: remove {out_dir} or pass another --out")
+                raise ValueError(
+                    f"{out_dir / split} is a complete export of {done} images, not the {len(labels)} "
+                    f"asked for: remove {out_dir} or pass another --out"
+                )
             counts[split] = len(labels)
             continue
         for label in range(len(CLASS_NAMES)):
@@ -131,13 +147,22 @@ def export_fashion_mnist(out_dir: Path, idx_dir: Path = DEBIAN_IDX_DIR, limit_tr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--idx_dir", type=Path, default=DEBIAN_IDX_DIR,
-                        help="folder with the four Fashion-MNIST IDX files (*-idx?-ubyte.gz)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--idx_dir",
+        type=Path,
+        default=DEBIAN_IDX_DIR,
+        help="folder with the four Fashion-MNIST IDX files (*-idx?-ubyte.gz)",
+    )
     parser.add_argument("--out", type=Path, default=Path("data/fashion"), help="output folder (train/ and val/)")
-    parser.add_argument("--limit_train", type=int, default=None,
-                        help="export only the first N training images (in IDX order, which mixes the classes)")
+    parser.add_argument(
+        "--limit_train",
+        type=int,
+        default=None,
+        help="export only the first N training images (in IDX order, which mixes the classes)",
+    )
     return parser
 
 

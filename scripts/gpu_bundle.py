@@ -39,8 +39,17 @@ PLATFORM = "manylinux2014_x86_64"
 MACHINE_HAS = {"torch", "torchvision"}  # the GPU machine has them, with the packages they need
 # in requirements.txt but not imported by a training run (the check): tooling, plots, other commands' needs,
 # optional VISSL extras (VISSL imports cv2 and tensorboard only when available and asked for)
-NOT_FOR_THE_CHECK = {"pytest", "pytest-timeout", "ruff", "matplotlib", "tensorboard", "opencv-python-headless",
-                     "pycocotools", "submitit", "scikit-learn"}
+NOT_FOR_THE_CHECK = {
+    "pytest",
+    "pytest-timeout",
+    "ruff",
+    "matplotlib",
+    "tensorboard",
+    "opencv-python-headless",
+    "pycocotools",
+    "submitit",
+    "scikit-learn",
+}
 # hivemind declares grpcio-tools (with grpcio, 8 MB) but only uses it to compile its protobufs when it is built
 BUILD_ONLY = {"grpcio-tools"}
 IF_MISSING = {"scipy"}  # hivemind's averager and VISSL import it; the machine's own is used when it will do
@@ -63,8 +72,7 @@ def split_requirements() -> tuple[list[str], list[str]]:
 
 
 def target_options(python_version: str) -> list[str]:
-    return ["--only-binary=:all:", "--python-version", python_version, "--platform", PLATFORM,
-            "--implementation", "cp"]
+    return ["--only-binary=:all:", "--python-version", python_version, "--platform", PLATFORM, "--implementation", "cp"]
 
 
 def resolve(requirements: list[str], python_version: str, wheels: Path, work: Path) -> list[dict]:
@@ -75,9 +83,21 @@ def resolve(requirements: list[str], python_version: str, wheels: Path, work: Pa
     built: set[str] = set()
     while True:
         report = work / "report.json"
-        result = pip("install", "--dry-run", "--ignore-installed", "--report", str(report), "--target",
-                     str(work / "target"), "--find-links", str(wheels), *target_options(python_version),
-                     "-r", str(requirements_file), quiet=False)
+        result = pip(
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "--target",
+            str(work / "target"),
+            "--find-links",
+            str(wheels),
+            *target_options(python_version),
+            "-r",
+            str(requirements_file),
+            quiet=False,
+        )
         if result.returncode == 0:
             return json.loads(report.read_text())["install"]
         missing = _MISSING.search(result.stderr + result.stdout)
@@ -104,8 +124,15 @@ def build_wheel(requirement: str, wheels: Path) -> None:
 
 def target_environment(python_version: str) -> dict[str, str]:
     """The environment markers of the GPU machine (``python_version``, x86-64 Linux)."""
-    return {**default_environment(), "python_version": python_version, "python_full_version": f"{python_version}.0",
-            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    return {
+        **default_environment(),
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "extra": "",
+    }
 
 
 def runtime_closure(installs: list[dict], python_version: str) -> dict[str, dict]:
@@ -143,8 +170,11 @@ def download(needed: dict[str, dict], python_version: str, wheels: Path) -> None
         for wheel in wheels.glob("*.whl"):
             if canonicalize_name(wheel.name.split("-")[0]) == name:
                 wheel.unlink()
-    pins = [f"{item['metadata']['name']}=={item['metadata']['version']}" for name, item in needed.items()
-            if name not in have]
+    pins = [
+        f"{item['metadata']['name']}=={item['metadata']['version']}"
+        for name, item in needed.items()
+        if name not in have
+    ]
     result = pip("download", "--no-deps", "--dest", str(wheels), *target_options(python_version), *pins, *NO_DEPS)
     if result.returncode != 0:
         raise SystemExit(f"pip download failed:\n{result.stderr}")
@@ -181,8 +211,13 @@ def folder_mb(path: Path) -> float:
 
 def write_source(out: Path) -> None:
     """This checkout's files as they are now (tracked, and new ones git does not ignore), for the machine to run."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True)
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     with tarfile.open(out / "source.tar.gz", "w:gz") as archive:
         for name in filter(None, files.stdout.split("\0")):
             if (REPO / name).is_file():
@@ -193,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (major.minor)")
     parser.add_argument("--out", type=Path, default=REPO / "gpu_bundle")
-    parser.add_argument("--max-mb", type=float, default=60.0,
-                        help="fail if the folder without wheels_if_missing/ is larger (1 MB = 10^6 bytes)")
+    parser.add_argument(
+        "--max-mb",
+        type=float,
+        default=60.0,
+        help="fail if the folder without wheels_if_missing/ is larger (1 MB = 10^6 bytes)",
+    )
     args = parser.parse_args(argv)
 
     if args.out.exists():
@@ -215,15 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     aside_mb = folder_mb(aside)
     size_mb = folder_mb(args.out) - aside_mb
     largest = sorted(wheels.glob("*.whl"), key=lambda path: -path.stat().st_size)[:5]
-    print(f"{args.out}: {len(list(wheels.glob('*.whl')))} wheels for Python {args.python_version}, {size_mb:.1f} MB "
-          f"(largest: {', '.join(f'{w.name} {w.stat().st_size / 1e6:.1f} MB' for w in largest)})")
-    print(f"{aside}: {', '.join(w.name for w in sorted(aside.glob('*.whl')))}, {aside_mb:.1f} MB, installed only "
-          f"where the machine lacks {(args.out / 'if_missing_requirements.txt').read_text().split()}")
-    print(f"On the GPU machine: bash {args.out.name}/gpu_check.sh {args.out.name} <output folder> (copy "
-          f"{aside.relative_to(args.out.parent)}/ too unless that machine has those packages)")
+    print(
+        f"{args.out}: {len(list(wheels.glob('*.whl')))} wheels for Python {args.python_version}, {size_mb:.1f} MB "
+        f"(largest: {', '.join(f'{w.name} {w.stat().st_size / 1e6:.1f} MB' for w in largest)})"
+    )
+    print(
+        f"{aside}: {', '.join(w.name for w in sorted(aside.glob('*.whl')))}, {aside_mb:.1f} MB, installed only "
+        f"where the machine lacks {(args.out / 'if_missing_requirements.txt').read_text().split()}"
+    )
+    print(
+        f"On the GPU machine: bash {args.out.name}/gpu_check.sh {args.out.name} <output folder> (copy "
+        f"{aside.relative_to(args.out.parent)}/ too unless that machine has those packages)"
+    )
     if size_mb > args.max_mb:
-        print(f"error: the bundle is {size_mb:.1f} MB without {aside.name}/, over --max-mb {args.max_mb:.0f}",
-              file=sys.stderr)
+        print(
+            f"error: the bundle is {size_mb:.1f} MB without {aside.name}/, over --max-mb {args.max_mb:.0f}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

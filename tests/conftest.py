@@ -37,7 +37,11 @@ def run_trainer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     """Run ``run_trainer.py`` as a user would, from the repository root."""
     return subprocess.run(
         [sys.executable, str(REPO / "run_trainer.py"), *args],
-        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -96,8 +96,9 @@ class Swarm:
 
     def dht(self) -> hivemind.DHT:
         initial_peers = self.dhts[0].get_visible_maddrs() if self.dhts else None
-        self.dhts.append(FixedDHT(start=True, host_maddrs=self.host_maddrs, initial_peers=initial_peers,
-                                  startup_timeout=60))  # 16 p2p daemons starting at once on 2 loaded cores
+        self.dhts.append(
+            FixedDHT(start=True, host_maddrs=self.host_maddrs, initial_peers=initial_peers, startup_timeout=60)
+        )  # 16 p2p daemons starting at once on 2 loaded cores
         keep_dht_connected(self.dhts[-1])  # as swarm.start_dht does
         return self.dhts[-1]
 

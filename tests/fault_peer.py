@@ -25,8 +25,19 @@ from decentralized_sgd.hivemind_fixes import FixedDHT  # noqa: E402
 
 def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) -> list[str]:
     """The command line that runs this script (used by the fault tests and the network-cut scenario)."""
-    return [sys.executable, str(Path(__file__).resolve()), "--initial_peers", *initial_peers, "--out", str(out),
-            "--marker", str(out / "marker"), "--marker_when", marker_when, *extra]  # fmt: skip
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--initial_peers",
+        *initial_peers,
+        "--out",
+        str(out),
+        "--marker",
+        str(out / "marker"),
+        "--marker_when",
+        marker_when,
+        *extra,
+    ]
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,8 +60,9 @@ def main() -> None:
     keep_dht_connected(dht)  # as swarm.start_dht does: the network-cut scenario needs the rejoin
     model = make_model(args.value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    peer = DecentralizedSGD(optimizer, dht, prefix="test", model=model, records_path=str(args.out / "rounds.jsonl"),
-                            **FAST)  # fmt: skip
+    peer = DecentralizedSGD(
+        optimizer, dht, prefix="test", model=model, records_path=str(args.out / "rounds.jsonl"), **FAST
+    )
     (args.out / "peer_id.txt").write_text(str(peer.peer_id))
     if args.load_state:
         peer.load_state_from_peers(timeout=20)

@@ -49,9 +49,13 @@ def parse_args() -> argparse.Namespace:
 
 def settings(args: argparse.Namespace) -> SwarmSettings:
     return SwarmSettings(
-        run_id="nat", initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
-        client_mode=args.mode == "client_mode", use_auto_relay=args.mode == "auto_relay",
-        identity_path=args.identity_path, force_reachability=args.force_reachability,
+        run_id="nat",
+        initial_peers=args.initial_peers,
+        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        client_mode=args.mode == "client_mode",
+        use_auto_relay=args.mode == "auto_relay",
+        identity_path=args.identity_path,
+        force_reachability=args.force_reachability,
         join_timeout=240.0,  # generous: every peer starts at once, the first one too
     )
 
@@ -83,8 +87,15 @@ def main() -> None:
     dht = start_dht(settings(args))
     model = make_model(args.value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    peer = DecentralizedSGD(optimizer, dht, prefix="nat", model=model, records_path=str(args.out / "rounds.jsonl"),
-                            get_extra_state=lambda: {"donor": args.name}, **FAST)  # fmt: skip
+    peer = DecentralizedSGD(
+        optimizer,
+        dht,
+        prefix="nat",
+        model=model,
+        records_path=str(args.out / "rounds.jsonl"),
+        get_extra_state=lambda: {"donor": args.name},
+        **FAST,
+    )
     if args.no_state_sharing:
         peer.averager.allow_state_sharing = False
     info = {"peer_id": str(dht.peer_id), "name": args.name, "maddrs": [str(a) for a in dht.get_visible_maddrs()]}

@@ -35,8 +35,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("mode", choices=["public", "none", "client_mode", "auto_relay"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--force_private", action="store_true",
-                        help="auto_relay: NATed boxes --force_reachability private, public ones public")
+    parser.add_argument(
+        "--force_private",
+        action="store_true",
+        help="auto_relay: NATed boxes --force_reachability private, public ones public",
+    )
     parser.add_argument("--until_rounds", type=int, default=0, help="stop once every NATed box applied this many")
     parser.add_argument("--measure_s", type=float, default=60.0, help="at most this long after every peer started")
     parser.add_argument("--join", action="store_true", help="then check which box serves its state to a joiner")
@@ -57,8 +60,12 @@ def bootstrap_identity(out: Path, box: tb.Box) -> tuple[list[str], list[str]]:
     path = out / box.name / "identity.key"
     P2P.generate_identity(str(path))
     peer_id = PeerID.from_identity(path.read_bytes())
-    return [f"/ip4/{box.address}/tcp/{BOOTSTRAP_PORT}/p2p/{peer_id}"], ["--identity_path", str(path), "--port",
-                                                                      str(BOOTSTRAP_PORT)]  # fmt: skip
+    return [f"/ip4/{box.address}/tcp/{BOOTSTRAP_PORT}/p2p/{peer_id}"], [
+        "--identity_path",
+        str(path),
+        "--port",
+        str(BOOTSTRAP_PORT),
+    ]
 
 
 def nat_check(bed: tb.NatTestbed) -> dict:
@@ -85,8 +92,21 @@ def start_peer(box: tb.Box, out: Path, args: argparse.Namespace, initial_peers: 
     mode = args.mode if box.natted else "public"
     if args.join and box.name in public_in_layout(args.scenario):
         extra = (*extra, "--no_state_sharing")
-    command = [sys.executable, str(PEER), "--name", box.name, "--host", box.address, "--mode", mode,
-               "--out", str(out / box.name), "--initial_peers", *initial_peers, *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        str(PEER),
+        "--name",
+        box.name,
+        "--host",
+        box.address,
+        "--mode",
+        mode,
+        "--out",
+        str(out / box.name),
+        "--initial_peers",
+        *initial_peers,
+        *extra,
+    ]
     if mode == "auto_relay" and args.force_private:
         command += ["--force_reachability", "private"]
     if mode == "public" and args.mode == "auto_relay" and args.force_private:  # their relay service needs it
@@ -171,8 +191,10 @@ def main(args: argparse.Namespace) -> None:
         peers.append(start_peer(boxes[0], out, args, [], *first))
         for i, box in enumerate(boxes[1:], start=1):
             peers.append(start_peer(box, out, args, bootstrap, "--value", str(2.0 * i)))
-        infos = [json.loads(tb.read_text_when_ready(out / box.name / "peer.json", process, 180))
-                 for box, process in zip(boxes, peers, strict=True)]
+        infos = [
+            json.loads(tb.read_text_when_ready(out / box.name / "peer.json", process, 180))
+            for box, process in zip(boxes, peers, strict=True)
+        ]
         ids = {info["peer_id"]: info["name"] for info in infos}
         summary["maddrs"] = {info["name"]: info["maddrs"] for info in infos}
         running = time.time()
@@ -182,7 +204,8 @@ def main(args: argparse.Namespace) -> None:
         def done() -> bool:
             counts = summarize(out, bed, ids, (running, time.time()))
             return bool(args.until_rounds) and all(
-                counts[n]["rounds_in_group_of_2_plus"] >= args.until_rounds for n in natted)
+                counts[n]["rounds_in_group_of_2_plus"] >= args.until_rounds for n in natted
+            )
 
         while time.time() < running + args.measure_s and not done():
             assert all(p.poll() is None for p in peers), "a peer process died: see its log.txt"

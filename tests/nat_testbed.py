@@ -160,8 +160,9 @@ class NatTestbed:
         ns.run("ip", "route", "add", "default", "via", lan)
         router.run("sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
         router.run("iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE")
-        router.run("iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate", "NEW",
-                   "-j", "DROP")  # fmt: skip
+        router.run(
+            "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"
+        )
         for box in self.boxes:
             if not box.natted:
                 box.ns.run("ip", "route", "add", f"192.168.{k}.0/24", "via", wan)
@@ -175,15 +176,17 @@ class NatTestbed:
 
 def can_connect(box: Box, host: str, port: int, timeout: float = 3.0) -> bool:
     """Whether `box` can open a TCP connection to host:port (a TCP handshake, nothing sent)."""
-    probe = (f"import socket; socket.create_connection(({host!r}, {port}), timeout={timeout})")
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout={timeout})"
     result = subprocess.run([*box.ns.prefix(), sys.executable, "-c", probe], capture_output=True, timeout=timeout + 30)
     return result.returncode == 0
 
 
 def listen_once(box: Box, port: int) -> subprocess.Popen:
     """A TCP listener on box.address:port (for can_connect checks), until killed; waits until it listens."""
-    script = (f"import socket, time; s = socket.socket(); s.bind(({box.address!r}, {port})); s.listen(); "
-              f"print('listening', flush=True); time.sleep(3600)")  # fmt: skip
+    script = (
+        f"import socket, time; s = socket.socket(); s.bind(({box.address!r}, {port})); s.listen(); "
+        f"print('listening', flush=True); time.sleep(3600)"
+    )
     listener = box.ns.popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert listener.stdout is not None and listener.stdout.readline().strip() == "listening"
     return listener

@@ -33,14 +33,18 @@ def ip(*args: str) -> None:
 
 def start_victim(out: Path, initial_peers: list[str]) -> subprocess.Popen:
     """fault_peer.py in a nested network namespace that receives v1 once it exists (moved there by pid)."""
-    configure = (f"until ip link show v1 >/dev/null 2>&1; do sleep 0.05; done; ip link set lo up; "
-                 f"ip addr add {VICTIM_HOST}/24 dev v1; ip link set v1 up; exec \"$0\" \"$@\"")  # fmt: skip
-    command = fault_peer.command(out, initial_peers, "applied", "--host_maddrs", f"/ip4/{VICTIM_HOST}/tcp/0",
-                                 "--value", "4")
+    configure = (
+        f"until ip link show v1 >/dev/null 2>&1; do sleep 0.05; done; ip link set lo up; "
+        f'ip addr add {VICTIM_HOST}/24 dev v1; ip link set v1 up; exec "$0" "$@"'
+    )
+    command = fault_peer.command(
+        out, initial_peers, "applied", "--host_maddrs", f"/ip4/{VICTIM_HOST}/tcp/0", "--value", "4"
+    )
     out.mkdir(parents=True)
     log = open(out / "log.txt", "w")  # the process outlives this function
-    victim = subprocess.Popen(["unshare", "-n", "sh", "-c", configure, *command], stdout=log, stderr=log,
-                              start_new_session=True)  # its own group: the daemons it starts die with it
+    victim = subprocess.Popen(
+        ["unshare", "-n", "sh", "-c", configure, *command], stdout=log, stderr=log, start_new_session=True
+    )  # its own group: the daemons it starts die with it
     # move v1 only once the child is in its own namespace: moved earlier (unshare(2) not called yet, as on a busy
     # machine), v1 stays in ours and the victim waits for it forever
     ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 30
@@ -74,8 +78,10 @@ def main(out: Path) -> None:
         victim_id = (out / "victim" / "peer_id.txt").read_text()
 
         def applied(since: float, group_ok) -> list[list[dict]]:
-            return [[r for r in p.records if r["applied"] and r["t_start"] > since and group_ok(set(r["group"]))]
-                    for p in survivors]  # fmt: skip
+            return [
+                [r for r in p.records if r["applied"] and r["t_start"] > since and group_ok(set(r["group"]))]
+                for p in survivors
+            ]
 
         def with_victim(group: set) -> bool:
             return victim_id in group
@@ -86,8 +92,11 @@ def main(out: Path) -> None:
         wait_until(lambda: all(applied(0, with_victim)), 120, lambda: [p.records[-3:] for p in survivors])
         ip("link", "set", "v0", "down")
         cut_at = time.time()
-        wait_until(lambda: all(len(rounds) >= 2 for rounds in applied(cut_at, survivors_only)), 120,
-                   lambda: [p.records[-3:] for p in survivors])  # fmt: skip
+        wait_until(
+            lambda: all(len(rounds) >= 2 for rounds in applied(cut_at, survivors_only)),
+            120,
+            lambda: [p.records[-3:] for p in survivors],
+        )
         resumed_at = time.time()
         ip("link", "set", "v0", "up")
         restored_at = time.time()
@@ -102,9 +111,10 @@ def main(out: Path) -> None:
             "survivors_alive": all(p.averager.is_alive() for p in survivors),
             "seconds_to_resume_after_cut": resumed_at - cut_at,
             "seconds_to_rejoin_after_restore": rejoined_at - restored_at,
-            "errors_during_cut": [r["error"] for p in survivors for r in p.records
-                                  if r["error"] and cut_at < r["t_start"] < restored_at],
-        }  # fmt: skip
+            "errors_during_cut": [
+                r["error"] for p in survivors for r in p.records if r["error"] and cut_at < r["t_start"] < restored_at
+            ],
+        }
     finally:
         if victim is not None:
             os.killpg(victim.pid, signal.SIGKILL)

@@ -47,9 +47,14 @@ def test_a_killed_averager_is_reported_once_and_restarted(swarm: Swarm, caplog):
         for peer in (a, b):
             peer.model[0].weight.add_(torch.randn_like(peer.model[0].weight))
         perturbed_at = (a.local_step, b.local_step)
-    wait_until(lambda: all(any(r["applied"] and r["step_at_snapshot"] >= step for r in p.records)
-                           for p, step in zip((a, b), perturbed_at, strict=True)), 60,
-               lambda: [p.records[-2:] for p in (a, b)])  # fmt: skip
+    wait_until(
+        lambda: all(
+            any(r["applied"] and r["step_at_snapshot"] >= step for r in p.records)
+            for p, step in zip((a, b), perturbed_at, strict=True)
+        ),
+        60,
+        lambda: [p.records[-2:] for p in (a, b)],
+    )
     swarm.stop_training()
     assert (a.model[0].weight - b.model[0].weight).abs().mean() < 0.05  # was ~1.1 after the perturbation
     assert all(torch.isfinite(t).all() for p in (a, b) for t in averaged_tensors(p))
@@ -139,8 +144,11 @@ def test_a_stalled_trainer_joins_at_most_one_group_it_does_not_trigger(swarm: Sw
     swarm.trainers.append(Trainer(stalled_step))
     swarm.trainers[-1].start()
     wait_until(lambda: "over" in stall, 120 + STALL_S, lambda: stalled.counters)
-    wait_until(lambda: all(any(r["applied"] and r["t_start"] > stall["over"] for r in p.records)
-                           for p in [*healthy, stalled]), 60, lambda: [p.records[-2:] for p in healthy])  # fmt: skip
+    wait_until(
+        lambda: all(any(r["applied"] and r["t_start"] > stall["over"] for r in p.records) for p in [*healthy, stalled]),
+        60,
+        lambda: [p.records[-2:] for p in healthy],
+    )
     swarm.stop_training()
 
     assert stall["formed"], "no group formed while the trainer was inside its step"
@@ -150,10 +158,24 @@ def test_a_stalled_trainer_joins_at_most_one_group_it_does_not_trigger(swarm: Sw
     # the AllReduce that waited for its part was over. They lose at most one of them: the round they formed
     # meanwhile is not cancelled for waiting on that AllReduce (their groupmates waited in it too).
     since, until = untriggered[0]["t_group_formed"] - 0.5, untriggered[0]["t_applied"] + FAST["next_chunk_timeout"]
+
     def in_window(r: dict) -> bool:
         return r["state"] in ("FAILED", "CANCELLED") and since <= (r["t_group_formed"] or r["t_start"]) <= until
 
-    lost = [[(r["round"], r["state"], r["error"], *(None if r[k] is None else round(r[k] - since, 2)
-                                                    for k in ("t_start", "t_group_formed", "t_triggered", "t_end")))
-             for r in p.records if in_window(r)] for p in healthy]  # fmt: skip
+    lost = [
+        [
+            (
+                r["round"],
+                r["state"],
+                r["error"],
+                *(
+                    None if r[k] is None else round(r[k] - since, 2)
+                    for k in ("t_start", "t_group_formed", "t_triggered", "t_end")
+                ),
+            )
+            for r in p.records
+            if in_window(r)
+        ]
+        for p in healthy
+    ]
     assert all(len(rs) <= 1 for rs in lost), lost

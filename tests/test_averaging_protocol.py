@@ -27,8 +27,14 @@ DESIGNS = {"improved": DecentralizedSGD, "old": OldDesignAverager}
 
 
 def start(design: str, dht: hivemind.DHT, model: torch.nn.Module) -> Averaging:
-    return DESIGNS[design](torch.optim.SGD(model.parameters(), lr=0.1), dht, prefix=f"protocol_{design}",
-                           model=model, min_matchmaking_time=1.0, request_timeout=0.5)
+    return DESIGNS[design](
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dht,
+        prefix=f"protocol_{design}",
+        model=model,
+        min_matchmaking_time=1.0,
+        request_timeout=0.5,
+    )
 
 
 def test_both_averagers_implement_the_protocol() -> None:

@@ -30,7 +30,8 @@ def test_failed_checkpoint_write_leaves_previous_checkpoints_intact(tmp_path: Pa
 
     with pytest.raises(OSError, match="No space left"):
         vissl.utils.checkpoint.save_checkpoint(
-            str(tmp_path), {"iteration": 20, "weights": torch.zeros(1000), "x": _FailsWhenSaved()},
+            str(tmp_path),
+            {"iteration": 20, "weights": torch.zeros(1000), "x": _FailsWhenSaved()},
             "model_iteration20.torch",
         )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model_iteration10.torch"]  # no partial file
@@ -46,8 +47,16 @@ def test_truncated_newest_checkpoint_is_named_in_a_clear_error(digits_dir: Path,
     data = (checkpoint_dir / "model_iteration16.torch").read_bytes()
     (checkpoint_dir / "model_iteration16.torch").write_bytes(data[: len(data) // 2])  # a crash mid-write
 
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--checkpoint_dir",
-                         str(checkpoint_dir), "--isolated", timeout=180)
+    result = run_trainer(
+        "--config",
+        "swav_tiny",
+        "--data_path",
+        str(digits_dir),
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--isolated",
+        timeout=180,
+    )
     assert result.returncode != 0
     assert "model_iteration16.torch" in result.stderr and "corrupt or truncated" in result.stderr
     assert "Traceback" not in result.stderr
@@ -63,9 +72,19 @@ def test_unreadable_image_is_skipped_with_a_warning_naming_it(digits_dir: Path, 
     broken = data / "train" / "1" / "0000_broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
 
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(data), "--checkpoint_dir", str(tmp_path / "ck"),
-                         "--isolated", "config.OPTIMIZER.num_epochs=2", "config.LOG_FREQUENCY=1",
-                         "config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP=[]", timeout=300)
+    result = run_trainer(
+        "--config",
+        "swav_tiny",
+        "--data_path",
+        str(data),
+        "--checkpoint_dir",
+        str(tmp_path / "ck"),
+        "--isolated",
+        "config.OPTIMIZER.num_epochs=2",
+        "config.LOG_FREQUENCY=1",
+        "config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP=[]",
+        timeout=300,
+    )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     assert "Couldn't load" in log and "0000_broken.png" in log

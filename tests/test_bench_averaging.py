@@ -12,9 +12,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = (
-    "samples_per_s_per_peer", "throughput_ratio", "rounds_per_min", "staleness_steps_mean", "staleness_steps_p95",
-    "duty_cycle", "group_size_mean", "rounds_failed", "hold_s_total", "hold_ms_per_step", "hold_share",
-)  # fmt: skip
+    "samples_per_s_per_peer",
+    "throughput_ratio",
+    "rounds_per_min",
+    "staleness_steps_mean",
+    "staleness_steps_p95",
+    "duty_cycle",
+    "group_size_mean",
+    "rounds_failed",
+    "hold_s_total",
+    "hold_ms_per_step",
+    "hold_share",
+)
 MODES = ("none", "improved", "hivemind_optimizer")
 # On a loaded machine hivemind.Optimizer's first round can fail (a follower's join request times out while its leader
 # waits for it until allreduce_timeout, 20 s in --quick) and hold the trainer past a 5 s window: a window with no
@@ -25,10 +34,26 @@ EXTEND_S = 60
 def test_bench_averaging_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_averaging.py"), "--quick", "--regimes", "sim_full",
-        "--modes", *MODES, "--peers", "2", "--seconds", "5", "--sim-params", "100000",
-        "--min-matchmaking-time", "1", "--extend-until-round", str(EXTEND_S), "--json", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_averaging.py"),
+        "--quick",
+        "--regimes",
+        "sim_full",
+        "--modes",
+        *MODES,
+        "--peers",
+        "2",
+        "--seconds",
+        "5",
+        "--sim-params",
+        "100000",
+        "--min-matchmaking-time",
+        "1",
+        "--extend-until-round",
+        str(EXTEND_S),
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300 + 2 * EXTEND_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]

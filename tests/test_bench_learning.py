@@ -29,9 +29,24 @@ def finite(value: float) -> bool:
 def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "learning"
     reports = {name: tmp_path / f"learning.{name}" for name in ("json", "md", "png")}
-    arguments = ["--quick", "--data_path", str(digits_dir), "--modes", "alone", "swarm", "random_init", "raw_pixels",
-                 "--out", str(out), "--json", str(reports["json"]), "--markdown", str(reports["md"]),
-                 "--plot", str(reports["png"])]  # fmt: skip
+    arguments = [
+        "--quick",
+        "--data_path",
+        str(digits_dir),
+        "--modes",
+        "alone",
+        "swarm",
+        "random_init",
+        "raw_pixels",
+        "--out",
+        str(out),
+        "--json",
+        str(reports["json"]),
+        "--markdown",
+        str(reports["md"]),
+        "--plot",
+        str(reports["png"]),
+    ]
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -85,8 +100,11 @@ def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, 
 
 
 def test_crossing_interpolates_and_says_not_reached() -> None:
-    curve = [{"steps": 0, "samples": 0, "knn": 0.5}, {"steps": 10, "samples": 480, "knn": 0.7},
-             {"steps": 20, "samples": 960, "knn": 0.9}]
+    curve = [
+        {"steps": 0, "samples": 0, "knn": 0.5},
+        {"steps": 10, "samples": 480, "knn": 0.7},
+        {"steps": 20, "samples": 960, "knn": 0.9},
+    ]
     assert bench_learning.crossing(curve, 0.8, "steps") == 15.0
     assert bench_learning.crossing(curve, 0.8, "samples") == 720.0
     assert bench_learning.crossing(curve, 0.5, "steps") == 0

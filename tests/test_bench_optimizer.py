@@ -20,8 +20,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_FIELDS = {"variant", "mode", "seed", "swarm_lr", "error", "peers", "curve", "final_accuracy", "steps_per_peer",
-              "rounds_applied_per_peer", "steps_per_round", "wall_s"}  # fmt: skip
+RUN_FIELDS = {
+    "variant",
+    "mode",
+    "seed",
+    "swarm_lr",
+    "error",
+    "peers",
+    "curve",
+    "final_accuracy",
+    "steps_per_peer",
+    "rounds_applied_per_peer",
+    "steps_per_round",
+    "wall_s",
+}
 PEER_FIELDS = {"rank", "batch", "steps", "local_samples", "peak_lr", "curve", "final_accuracy", "steps_per_round"}
 POINT_FIELDS = {"step", "swarm_samples", "local_samples", "accuracy"}
 
@@ -49,9 +61,24 @@ def digits_idx(folder: Path) -> Path:
 @pytest.mark.timeout(300)
 def test_quick_alone_and_swarm(tmp_path: Path) -> None:
     out, reports = tmp_path / "runs", {name: tmp_path / f"optimizer.{name}" for name in ("json", "md", "png")}
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_optimizer.py"), "--quick", "--modes", "alone", "swarm",
-               "--data_dir", str(digits_idx(tmp_path / "idx")), "--out", str(out), "--json", str(reports["json"]),
-               "--markdown", str(reports["md"]), "--plot", str(reports["png"])]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_optimizer.py"),
+        "--quick",
+        "--modes",
+        "alone",
+        "swarm",
+        "--data_dir",
+        str(digits_idx(tmp_path / "idx")),
+        "--out",
+        str(out),
+        "--json",
+        str(reports["json"]),
+        "--markdown",
+        str(reports["md"]),
+        "--plot",
+        str(reports["png"]),
+    ]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "expected about" in proc.stdout
@@ -77,8 +104,9 @@ def test_quick_alone_and_swarm(tmp_path: Path) -> None:
     assert len(alone["peers"]) == 1 and alone["steps_per_peer"] == settings["samples"] // settings["batch"]
     assert len(swarm["peers"]) == 3 and swarm["steps_per_peer"] == settings["samples"] // (3 * settings["batch"])
     # the swarm-wide schedule: a swarm peer's position is its local samples x 3, so both end at S samples
-    assert swarm["curve"][-1]["swarm_samples"] == alone["curve"][-1]["swarm_samples"] == alone["peers"][0][
-        "local_samples"]  # fmt: skip
+    assert (
+        swarm["curve"][-1]["swarm_samples"] == alone["curve"][-1]["swarm_samples"] == alone["peers"][0]["local_samples"]
+    )
     for peer in swarm["peers"]:
         assert peer["rounds_applied"] >= 1, peer  # every swarm peer averaged at least once
         assert peer["steps_per_round"] is not None and peer["steps_per_round"] > 0

@@ -37,8 +37,9 @@ def test_malformed_override(digits_dir: Path) -> None:
 
 
 def test_override_of_an_unknown_key(digits_dir: Path) -> None:
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "config.OPTIMIZER.no_such_key=3",
-                         timeout=180)
+    result = run_trainer(
+        "--config", "swav_tiny", "--data_path", str(digits_dir), "config.OPTIMIZER.no_such_key=3", timeout=180
+    )
     assert result.returncode != 0
     assert "config.OPTIMIZER.no_such_key" in result.stderr and "Traceback" not in result.stderr
 

@@ -26,7 +26,7 @@ def test_config_builds_model_and_runs_forward(name: str, size: int, trunk_dim: i
     assert head_name == "swav_head" and head_args["dims"][0] == trunk_dim
     model = build_model(config.MODEL, config.OPTIMIZER).eval()
     with torch.no_grad():
-        (embedding, scores), = model(torch.randn(2, 3, size, size))
+        ((embedding, scores),) = model(torch.randn(2, 3, size, size))
     assert embedding.shape == (2, head_args["dims"][-1])
     assert scores.shape == (2, head_args["num_clusters"][0])
     assert torch.isfinite(scores).all()

@@ -41,8 +41,9 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_waits_for_the_step_boundary_once_training_runs() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(REPO)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(REPO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "before training: at once"
         assert proc.stdout.readline().strip() == "training"

@@ -35,10 +35,22 @@ from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
 from decentralized_sgd.step_clock import StepClock
 
 RECORD_FIELDS = {
-    "round", "group_size", "matchmaking_s", "awaiting_trigger_s", "allreduce_s", "staleness_steps", "applied",
-    "error", "t_start", "t_end", "step_at_snapshot", "step_at_apply", "t_group_formed", "t_triggered",
+    "round",
+    "group_size",
+    "matchmaking_s",
+    "awaiting_trigger_s",
+    "allreduce_s",
+    "staleness_steps",
+    "applied",
+    "error",
+    "t_start",
+    "t_end",
+    "step_at_snapshot",
+    "step_at_apply",
+    "t_group_formed",
+    "t_triggered",
     "t_allreduce_start",
-}  # fmt: skip
+}
 
 
 @pytest.mark.timeout(30)
@@ -69,8 +81,11 @@ def test_compression_names_and_schema_fingerprint():
     with pytest.raises(ValueError):
         make_compression("int4")
     big = torch.randn(2**16)  # large enough for 8 bits; decoded the way a receiving peer does (hivemind's registry)
-    for name, max_bytes, max_mean_error in [("none", 4 * big.numel(), 0), ("fp16", 2 * big.numel(), 1e-3),
-                                            ("uint8", big.numel() + 2048, 0.05)]:  # fmt: skip
+    for name, max_bytes, max_mean_error in [
+        ("none", 4 * big.numel(), 0),
+        ("fp16", 2 * big.numel(), 1e-3),
+        ("uint8", big.numel() + 2048, 0.05),
+    ]:
         serialized = make_compression(name).compress(big, CompressionInfo.from_tensor(big))
         assert len(serialized.buffer) <= max_bytes
         with fixed_8bit_decoding():  # as in our averager process
@@ -95,8 +110,11 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
         swarm.train(peer)
 
     def momentum_is_mean() -> bool:
-        return all(torch.allclose(s["momentum_buffer"], torch.full_like(s["momentum_buffer"], 3.0), atol=1e-5)
-                   for p in peers for s in p.state.values())  # fmt: skip
+        return all(
+            torch.allclose(s["momentum_buffer"], torch.full_like(s["momentum_buffer"], 3.0), atol=1e-5)
+            for p in peers
+            for s in p.state.values()
+        )
 
     wait_until(lambda: all_equal_to(peers, 3.0) and momentum_is_mean(), 120, lambda: [p.counters for p in peers])
     swarm.stop_training()
@@ -142,12 +160,14 @@ def test_snapshot_is_taken_after_the_group_formed(swarm, refresh):
     a_model, b_model = make_model(0.0), make_model(0.0)
     a = swarm.peer(a_model, refresh_before_allreduce=refresh, pipeline=False)
     b = swarm.peer(b_model, refresh_before_allreduce=refresh, pipeline=False)
+
     def filled_round() -> dict | None:  # a round before it may have found no group (B still starting): no fill
         return next((r for r in a.records if r["step_at_snapshot"] is not None), None)
 
     # A's weight always equals its step counter, so the averaged value reveals which step the snapshot came from
-    swarm.train(a, update=lambda: a_model[0].weight.fill_(float(a.local_step + 1)),
-                until=lambda: filled_round() is not None)
+    swarm.train(
+        a, update=lambda: a_model[0].weight.fill_(float(a.local_step + 1)), until=lambda: filled_round() is not None
+    )
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
     wait_until(lambda: filled_round() is not None and not b_trainer.is_alive(), 90, lambda: (a.counters, b.counters))
     swarm.stop_training()
@@ -194,8 +214,10 @@ def test_next_group_forms_while_the_previous_allreduce_runs(swarm, monkeypatch):
         assert nxt["t_triggered"] >= prev["t_end"]
         assert nxt["t_triggered"] >= prev["t_applied"] or nxt["results_included"] == 1
         # the round's times, in order; its AllReduce as the averager process stamped it (it holds the slow network)
-        times = [nxt[key] for key in ("t_snapshot", "t_triggered", "t_allreduce_start", "t_end", "t_update_ready",
-                                      "t_applied")]  # fmt: skip
+        times = [
+            nxt[key]
+            for key in ("t_snapshot", "t_triggered", "t_allreduce_start", "t_end", "t_update_ready", "t_applied")
+        ]
         assert times == sorted(times), nxt
         assert nxt["allreduce_s"] >= 2.5
 
@@ -230,10 +252,19 @@ def test_survivors_keep_averaging_after_a_peer_is_sigkilled_mid_allreduce(swarm,
     marker, log_path = tmp_path / "victim_in_allreduce", tmp_path / "victim.log"
     with open(log_path, "w") as log:  # started early: importing torch in a fresh process is slow on a busy box
         victim = subprocess.Popen(
-            [sys.executable, "-c", VICTIM, str(REPO), str(swarm.dhts[0].get_visible_maddrs()[0]), str(marker),
-             json.dumps(FAST)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                VICTIM,
+                str(REPO),
+                str(swarm.dhts[0].get_visible_maddrs()[0]),
+                str(marker),
+                json.dumps(FAST),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         peers.append(swarm.peer(make_model(2.0)))
         for peer in peers:
@@ -258,13 +289,18 @@ def test_survivors_keep_averaging_after_a_peer_is_sigkilled_mid_allreduce(swarm,
         """The survivors' round(s) with the victim ended: averaged without it, or failed (hivemind then drops the group
         info, e.g. MatchmakingException('Unable to run All-Reduce: invalid state'))."""
         return [
-            r for p in peers for r in p.records
+            r
+            for p in peers
+            for r in p.records
             if (r["group"] and set(r["group"]) - ours)
             or (r["error"] and r["t_group_formed"] and r["t_group_formed"] <= frozen_at <= r["t_applied"])
-        ]  # fmt: skip
+        ]
 
-    wait_until(lambda: all(len(applied_after_kill(p)) >= 2 for p in peers) and resolved_with_victim(), 150,
-               lambda: [p.records for p in peers])  # fmt: skip
+    wait_until(
+        lambda: all(len(applied_after_kill(p)) >= 2 for p in peers) and resolved_with_victim(),
+        150,
+        lambda: [p.records for p in peers],
+    )
     swarm.stop_training()
     assert all(r["group_size"] == 2 for p in peers for r in applied_after_kill(p))
     assert all(torch.isfinite(t).all() for p in peers for t in averaged_tensors(p))
@@ -299,10 +335,11 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
     assert extra is not None and joiner.local_step == extra["iteration"] > 0
     joiner_state = joiner.model.state_dict()
     donors = [
-        p for p in peers
+        p
+        for p in peers
         if p.local_step == extra["iteration"]
         and all(torch.equal(t, joiner_state[k]) for k, t in p.model.state_dict().items())
-    ]  # fmt: skip
+    ]
     assert donors, "the joiner's params/buffers match no donor"
     donor_momentum = [donors[0].state[p]["momentum_buffer"] for p in donors[0].model.parameters()]
     joiner_momentum = [joiner.state[p]["momentum_buffer"] for p in joiner.model.parameters()]
@@ -363,12 +400,16 @@ def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_val
         return any(str(bad.peer_id) in (r["group"] or []) + (r.get("outliers") or []) for p in good for r in p.records)
 
     if bad_peer_checks_itself:  # weight 0: the good peers average exactly as if the bad one were absent
-        wait_until(lambda: bad_was_grouped() and all_equal_to(good, 1.0, atol=1e-6) and bad.counters["outlier_heals"],
-                   120, lambda: bad.records)  # fmt: skip
+        wait_until(
+            lambda: bad_was_grouped() and all_equal_to(good, 1.0, atol=1e-6) and bad.counters["outlier_heals"],
+            120,
+            lambda: bad.records,
+        )
         assert bad.counters["rounds_skipped_local_nonfinite"] >= 1
         skipped = [r for r in bad.records if r["error"] == "local snapshot not finite"]  # before it healed
         assert skipped and all(r["weight"] == 0.0 for r in skipped)
     else:  # its summary gives it away: the good peers leave it out before the AllReduce
+
         def excluded() -> list[dict]:  # records of rounds that left it out (a record is written when retired)
             return [r for p in good for r in p.records if str(bad.peer_id) in (r.get("outliers") or [])]
 
@@ -386,8 +427,11 @@ def test_peers_with_different_models_never_group(swarm):
     assert a.prefix == b.prefix != other.prefix and a.prefix.startswith("test_")
     for peer in (a, b, other):
         swarm.train(peer)
-    wait_until(lambda: a.counters["rounds_applied"] >= 2 and b.counters["rounds_applied"] >= 2, 90,
-               lambda: (a.counters, b.counters))  # fmt: skip
+    wait_until(
+        lambda: a.counters["rounds_applied"] >= 2 and b.counters["rounds_applied"] >= 2,
+        90,
+        lambda: (a.counters, b.counters),
+    )
     swarm.stop_training()
     assert all(r["group_size"] == 2 for r in a.records + b.records if r["applied"])
     assert other.counters["rounds_applied"] == 0 and all_equal_to([other], 5.0, atol=0)

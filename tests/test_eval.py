@@ -20,15 +20,20 @@ from tests.conftest import REPO, run_trainer, trainer_env
 from vissl_swarm.knn import exact_knn_predictions, knn_predictions
 
 # 2 batches of 16 images, one epoch: a real VISSL checkpoint in seconds (alone, no swarm)
-SHORT_RUN = ["--isolated", "config.DATA.TRAIN.DATA_LIMIT=32", "config.OPTIMIZER.num_epochs=1",
-             "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1"]
+SHORT_RUN = [
+    "--isolated",
+    "config.DATA.TRAIN.DATA_LIMIT=32",
+    "config.OPTIMIZER.num_epochs=1",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1",
+]
 
 
 @pytest.fixture(scope="module")
 def trained_dir(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     checkpoint_dir = tmp_path_factory.mktemp("eval") / "peer"
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--checkpoint_dir",
-                         str(checkpoint_dir), *SHORT_RUN)
+    result = run_trainer(
+        "--config", "swav_tiny", "--data_path", str(digits_dir), "--checkpoint_dir", str(checkpoint_dir), *SHORT_RUN
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return checkpoint_dir
 
@@ -43,14 +48,22 @@ def one_thread():
 
 
 def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "run_eval.py"), *args], cwd=REPO, env=trainer_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "run_eval.py"), *args],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-def test_trained_and_random_init_trunks_are_evaluated(trained_dir: Path, digits_dir: Path, tmp_path: Path,
-                                                      one_thread: None) -> None:
-    result = run_eval("--checkpoint", str(trained_dir), "--data_path", str(digits_dir), "--json",
-                      str(tmp_path / "knn.json"))
+def test_trained_and_random_init_trunks_are_evaluated(
+    trained_dir: Path, digits_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    result = run_eval(
+        "--checkpoint", str(trained_dir), "--data_path", str(digits_dir), "--json", str(tmp_path / "knn.json")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "knn.json").read_text())
     assert 0.0 <= report["top1"] <= 1.0
@@ -124,16 +137,18 @@ def test_streaming_knn_equals_exact_on_random_features(tmp_path: Path) -> None:
     np.save(tmp_path / "bank.npy", train.numpy())
     # chunks smaller than k, uneven last chunk and last query block; a bank on disk read in chunks; sizes derived
     # from a tiny memory budget
-    for bank, sizes in ((train, {"query_block": 37, "train_chunk": 13}),
-                        (tmp_path / "bank.npy", {"query_block": 100, "train_chunk": 7}),
-                        (tmp_path / "bank.npy", {"memory_gb": 1e-4})):
+    for bank, sizes in (
+        (train, {"query_block": 37, "train_chunk": 13}),
+        (tmp_path / "bank.npy", {"query_block": 100, "train_chunk": 7}),
+        (tmp_path / "bank.npy", {"memory_gb": 1e-4}),
+    ):
         streamed = knn_predictions(bank, labels.numpy(), val, k=20, temperature=0.1, num_classes=10, **sizes)
         assert torch.equal(streamed, exact), sizes
 
 
-def test_features_are_cached_and_the_streamed_vote_is_exact(trained_dir: Path, digits_dir: Path, tmp_path: Path,
-                                                           one_thread: None,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_features_are_cached_and_the_streamed_vote_is_exact(
+    trained_dir: Path, digits_dir: Path, tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "cache"
     first = evaluate(trained_dir, digits_dir, feature_cache=cache)
     cached = sorted(path.name for path in cache.iterdir())
@@ -152,8 +167,7 @@ def test_features_are_cached_and_the_streamed_vote_is_exact(trained_dir: Path, d
     exact = exact_knn_predictions(train, train_labels, val, k=20, temperature=0.1, num_classes=10)
     assert first.top1 == float((exact == val_labels).float().mean())
     for sizes in ({}, {"query_block": 50, "train_chunk": 100}):
-        streamed = knn_predictions(files["train"], train_labels, val, k=20, temperature=0.1, num_classes=10,
-                                   **sizes)
+        streamed = knn_predictions(files["train"], train_labels, val, k=20, temperature=0.1, num_classes=10, **sizes)
         assert torch.equal(streamed, exact), sizes
 
 

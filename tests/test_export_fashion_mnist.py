@@ -36,8 +36,9 @@ def digits_28() -> tuple[np.ndarray, np.ndarray]:
 
     digits = load_digits()
     small = (digits.images / digits.images.max() * 255.0).astype(np.uint8)
-    images = np.stack([np.asarray(Image.fromarray(image, mode="L").resize((28, 28), Image.BILINEAR))
-                       for image in small])
+    images = np.stack(
+        [np.asarray(Image.fromarray(image, mode="L").resize((28, 28), Image.BILINEAR)) for image in small]
+    )
     return images, digits.target.astype(np.uint8)
 
 
@@ -64,9 +65,10 @@ def test_export_layout_counts_and_labels(idx_dir: Path, tmp_path: Path) -> None:
     for split, count in (("train", NUM_TRAIN), ("val", NUM_VAL)):
         assert sorted(p.name for p in (tmp_path / split).iterdir() if p.is_dir()) == [str(c) for c in range(10)]
         files = exported(tmp_path, split)
-        source_labels = labels[offsets[split]:offsets[split] + count]
+        source_labels = labels[offsets[split] : offsets[split] + count]
         assert {label: len(paths) for label, paths in files.items()} == {
-            label: int((source_labels == label).sum()) for label in range(10)}
+            label: int((source_labels == label).sum()) for label in range(10)
+        }
         assert (tmp_path / split / ".complete").read_text() == f"{count}\n"
         for label, paths in files.items():
             for path in paths:  # each PNG is its IDX image, pixel for pixel, under its own label
@@ -95,13 +97,16 @@ def test_uncompressed_idx_is_read(tmp_path: Path) -> None:
     assert np.array_equal(read_idx(path, ndim=3), images[:7])
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncate_gzip", "not a readable gzip file"),
-    ("not_gzip", "not a readable gzip file"),
-    ("short_payload", "the file is truncated"),
-    ("bad_magic", "not an IDX file"),
-    ("labels_as_images", "expected 00000803"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncate_gzip", "not a readable gzip file"),
+        ("not_gzip", "not a readable gzip file"),
+        ("short_payload", "the file is truncated"),
+        ("bad_magic", "not an IDX file"),
+        ("labels_as_images", "expected 00000803"),
+    ],
+)
 def test_corrupt_idx_gives_clear_error(idx_dir: Path, tmp_path: Path, damage: str, message: str) -> None:
     bad = tmp_path / "idx"
     bad.mkdir()
@@ -132,7 +137,7 @@ def test_mismatched_counts_and_labels(idx_dir: Path, tmp_path: Path) -> None:
     for path in idx_dir.iterdir():
         (bad / path.name).write_bytes(path.read_bytes())
     labels_file = bad / f"{SPLITS['val'][1]}.gz"
-    write_idx(labels_file, labels[:NUM_VAL - 1])
+    write_idx(labels_file, labels[: NUM_VAL - 1])
     with pytest.raises(IdxError, match=f"holds {NUM_VAL} images but .* {NUM_VAL - 1} labels"):
         export_fashion_mnist(tmp_path / "out", bad)
     write_idx(labels_file, np.full(NUM_VAL, 12, dtype=np.uint8))
@@ -153,12 +158,20 @@ def test_missing_files_say_how_to_get_them(idx_dir: Path, tmp_path: Path) -> Non
 def test_command_line(idx_dir: Path, tmp_path: Path) -> None:
     """As the Makefile runs it: exit 0 and a summary; a bad --idx_dir: exit 2 and one clear line, no traceback."""
     script = str(REPO / "scripts" / "export_fashion_mnist.py")
-    done = subprocess.run([sys.executable, script, "--idx_dir", str(idx_dir), "--out", str(tmp_path / "out"),
-                           "--limit_train", "40"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, script, "--idx_dir", str(idx_dir), "--out", str(tmp_path / "out"), "--limit_train", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "train=40" in done.stdout and f"val={NUM_VAL}" in done.stdout
-    failed = subprocess.run([sys.executable, script, "--idx_dir", str(tmp_path / "nowhere"), "--out",
-                             str(tmp_path / "out2")], capture_output=True, text=True, timeout=120)
+    failed = subprocess.run(
+        [sys.executable, script, "--idx_dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out2")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert failed.returncode == 2 and failed.stderr.startswith("error: ") and "Traceback" not in failed.stderr
 
 
@@ -174,8 +187,9 @@ def test_vissl_disk_folder_reads_the_export(idx_dir: Path, tmp_path: Path) -> No
     export_fashion_mnist(tmp_path, idx_dir)
     config, _ = compose_config("swav_fashion", [], has_gpu=False)
     assert config.DATA.TRAIN.DATA_PATHS == ["data/fashion/train"]
-    dataset = DiskImageDataset(config, "disk_folder", str(tmp_path / "train"), split="TRAIN",
-                               dataset_name="fashion_mnist")
+    dataset = DiskImageDataset(
+        config, "disk_folder", str(tmp_path / "train"), split="TRAIN", dataset_name="fashion_mnist"
+    )
     assert len(dataset) == NUM_TRAIN
     image, is_success = dataset[0]
     assert is_success and image.mode == "RGB" and image.size == (28, 28)

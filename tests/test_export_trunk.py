@@ -42,10 +42,17 @@ def save_vissl_checkpoint(model: Any, folder: Path) -> Path:
     also holds the optimizer's and the loss's, which the export does not read)."""
     from vissl.utils.checkpoint import CheckpointWriter
 
-    content = {"phase_idx": 0, "iteration": 2, "loss": {}, "iteration_num": 2, "train_phase_idx": 0,
-               "classy_state_dict": {"base_model": model.get_classy_state(), "phase_idx": 0}}
-    CheckpointWriter(str(folder), is_final_train_phase=True, mode="phase", mode_num=0,
-                     backend="disk").save_consolidated_checkpoint(content)
+    content = {
+        "phase_idx": 0,
+        "iteration": 2,
+        "loss": {},
+        "iteration_num": 2,
+        "train_phase_idx": 0,
+        "classy_state_dict": {"base_model": model.get_classy_state(), "phase_idx": 0},
+    }
+    CheckpointWriter(
+        str(folder), is_final_train_phase=True, mode="phase", mode_num=0, backend="disk"
+    ).save_consolidated_checkpoint(content)
     return folder / "model_final_checkpoint_phase0.torch"
 
 
@@ -83,7 +90,8 @@ def vissl_trunk(config_name: str, folder: Path) -> torch.nn.Module:
 
 
 def test_resnet50_export_loads_into_torchvision_and_computes_the_same_features(
-        resnet_checkpoints: tuple[Any, list[Path]], tmp_path: Path) -> None:
+    resnet_checkpoints: tuple[Any, list[Path]], tmp_path: Path
+) -> None:
     _, folders = resnet_checkpoints
     images = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(7))
     for folder in (folders[0], folders[2]):  # the initial weights and trained-like ones
@@ -107,14 +115,30 @@ def test_resnet50_export_loads_into_torchvision_and_computes_the_same_features(
 
 
 def test_average_of_two_checkpoints_is_the_average_of_their_exports(
-        resnet_checkpoints: tuple[Any, list[Path]], tmp_path: Path) -> None:
+    resnet_checkpoints: tuple[Any, list[Path]], tmp_path: Path
+) -> None:
     _, folders = resnet_checkpoints
     first = export_trunk([folders[1]], "swav_resnet50", tmp_path / "peer0.pth")
     second = export_trunk([folders[2]], "swav_resnet50", tmp_path / "peer1.pth")
-    result = subprocess.run([sys.executable, str(REPO / "export_trunk.py"), "--average", "--checkpoint",
-                             str(folders[1]), str(folders[2]), "--config", "swav_resnet50", "--out",
-                             str(tmp_path / "average.pth")], cwd=REPO, env=trainer_env(), capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "export_trunk.py"),
+            "--average",
+            "--checkpoint",
+            str(folders[1]),
+            str(folders[2]),
+            "--config",
+            "swav_resnet50",
+            "--out",
+            str(tmp_path / "average.pth"),
+        ],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "average of 2 checkpoints" in result.stdout
     averaged = torch.load(tmp_path / "average.pth", weights_only=True)
@@ -208,15 +232,32 @@ def test_unusable_input_is_named(resnet_checkpoints: tuple[Any, list[Path]], tmp
     # averaging trunks of different widths: both checkpoints and the tensor are named
     state = {"conv1.weight": torch.zeros(64, 3, 7, 7), "bn1.num_batches_tracked": torch.tensor(3)}
     wider = dict(state, **{"conv1.weight": torch.zeros(128, 3, 7, 7)})
-    with pytest.raises(ExportError, match=r"a.torch and b.torch: conv1.weight has shape \(64, 3, 7, 7\) in the "
-                                          r"first and \(128, 3, 7, 7\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"a.torch and b.torch: conv1.weight has shape \(64, 3, 7, 7\) in the "
+        r"first and \(128, 3, 7, 7\)",
+    ):
         average_trunks([state, wider], [Path("a.torch"), Path("b.torch")])
     with pytest.raises(ExportError, match="different parameters"):
         average_trunks([state, {"conv1.weight": state["conv1.weight"]}], [Path("a.torch"), Path("b.torch")])
 
     # from the command line: a message, exit status 2, no traceback
-    result = subprocess.run([sys.executable, str(REPO / "export_trunk.py"), "--checkpoint", str(foreign),
-                             "--config", "swav_resnet50", "--out", str(out)], cwd=REPO, env=trainer_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "export_trunk.py"),
+            "--checkpoint",
+            str(foreign),
+            "--config",
+            "swav_resnet50",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "not a VISSL checkpoint" in result.stderr
     assert "Traceback" not in result.stderr

@@ -33,8 +33,12 @@ class FaultPeer:
         self.out, self.marker = out, out / "marker"
         out.mkdir(parents=True)
         self.log = open(out / "log.txt", "w")  # closed in kill()
-        self.process = subprocess.Popen(fault_peer.command(out, initial_peers, marker_when, *extra), stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            fault_peer.command(out, initial_peers, marker_when, *extra),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_for_marker(self, timeout: float) -> None:
         wait_until(lambda: self.marker.exists() or self.process.poll() is not None, timeout, self.log_text)
@@ -104,8 +108,11 @@ def test_peer_killed_in_matchmaking_then_restarted_then_killed_between_rounds(sw
     fault_peers.append(FaultPeer(tmp_path / "restarted", bootstrap, "applied", "--load_state"))
     fault_peers[1].wait_for_marker(180)
     restarted_id = fault_peers[1].peer_id
-    wait_until(lambda: any(restarted_id in (r["group"] or []) for p in survivors for r in p.records if r["applied"]),
-               60, lambda: [p.records[-3:] for p in survivors])  # fmt: skip
+    wait_until(
+        lambda: any(restarted_id in (r["group"] or []) for p in survivors for r in p.records if r["applied"]),
+        60,
+        lambda: [p.records[-3:] for p in survivors],
+    )
 
     # 3. SIGKILL right after it applied a round, before its next group forms
     killed_at = fault_peers[1].kill()
@@ -182,6 +189,7 @@ def test_the_others_keep_averaging_when_the_bootstrap_peer_is_gone(swarm):
     bootstrap, *others = [swarm.peer(make_model(value)) for value in (0.0, 2.0, 4.0)]
     for peer in (bootstrap, *others):
         train_with_local_steps(swarm, peer)
+
     def averaged_with_bootstrap(peer: DecentralizedSGD) -> bool:
         return any(str(bootstrap.peer_id) in r["group"] for r in peer.records if r["applied"])
 
@@ -199,8 +207,12 @@ def test_the_others_keep_averaging_when_the_bootstrap_peer_is_gone(swarm):
 @pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("ip")), reason="needs unshare (util-linux), ip")
 def test_a_peer_cut_off_the_network_and_restored(tmp_path):
     """tests/netcut_scenario.py in a network namespace of its own: a veth link to the third peer goes down, then up."""
-    result = subprocess.run(["unshare", "-rn", sys.executable, str(REPO / "tests" / "netcut_scenario.py"),
-                             str(tmp_path)], capture_output=True, text=True, timeout=400)  # fmt: skip
+    result = subprocess.run(
+        ["unshare", "-rn", sys.executable, str(REPO / "tests" / "netcut_scenario.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert result.returncode == 0, (result.stderr[-3000:], summary)
     assert summary["victim_alive"] and summary["survivors_alive"] and summary["survivors_finite"]

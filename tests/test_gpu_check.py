@@ -12,16 +12,23 @@ from tests.conftest import REPO, trainer_env
 
 def test_without_cuda_the_check_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None:
     env = {**trainer_env(), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [result.stdout.strip()] and "no CUDA GPU" in result.stdout
     assert list(tmp_path.iterdir()) == []  # nothing was run, nothing written
 
 
 def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
-                          env=env, timeout=60)
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_offline_script_rejects_a_folder_that_is_not_a_bundle(tmp_path: Path) -> None:
@@ -42,8 +49,11 @@ def test_offline_script_names_the_python_the_bundle_was_made_for(tmp_path: Path)
 
 def _install(name: str, requires: list[str], wheel_tag: str = "py3-none-any") -> dict:
     url = f"https://files.example/{name}-1.0-{wheel_tag}.whl"
-    return {"metadata": {"name": name, "version": "1.0", "requires_dist": requires}, "download_info": {"url": url},
-            "requested": name in {"hivemind", "torch", "torchvision"}}
+    return {
+        "metadata": {"name": name, "version": "1.0", "requires_dist": requires},
+        "download_info": {"url": url},
+        "requested": name in {"hivemind", "torch", "torchvision"},
+    }
 
 
 def test_bundle_leaves_out_the_torch_stack_and_build_only_dependencies() -> None:
@@ -52,20 +62,29 @@ def test_bundle_leaves_out_the_torch_stack_and_build_only_dependencies() -> None
         _install("torch", ["sympy", "typing-extensions", "nvidia-cudnn-cu12; platform_system == 'Linux'"], compiled),
         _install("torchvision", ["torch", "numpy", "pillow"], compiled),
         _install("hivemind", ["torch", "numpy", "scipy", "grpcio-tools", "pydantic", "uvloop; sys_platform == 'win'"]),
-        _install("scipy", ["numpy"], compiled), _install("numpy", [], compiled), _install("pillow", [], compiled),
-        _install("grpcio-tools", ["grpcio"], compiled), _install("grpcio", [], compiled),
-        _install("pydantic", ["typing-extensions"]), _install("typing-extensions", []), _install("sympy", []),
-        _install("nvidia-cudnn-cu12", [], compiled), _install("uvloop", [], compiled),
-    ]  # fmt: skip
+        _install("scipy", ["numpy"], compiled),
+        _install("numpy", [], compiled),
+        _install("pillow", [], compiled),
+        _install("grpcio-tools", ["grpcio"], compiled),
+        _install("grpcio", [], compiled),
+        _install("pydantic", ["typing-extensions"]),
+        _install("typing-extensions", []),
+        _install("sympy", []),
+        _install("nvidia-cudnn-cu12", [], compiled),
+        _install("uvloop", [], compiled),
+    ]
     # numpy: compiled and torchvision needs it (the machine has it); typing-extensions: pure Python, kept
     assert sorted(runtime_closure(installs, "3.12")) == ["hivemind", "pydantic", "scipy", "typing-extensions"]
 
 
 def test_bundle_sets_scipy_aside_with_what_our_packages_ask_of_it(tmp_path: Path) -> None:
     compiled = "cp312-cp312-manylinux2014_x86_64"
-    installs = [_install("hivemind", ["scipy>=1.2.1", "scipy<1; sys_platform == 'win32'"]),
-                _install("torch", [], compiled), _install("torchvision", ["torch"], compiled),
-                _install("scipy", [], compiled)]  # fmt: skip
+    installs = [
+        _install("hivemind", ["scipy>=1.2.1", "scipy<1; sys_platform == 'win32'"]),
+        _install("torch", [], compiled),
+        _install("torchvision", ["torch"], compiled),
+        _install("scipy", [], compiled),
+    ]
     needed = runtime_closure(installs, "3.12")
     (tmp_path / "wheels").mkdir()
     for name in ("hivemind-1.0-py3-none-any.whl", f"scipy-1.0-{compiled}.whl"):

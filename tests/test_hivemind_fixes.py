@@ -123,8 +123,9 @@ def test_a_departure_is_one_line_and_other_errors_keep_their_traceback():
     record = _record("hivemind.utils.asyncio", "await_cancelled", "Exception in <Task ...>:", race)
     assert _DepartureIsOneLine().filter(record) and record.exc_info is None
     slow = TimeoutError()  # a donor too busy to send its next part in time: hivemind tries the next one
-    record = _record("hivemind.averaging.averager", "_load_state_from_peers", f"Failed to download state from Qm - "
-                     f"{slow!r}", slow)  # fmt: skip
+    record = _record(
+        "hivemind.averaging.averager", "_load_state_from_peers", f"Failed to download state from Qm - {slow!r}", slow
+    )
     assert _DepartureIsOneLine().filter(record) and record.exc_info is None
     assert record.getMessage() == "Failed to download state from Qm - TimeoutError()"
     ours = _record("decentralized_sgd.scheduler", "_tick", "unexpected", daemon_gone)
@@ -164,8 +165,10 @@ def test_an_abandoned_task_that_failed_on_a_departure_is_one_warning_and_other_e
         asyncio_logger.removeFilter(one_line)
     departure, bug = records
     assert departure.levelno == logging.WARNING and departure.exc_info is None
-    assert departure.getMessage() == ("hivemind's matchmaking task ended on a departure while its round was "
-                                      "cancelled: ConnectionResetError('Connection lost')")  # fmt: skip
+    assert departure.getMessage() == (
+        "hivemind's matchmaking task ended on a departure while its round was "
+        "cancelled: ConnectionResetError('Connection lost')"
+    )
     assert bug.levelno == logging.ERROR and bug.exc_info is not None  # not a departure: full traceback
     assert "Task exception was never retrieved" in bug.getMessage()
 
@@ -175,8 +178,10 @@ def test_locked_connection_keeps_concurrent_messages_whole():
     sender, messages, received = LockedConnection(sender), 20, []
     reader = threading.Thread(target=lambda: received.extend(receiver.recv() for _ in range(4 * messages)))
     reader.start()
-    senders = [threading.Thread(target=lambda i=i: [sender.send((i, bytes([i]) * 200_000)) for _ in range(messages)])
-               for i in range(4)]  # fmt: skip
+    senders = [
+        threading.Thread(target=lambda i=i: [sender.send((i, bytes([i]) * 200_000)) for _ in range(messages)])
+        for i in range(4)
+    ]
     for thread in senders:
         thread.start()
     for thread in [*senders, reader]:
@@ -185,10 +190,18 @@ def test_locked_connection_keeps_concurrent_messages_whole():
 
 
 def make_averager(dht: hivemind.DHT, address=None) -> Averager:
-    return Averager([torch.zeros(3)], dht, prefix="fixes", target_group_size=2, min_matchmaking_time=1.0,
-                    request_timeout=0.5, state_fn=lambda: (None, [], None), trigger_grace=1.0,
-                    handler_address=address if address is not None else handler_address_slot(),
-                    shutdown_timeout=1.0)  # fmt: skip
+    return Averager(
+        [torch.zeros(3)],
+        dht,
+        prefix="fixes",
+        target_group_size=2,
+        min_matchmaking_time=1.0,
+        request_timeout=0.5,
+        state_fn=lambda: (None, [], None),
+        trigger_grace=1.0,
+        handler_address=address if address is not None else handler_address_slot(),
+        shutdown_timeout=1.0,
+    )
 
 
 @pytest.fixture
@@ -210,8 +223,9 @@ def test_waits_on_a_stopped_averager_have_deadlines(dht):
                     pass
         os.kill(averager.pid, signal.SIGSTOP)
         with pytest.raises(AveragerUnresponsive):  # hivemind's step() would wait for the acknowledgement forever
-            averager.start_step(scheduled_time=get_dht_time() + 1, deadline=get_dht_time() + 5, gather=None,
-                                timeout=0.5)
+            averager.start_step(
+                scheduled_time=get_dht_time() + 1, deadline=get_dht_time() + 5, gather=None, timeout=0.5
+            )
         t0 = time.monotonic()
         averager.shutdown()  # hivemind's shutdown() leaves a stopped process alive (its SIGTERM stays pending)
         assert not averager.is_alive() and time.monotonic() - t0 < 1.0 + 7.0 + 5.0
@@ -304,8 +318,13 @@ def _stopped(pid: int) -> bool:
 def _step_seen_when_its_futures_end(cancel) -> tuple[bool, bool]:
     """A real StepControl with real trigger and cancel futures: was the step cancelled when each of them ended?"""
     trigger, cancel_future = MPFuture(), MPFuture()  # first: hivemind's MPFuture backend starts with a plain one
-    step = StepControl(scheduled_time=get_dht_time(), deadline=get_dht_time() + 60, allow_retries=False, weight=1.0,
-                       data_for_gather=b"")  # fmt: skip
+    step = StepControl(
+        scheduled_time=get_dht_time(),
+        deadline=get_dht_time() + 60,
+        allow_retries=False,
+        weight=1.0,
+        data_for_gather=b"",
+    )
     seen: dict[str, bool] = {}
     trigger.add_done_callback(lambda _: seen.setdefault("trigger", step.cancelled()))
     cancel_future.add_done_callback(lambda _: seen.setdefault("cancel", step.cancelled()))

@@ -31,8 +31,11 @@ def test_no_swarm_secret_with_hivemind_optimizer() -> None:
     from vissl_swarm import swarm
 
     with pytest.raises(swarm.SwarmError, match="need the improved averager .*hivemind_optimizer"):
-        run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--averager", "hivemind_optimizer",
-                                                           "--swarm_secret", "s3cret"]))  # fmt: skip
+        run_trainer.swarm_settings(
+            run_trainer.parse_args(
+                ["--config", "swav_tiny", "--averager", "hivemind_optimizer", "--swarm_secret", "s3cret"]
+            )
+        )
 
 
 @pytest.mark.parametrize("averager", ["old", "hivemind_optimizer"])
@@ -41,8 +44,9 @@ def test_no_staleness_bound_with_a_baseline(averager: str) -> None:
     from vissl_swarm import swarm
 
     with pytest.raises(swarm.SwarmError, match=f"--max_staleness needs the improved averager .*{averager}"):
-        run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--averager", averager,
-                                                           "--max_staleness", "2"]))  # fmt: skip
+        run_trainer.swarm_settings(
+            run_trainer.parse_args(["--config", "swav_tiny", "--averager", averager, "--max_staleness", "2"])
+        )
 
 
 def test_target_batch_size_default_and_environment() -> None:
@@ -72,8 +76,14 @@ def test_installed_inside_larc_vissl_lr_reaches_the_sgd(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.0)
     larc = _Larc(sgd)
-    task = SimpleNamespace(optimizer=SimpleNamespace(optimizer=larc), dht=dht, run_prefix="unit_swav",
-                           base_model=model, get_global_batchsize=lambda: 8, training_progress=lambda: {})
+    task = SimpleNamespace(
+        optimizer=SimpleNamespace(optimizer=larc),
+        dht=dht,
+        run_prefix="unit_swav",
+        base_model=model,
+        get_global_batchsize=lambda: 8,
+        training_progress=lambda: {},
+    )
     settings = swarm.SwarmSettings(target_group_size=2, min_matchmaking_time=1.0, averaging_timeout=5.0)
     averager = None
     try:
@@ -108,11 +118,28 @@ def test_installed_inside_larc_vissl_lr_reaches_the_sgd(tmp_path: Path) -> None:
 # 20 steps per epoch alone (320 images, batch 16), 8 epochs: 160 steps for the swarm, ~80 per box; a global epoch
 # (a round) every 320 samples of the swarm: ~10 steps per box
 BOXES, IMAGES, EPOCHS, BATCH, TARGET = 2, 320, 8, 16, 320
-OVERRIDES = [f"config.DATA.TRAIN.DATA_LIMIT={IMAGES}", f"config.OPTIMIZER.num_epochs={EPOCHS}",
-             "config.LOG_FREQUENCY=10", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1000"]
-FLAGS = ["--run_id", "hmotest", "--averager", "hivemind_optimizer", "--target_group_size", "2",
-         "--min_matchmaking_time", "2", "--averaging_timeout", "20", "--next_chunk_timeout", "5",
-         "--load_state_timeout", "0"]
+OVERRIDES = [
+    f"config.DATA.TRAIN.DATA_LIMIT={IMAGES}",
+    f"config.OPTIMIZER.num_epochs={EPOCHS}",
+    "config.LOG_FREQUENCY=10",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1000",
+]
+FLAGS = [
+    "--run_id",
+    "hmotest",
+    "--averager",
+    "hivemind_optimizer",
+    "--target_group_size",
+    "2",
+    "--min_matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "5",
+    "--load_state_timeout",
+    "0",
+]
 DONE = re.compile(r"the swarm's budget is done \((\d+) of (\d+) samples\); this box trained (\d+) iterations")
 
 
@@ -120,8 +147,13 @@ DONE = re.compile(r"the swarm's budget is done \((\d+) of (\d+) samples\); this 
 def test_two_boxes_average_with_hivemind_optimizer_and_exit_cleanly(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"box{index}", tmp_path, env={TARGET_BATCH_ENV: str(TARGET)}) for index in range(BOXES)]
     try:
-        start_swarm_together(peers, digits_dir, FLAGS, OVERRIDES,
-                             per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+        start_swarm_together(
+            peers,
+            digits_dir,
+            FLAGS,
+            OVERRIDES,
+            per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"],
+        )
         wait_until(lambda: not any(peer.is_running() for peer in peers), 300, "both boxes ending by themselves")
     finally:
         stop_all(peers)
@@ -129,7 +161,7 @@ def test_two_boxes_average_with_hivemind_optimizer_and_exit_cleanly(digits_dir: 
     for peer in peers:
         log = peer.log_text()
         assert peer.process.returncode == 0, peer.exit_message()
-        assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+        assert "Traceback" not in log, log[log.index("Traceback") - 500 :][:3000]
         assert f"a global epoch (an averaging round) every {TARGET} samples of the swarm" in log
         done = DONE.search(log)
         assert done, f"{peer.name} did not end at the swarm's budget: {peer.exit_message()}"

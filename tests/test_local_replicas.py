@@ -15,15 +15,33 @@ import torch.multiprocessing as mp
 from tests.conftest import REPO
 from vissl_swarm import local_replicas
 
-COLLECTIVES = {"broadcast", "broadcast_object_list", "all_reduce", "all_gather", "all_gather_object", "reduce",
-               "scatter", "gather", "barrier", "all_to_all", "reduce_scatter"}
+COLLECTIVES = {
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "reduce",
+    "scatter",
+    "gather",
+    "barrier",
+    "all_to_all",
+    "reduce_scatter",
+}
 
 
-@pytest.mark.parametrize(("backend", "expected"), [("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),
-                                                   ("cpu:gloo,cuda:nccl", torch.device("cuda", 3)),
-                                                   ("mpi", torch.device("cpu"))])
-def test_collective_device_follows_the_backend(monkeypatch: pytest.MonkeyPatch, backend: str,
-                                               expected: torch.device) -> None:
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("nccl", torch.device("cuda", 3)),
+        ("gloo", torch.device("cpu")),
+        ("cpu:gloo,cuda:nccl", torch.device("cuda", 3)),
+        ("mpi", torch.device("cpu")),
+    ],
+)
+def test_collective_device_follows_the_backend(
+    monkeypatch: pytest.MonkeyPatch, backend: str, expected: torch.device
+) -> None:
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert local_replicas.collective_device() == expected
@@ -76,9 +94,17 @@ def _worker(rank: int, init_file: str, results: Path) -> None:
             local_replicas.sync_replicas(model, optimizer)
         same_momentum_object = optimizer.state[next(iter(model.parameters()))]["momentum_buffer"] is momentum
         after_round = local_replicas.replica_checksums(model, optimizer)
-        torch.save(dict(after_download=after_download, after_round=after_round, lr=lr_after_download,
-                        applied=applied, same_momentum_object=same_momentum_object, devices=seen_devices),
-                   results / f"rank{rank}.pt")
+        torch.save(
+            dict(
+                after_download=after_download,
+                after_round=after_round,
+                lr=lr_after_download,
+                applied=applied,
+                same_momentum_object=same_momentum_object,
+                devices=seen_devices,
+            ),
+            results / f"rank{rank}.pt",
+        )
     finally:
         dist.broadcast = broadcast
         dist.destroy_process_group()
@@ -88,8 +114,9 @@ def test_two_gloo_processes_take_rank0s_parameters_buffers_and_momentum(tmp_path
     """Spawned, not forked: a fork of the pytest process copies the threads of earlier tests' hivemind peers (their
     locks too), and a child can hang on one of them before it reaches init_process_group."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context = mp.start_processes(_worker, args=(str(tmp_path / "init"), tmp_path), nprocs=2, start_method="spawn",
-                                 join=False)
+    context = mp.start_processes(
+        _worker, args=(str(tmp_path / "init"), tmp_path), nprocs=2, start_method="spawn", join=False
+    )
     deadline = time.monotonic() + 400  # two spawned interpreters importing torch: minutes on a loaded 2-core machine
     try:
         while not context.join(timeout=1):

@@ -37,15 +37,43 @@ FORGED_STEP = 10**6
 
 # the trainers run until the test stops them; publish (LOG_FREQUENCY) every 2 steps; no checkpoints on the way
 LOG_FREQUENCY = 2
-TRAINER_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=300",
-                     f"config.LOG_FREQUENCY={LOG_FREQUENCY}", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100000"]
-TRAINER_FLAGS = ["--run_id", "montest", "--averager", "old", "--target_group_size", "2", "--min_matchmaking_time",
-                 "2", "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none"]
+TRAINER_OVERRIDES = [
+    "config.DATA.TRAIN.DATA_LIMIT=160",
+    "config.OPTIMIZER.num_epochs=300",
+    f"config.LOG_FREQUENCY={LOG_FREQUENCY}",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100000",
+]
+TRAINER_FLAGS = [
+    "--run_id",
+    "montest",
+    "--averager",
+    "old",
+    "--target_group_size",
+    "2",
+    "--min_matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "4",
+    "--compression",
+    "none",
+]
 
 
 def record(step: int, peer_id: str = "QmHonest") -> dict:
-    return make_record(step=step, samples_per_s=12.5, loss=3.2, group_size=2, staleness_steps=1, rounds_ok=4,
-                       rounds_failed=0, averager_failures=1, time=get_dht_time(), peer_id=peer_id)
+    return make_record(
+        step=step,
+        samples_per_s=12.5,
+        loss=3.2,
+        group_size=2,
+        staleness_steps=1,
+        rounds_ok=4,
+        rounds_failed=0,
+        averager_failures=1,
+        time=get_dht_time(),
+        peer_id=peer_id,
+    )
 
 
 def dht(initial_peers: list[str], validators: list | None) -> hivemind.DHT:
@@ -88,8 +116,12 @@ def test_forged_and_malformed_records_are_rejected() -> None:
         # another peer's subkey: the forger's DHT cannot sign for that key, and every peer refuses the record
         assert not forger.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
         # correctly signed but against the schema: a float step, a missing field, a field too many, a negative count
-        bad_values = [{**record(8), "step": 8.0}, {k: v for k, v in record(8).items() if k != "loss"},
-                      {**record(8), "admin": True}, {**record(8), "averager_failures": -1}]
+        bad_values = [
+            {**record(8), "step": 8.0},
+            {k: v for k, v in record(8).items() if k != "loss"},
+            {**record(8), "admin": True},
+            {**record(8), "averager_failures": -1},
+        ]
         for bad_value in bad_values:
             assert not honest.store(key, bad_value, expiration + 2, subkey=victim), bad_value
         # a subkey without the owner's public key in it
@@ -120,11 +152,18 @@ def test_forged_and_malformed_records_are_rejected() -> None:
 def stub_task(node: hivemind.DHT, iteration: int) -> SimpleNamespace:
     """The parts of a DecentralizedSelfSupervisionTask that the hook reads, around a real DHT."""
     applied = {"applied": True, "group_size": 3, "staleness_steps": 2}  # then a failed round
-    averager = SimpleNamespace(last_applied_record=lambda: applied,
-                               counters={"rounds_applied": 5, "rounds_failed": 1, "averager_failures": 2})
-    return SimpleNamespace(dht=node, decentralized_sgd=averager, swarm_settings=SimpleNamespace(run_id="hooktest"),
-                           train=True, iteration=iteration, get_global_batchsize=lambda: 16,
-                           last_batch=SimpleNamespace(loss=torch.tensor(float("nan"))))
+    averager = SimpleNamespace(
+        last_applied_record=lambda: applied, counters={"rounds_applied": 5, "rounds_failed": 1, "averager_failures": 2}
+    )
+    return SimpleNamespace(
+        dht=node,
+        decentralized_sgd=averager,
+        swarm_settings=SimpleNamespace(run_id="hooktest"),
+        train=True,
+        iteration=iteration,
+        get_global_batchsize=lambda: 16,
+        last_batch=SimpleNamespace(loss=torch.tensor(float("nan"))),
+    )
 
 
 def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture) -> None:
@@ -144,10 +183,21 @@ def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture
                 hook.on_step(task)
             published = wait_until(
                 lambda last=last: [r for r in fetch_metrics(monitor, "hooktest").values() if r["step"] == last],
-                30, f"the hook's record of step {last}")
-        assert published == [{**published[0], "group_size": 3, "staleness_steps": 2, "rounds_ok": 5,
-                               "rounds_failed": 1, "averager_failures": 2, "loss": None,
-                               "peer_id": str(trainer.peer_id)}]
+                30,
+                f"the hook's record of step {last}",
+            )
+        assert published == [
+            {
+                **published[0],
+                "group_size": 3,
+                "staleness_steps": 2,
+                "rounds_ok": 5,
+                "rounds_failed": 1,
+                "averager_failures": 2,
+                "loss": None,
+                "peer_id": str(trainer.peer_id),
+            }
+        ]
         # the hook skips a step while its previous store is in flight: let that one finish before the DHT dies
         wait_until(lambda: hook._pending is None or hook._pending.done(), 30, "the hook's last store")
     finally:
@@ -181,12 +231,26 @@ def test_trainers_publish_through_the_swarm_hooks() -> None:
 
 def start_monitor(tmp_path: Path, table: Path) -> tuple[subprocess.Popen, Path]:
     log_path = tmp_path / "monitor.log"
-    command = [sys.executable, str(REPO / "run_monitor.py"), "--run_id", "montest", "--config", "swav_tiny",
-               "--host_maddrs", *LOOPBACK, "--refresh_period", "2", "--json", str(table),
-               "--tensorboard_dir", str(tmp_path / "tensorboard")]
+    command = [
+        sys.executable,
+        str(REPO / "run_monitor.py"),
+        "--run_id",
+        "montest",
+        "--config",
+        "swav_tiny",
+        "--host_maddrs",
+        *LOOPBACK,
+        "--refresh_period",
+        "2",
+        "--json",
+        str(table),
+        "--tensorboard_dir",
+        str(tmp_path / "tensorboard"),
+    ]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return process, log_path
 
 
@@ -227,9 +291,13 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
             return rows if ids == trainer_ids else None
 
         wait_until(both_trainers_listed, 400, "both trainers in the monitor's table")
-        rows = wait_until(lambda: [row for row in both_trainers_listed() or [] if row["group_size"] == 2],
-                          300, "an averaging round of the two trainers in the monitor's table")
+        rows = wait_until(
+            lambda: [row for row in both_trainers_listed() or [] if row["group_size"] == 2],
+            300,
+            "an averaging round of the two trainers in the monitor's table",
+        )
         assert rows[0]["rounds_ok"] >= 1 and rows[0]["samples_per_s"] > 0 and rows[0]["averager_failures"] == 0
+
         # both trained past their first progress line, where the old design once crashed (last_applied_record)
         def both_past(step: int) -> list[dict] | None:
             rows = both_trainers_listed()
@@ -244,8 +312,9 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
         assert victim_id in trainer_ids
         rogue = dht(addresses, None)
         forged = {**record(FORGED_STEP, peer_id=victim_id), "time": get_dht_time() + 30}
-        rogue.store(metrics_key("montest"), forged, get_dht_time() + 600, subkey=victim, return_future=True
-                    ).result(timeout=60)
+        rogue.store(metrics_key("montest"), forged, get_dht_time() + 600, subkey=victim, return_future=True).result(
+            timeout=60
+        )
         assert stored_step(rogue, metrics_key("montest"), victim) == FORGED_STEP  # it validates nothing
         seen = monitor_table(table)["refresh"]
         wait_until(lambda: monitor_table(table).get("refresh", 0) >= seen + 2, 60, "two more monitor refreshes")
@@ -275,13 +344,22 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> list[float]:
     return [event.value for event in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--initial_peers", "/ip4/127.0.0.1/tcp/31337"], "has no /p2p/<peer id> part"),
-    (["--refresh_period", "0"], "--refresh_period must be positive"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--initial_peers", "/ip4/127.0.0.1/tcp/31337"], "has no /p2p/<peer id> part"),
+        (["--refresh_period", "0"], "--refresh_period must be positive"),
+    ],
+)
 def test_bad_monitor_flags_fail_with_a_clear_error(flags: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, str(REPO / "run_monitor.py"), *flags], cwd=REPO, env=trainer_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "run_monitor.py"), *flags],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
@@ -293,14 +371,29 @@ def test_the_table_lists_peers_that_average_with_nobody() -> None:
     now = 1_000.0
 
     def published(peer_id: str, no_group_s: float | None, seen_at: float) -> dict:
-        record = make_record(step=10, samples_per_s=1.0, loss=1.0, group_size=None, staleness_steps=None,
-                             rounds_ok=0, rounds_failed=4, time=seen_at, peer_id=peer_id, no_group_s=no_group_s or 0)
+        record = make_record(
+            step=10,
+            samples_per_s=1.0,
+            loss=1.0,
+            group_size=None,
+            staleness_steps=None,
+            rounds_ok=0,
+            rounds_failed=4,
+            time=seen_at,
+            peer_id=peer_id,
+            no_group_s=no_group_s or 0,
+        )
         return record if no_group_s is not None else {k: v for k, v in record.items() if k != "no_group_s"}
 
-    records = {b"a": published("QmLonelyPeer01", 95.0, now - 1), b"b": published("QmBusyPeer0002", 3.0, now - 1),
-               b"c": published("QmGonePeer0003", 500.0, now - 600), b"d": published("QmOlderPeer004", None, now - 1)}
+    records = {
+        b"a": published("QmLonelyPeer01", 95.0, now - 1),
+        b"b": published("QmBusyPeer0002", 3.0, now - 1),
+        b"c": published("QmGonePeer0003", 500.0, now - 600),
+        b"d": published("QmOlderPeer004", None, now - 1),
+    }
     rows = peer_rows(records, now, alive_window=60)
     table = format_table(rows, swarm_totals(rows))
     alone = [line for line in table.splitlines() if line.startswith("alone")]
-    assert alone == ["alone (no averaging round for over a minute; its log's warning says what to check): "
-                     "lyPeer01 (95 s)"]
+    assert alone == [
+        "alone (no averaging round for over a minute; its log's warning says what to check): lyPeer01 (95 s)"
+    ]

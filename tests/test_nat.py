@@ -39,8 +39,22 @@ def nat_tools() -> None:
 
 def run_scenario(out: Path, scenario: str, mode: str) -> dict:
     """The scenario until every NATed box applied 2 rounds in a group of >= 2 (at most 150 s of averaging)."""
-    result = run_orchestrator(["unshare", "-rn", sys.executable, str(SCENARIO), scenario, mode, str(out),
-                               "--until_rounds", "2", "--measure_s", "150"], timeout=360)  # fmt: skip
+    result = run_orchestrator(
+        [
+            "unshare",
+            "-rn",
+            sys.executable,
+            str(SCENARIO),
+            scenario,
+            mode,
+            str(out),
+            "--until_rounds",
+            "2",
+            "--measure_s",
+            "150",
+        ],
+        timeout=360,
+    )
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     assert result.returncode == 0, (result.stderr[-3000:], summary)
     return summary

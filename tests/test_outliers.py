@@ -31,14 +31,22 @@ def sketch() -> WeightSketch:
     return WeightSketch([math.prod(shape) for shape in SHAPES], seed="test_run", dims=32, samples=2048)
 
 
-def summaries(points: dict[str, list[torch.Tensor]], references: dict[str, list[torch.Tensor]] | None = None,
-              steps: dict[str, int] | None = None) -> dict[str, Summary]:  # fmt: skip
+def summaries(
+    points: dict[str, list[torch.Tensor]],
+    references: dict[str, list[torch.Tensor]] | None = None,
+    steps: dict[str, int] | None = None,
+) -> dict[str, Summary]:
     """At step 7 (or `steps`), with references (if any) from step 6."""
     sk, references, steps = sketch(), references or {}, steps or {}
-    return {name: Summary(np.array(sk(tensors)), step=steps.get(name, 7),
-                          reference=np.array(sk(references[name])) if name in references else None,
-                          reference_step=6 if name in references else None)
-            for name, tensors in points.items()}  # fmt: skip
+    return {
+        name: Summary(
+            np.array(sk(tensors)),
+            step=steps.get(name, 7),
+            reference=np.array(sk(references[name])) if name in references else None,
+            reference_step=6 if name in references else None,
+        )
+        for name, tensors in points.items()
+    }
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -67,7 +75,8 @@ def test_sketch_is_seeded_estimates_distances_and_has_the_exact_norm():
     tiny = WeightSketch([12, 3], seed="test_run")  # the tests' models: their own point, distances exact
     x, y = [torch.randn(12), torch.randn(3)], [torch.randn(12), torch.randn(3)]
     assert np.linalg.norm(np.array(tiny(x))[:-1] - np.array(tiny(y))[:-1]) == pytest.approx(
-        float((flat(x) - flat(y)).norm()), rel=1e-6)
+        float((flat(x) - flat(y)).norm()), rel=1e-6
+    )
 
 
 @pytest.mark.timeout(60)
@@ -77,10 +86,12 @@ def test_a_diverged_peer_is_the_outlier_and_healthy_groups_have_none():
     assert set(verdict.outliers) == {"bad"} and verdict.inliers == ("h0", "h1")
     assert "distance" in verdict.outliers["bad"] and "refused 1 of 3" in verdict.describe()
     # the issue's healthy cases: three spread peers, identical peers, and peers from different random inits
-    for group in ({"a": weights(value=0.0), "b": weights(value=3.0), "c": weights(value=6.0)},
-                  {"a": weights(value=1.0), "b": weights(value=1.0), "c": weights(value=1.0)},
-                  {"a": weights(1), "b": weights(2), "c": weights(3), "d": weights(4)},
-                  {"a": weights(1), "b": weights(2), "c": weights(3)}):  # fmt: skip
+    for group in (
+        {"a": weights(value=0.0), "b": weights(value=3.0), "c": weights(value=6.0)},
+        {"a": weights(value=1.0), "b": weights(value=1.0), "c": weights(value=1.0)},
+        {"a": weights(1), "b": weights(2), "c": weights(3), "d": weights(4)},
+        {"a": weights(1), "b": weights(2), "c": weights(3)},
+    ):
         verdict = rule.judge(summaries(group))
         assert not verdict.outliers, verdict.describe()
 
@@ -94,8 +105,9 @@ def test_the_floor_separates_a_drift_from_noise():
     assert set(rule.judge(drifted).outliers) == {"drift"} and "per step" in rule.judge(drifted).outliers["drift"]
     pair = summaries({"a": base, "drift": [t * 1.05 for t in base]}, references=synced)  # two: still decided
     assert set(rule.judge(pair).outliers) == {"drift"}
-    noisy = summaries({"a": base, "b": [t * 1.001 for t in base], "drift": [t * 0.999 for t in base]},
-                      references=synced)  # fmt: skip
+    noisy = summaries(
+        {"a": base, "b": [t * 1.001 for t in base], "drift": [t * 0.999 for t in base]}, references=synced
+    )
     assert not rule.judge(noisy).outliers  # 0.1%: fp16 rounding and a few local steps are not a divergence
 
 
@@ -103,8 +115,10 @@ def test_the_floor_separates_a_drift_from_noise():
 def test_peers_that_train_at_different_speeds_are_not_outliers():
     rule, base, step = OutlierRule(), weights(5), [torch.full_like(t, 1e-2) for t in weights(5)]
     synced = {"fast": base, "slow": base, "mid": base}  # each moved by its own steps since it last averaged
-    moved = {name: [b + count * s for b, s in zip(base, step, strict=True)] for name, count in
-             (("fast", 30), ("slow", 1), ("mid", 10))}  # fmt: skip
+    moved = {
+        name: [b + count * s for b, s in zip(base, step, strict=True)]
+        for name, count in (("fast", 30), ("slow", 1), ("mid", 10))
+    }
     group = summaries(moved, references=synced, steps={"fast": 36, "slow": 7, "mid": 16})
     verdict = rule.judge(group)
     assert not verdict.outliers, verdict.describe()
@@ -138,10 +152,10 @@ def test_references_decide_a_group_of_two():
 
 @pytest.mark.timeout(60)
 def test_every_member_reaches_the_same_verdict_whatever_the_order():
-    group = summaries({"h0": weights(value=0.0), "h1": weights(value=1.0), "h2": weights(value=2.0),
-                       "bad": weights(value=50.0)})  # fmt: skip
-    verdicts = {frozenset(OutlierRule().judge(dict(order)).outliers)
-                for order in itertools.permutations(group.items())}  # fmt: skip
+    group = summaries(
+        {"h0": weights(value=0.0), "h1": weights(value=1.0), "h2": weights(value=2.0), "bad": weights(value=50.0)}
+    )
+    verdicts = {frozenset(OutlierRule().judge(dict(order)).outliers) for order in itertools.permutations(group.items())}
     assert verdicts == {frozenset({"bad"})}
 
 
@@ -154,14 +168,23 @@ def test_missing_or_malformed_summaries_and_non_finite_points_are_refused():
     assert (again.step, again.reference_step) == (good.step, good.reference_step)
     without_step = Summary.from_wire({**good.to_wire(), "ref_step": None}, sk.size)  # a reference from no step
     assert without_step is not None and without_step.reference is None
-    for bad in (None, "x", {"v": 99, "point": good.to_wire()["point"], "step": 1},
-                {**good.to_wire(), "point": [1.0, 2.0]}, {**good.to_wire(), "step": "3"},
-                {**good.to_wire(), "point": ["a"] * sk.size}):  # fmt: skip
+    for bad in (
+        None,
+        "x",
+        {"v": 99, "point": good.to_wire()["point"], "step": 1},
+        {**good.to_wire(), "point": [1.0, 2.0]},
+        {**good.to_wire(), "step": "3"},
+        {**good.to_wire(), "point": ["a"] * sk.size},
+    ):
         assert Summary.from_wire(bad, sk.size) is None
     nan_weights = weights(2)
     nan_weights[0][0, 0] = math.inf
-    group = {"a": good, "b": Summary(np.array(sk(weights(1))), step=3), "broken": None,
-             "nan": Summary(np.array(sk(nan_weights)), step=3)}  # fmt: skip
+    group = {
+        "a": good,
+        "b": Summary(np.array(sk(weights(1))), step=3),
+        "broken": None,
+        "nan": Summary(np.array(sk(nan_weights)), step=3),
+    }
     verdict = OutlierRule().judge(group)
     assert set(verdict.outliers) == {"broken", "nan"}
     assert "no valid" in verdict.outliers["broken"] and "not finite" in verdict.outliers["nan"]
@@ -206,9 +229,12 @@ def test_update_check_refuses_an_update_far_larger_than_expected():
 @pytest.mark.timeout(60)
 def test_judge_group_refuses_members_without_a_token_before_looking_at_their_weights():
     sk = sketch()
-    good = {name: {"summary": summary.to_wire(), "token": f"token-{name}".encode()}
-            for name, summary in summaries({"h0": weights(value=0.0), "h1": weights(value=1.0),
-                                            "bad": weights(value=1e4)}).items()}  # fmt: skip
+    good = {
+        name: {"summary": summary.to_wire(), "token": f"token-{name}".encode()}
+        for name, summary in summaries(
+            {"h0": weights(value=0.0), "h1": weights(value=1.0), "bad": weights(value=1e4)}
+        ).items()
+    }
     payloads = {**good, "intruder": {"summary": good["h1"]["summary"], "token": b"guessed"}, "junk": 42}
 
     def is_member(name: str, token: object) -> bool:

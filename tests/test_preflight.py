@@ -15,16 +15,44 @@ from vissl_swarm import preflight
 from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, wait_until
 from vissl_swarm.preflight import Advice, Measured, Settings, advise
 
-FLAGS = ["--run_id", "pftest", "--preflight", "20", "--target_group_size", "2", "--min_matchmaking_time", "1",
-         "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--load_state_timeout", "0"]
+FLAGS = [
+    "--run_id",
+    "pftest",
+    "--preflight",
+    "20",
+    "--target_group_size",
+    "2",
+    "--min_matchmaking_time",
+    "1",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "4",
+    "--load_state_timeout",
+    "0",
+]
 
 
 def measured(**changes) -> Measured:
     """A measured box: swav_tiny numbers of a loopback pre-flight on the loaded 2-core machine."""
-    numbers = dict(boxes=2, rounds_applied=14, rounds_failed=0, rounds_no_group=1, group_sizes=(2,) * 14,
-                   allreduce_s=0.6, allreduce_max_s=1.2, bytes_per_round=130_000.0, link_mbit=1.7,
-                   matchmaking_s=1.1, staleness_steps=3.0, staleness_max_steps=6, steps=150, seconds=60.0,
-                   values=130_000, compression="fp16")
+    numbers = dict(
+        boxes=2,
+        rounds_applied=14,
+        rounds_failed=0,
+        rounds_no_group=1,
+        group_sizes=(2,) * 14,
+        allreduce_s=0.6,
+        allreduce_max_s=1.2,
+        bytes_per_round=130_000.0,
+        link_mbit=1.7,
+        matchmaking_s=1.1,
+        staleness_steps=3.0,
+        staleness_max_steps=6,
+        steps=150,
+        seconds=60.0,
+        values=130_000,
+        compression="fp16",
+    )
     return Measured(**{**numbers, **changes})
 
 
@@ -53,11 +81,31 @@ def test_allreduce_bytes_is_the_butterfly_share() -> None:
 def test_a_fast_link_and_a_slow_link_get_different_advice() -> None:
     current = Settings()
     # a fast link: ResNet-50-sized rounds (25.6M values, fp16, group 3) in 1.06 s, 0.31 s steps (1 Gbit/s bench)
-    fast = measured(boxes=3, group_sizes=(3,) * 20, allreduce_s=1.06, allreduce_max_s=1.4, values=25_600_000,
-                    bytes_per_round=68_000_000.0, link_mbit=515.0, steps=600, seconds=186.0, staleness_steps=4.1)
+    fast = measured(
+        boxes=3,
+        group_sizes=(3,) * 20,
+        allreduce_s=1.06,
+        allreduce_max_s=1.4,
+        values=25_600_000,
+        bytes_per_round=68_000_000.0,
+        link_mbit=515.0,
+        steps=600,
+        seconds=186.0,
+        staleness_steps=4.1,
+    )
     # a slow one: the same rounds in 7.56 s (100 Mbit/s bench)
-    slow = measured(boxes=3, group_sizes=(3,) * 20, allreduce_s=7.56, allreduce_max_s=9.0, values=25_600_000,
-                    bytes_per_round=68_000_000.0, link_mbit=72.0, steps=600, seconds=186.0, staleness_steps=25.0)
+    slow = measured(
+        boxes=3,
+        group_sizes=(3,) * 20,
+        allreduce_s=7.56,
+        allreduce_max_s=9.0,
+        values=25_600_000,
+        bytes_per_round=68_000_000.0,
+        link_mbit=72.0,
+        steps=600,
+        seconds=186.0,
+        staleness_steps=25.0,
+    )
     fast_advice, slow_advice = by_flag(advise(fast, current)), by_flag(advise(slow, current))
     assert fast_advice != slow_advice
     assert float(slow_advice["--min_matchmaking_time"]) > float(fast_advice["--min_matchmaking_time"])
@@ -65,8 +113,14 @@ def test_a_fast_link_and_a_slow_link_get_different_advice() -> None:
     assert slow_advice["--compression"] == fast_advice["--compression"] == "fp16"  # 25.6M values in fp32: > a step
     assert fast_advice["--averaging_timeout"] == slow_advice["--averaging_timeout"] == "60"  # 3 x 9 s < 60 s
     # a very slow link: the AllReduce alone needs a longer timeout, and groups of 2
-    crawl = by_flag(advise(measured(boxes=4, group_sizes=(4,) * 5, allreduce_max_s=40.0, allreduce_s=35.0,
-                                    values=25_600_000, link_mbit=15.0), current))
+    crawl = by_flag(
+        advise(
+            measured(
+                boxes=4, group_sizes=(4,) * 5, allreduce_max_s=40.0, allreduce_s=35.0, values=25_600_000, link_mbit=15.0
+            ),
+            current,
+        )
+    )
     assert crawl["--averaging_timeout"] == "120"
     assert crawl["--target_group_size"] == "2"
 
@@ -86,11 +140,23 @@ def test_advice_for_a_larger_model_at_the_measured_rate_and_at_a_known_one() -> 
 
 
 def test_a_box_that_never_averaged_is_told_why_and_bad_numbers_are_refused() -> None:
-    alone = measured(boxes=1, rounds_applied=0, group_sizes=(), allreduce_s=None, allreduce_max_s=None,
-                     bytes_per_round=None, link_mbit=None, rounds_no_group=12)
+    alone = measured(
+        boxes=1,
+        rounds_applied=0,
+        group_sizes=(),
+        allreduce_s=None,
+        allreduce_max_s=None,
+        bytes_per_round=None,
+        link_mbit=None,
+        rounds_no_group=12,
+    )
     advice = advise(alone, Settings())
-    assert {a.flag for a in advice} == {"--target_group_size", "--min_matchmaking_time", "--averaging_timeout",
-                                        "--compression"}
+    assert {a.flag for a in advice} == {
+        "--target_group_size",
+        "--min_matchmaking_time",
+        "--averaging_timeout",
+        "--compression",
+    }
     assert all("no averaging round was applied" in a.reason for a in advice)
     with pytest.raises(preflight.PreflightError):
         advise(measured(steps=0), Settings())
@@ -100,15 +166,32 @@ def test_a_box_that_never_averaged_is_told_why_and_bad_numbers_are_refused() -> 
 
 def test_measure_reads_round_records() -> None:
     rounds = [
-        {"applied": True, "group_size": 2, "group": ["me", "you"], "allreduce_s": 0.5, "matchmaking_s": 1.0,
-         "staleness_steps": 2, "state": "APPLIED", "t_group_formed": 1.0},
-        {"applied": True, "group_size": 2, "group": ["me", "you"], "allreduce_s": 1.5, "matchmaking_s": 2.0,
-         "staleness_steps": 4, "state": "APPLIED", "t_group_formed": 2.0},
+        {
+            "applied": True,
+            "group_size": 2,
+            "group": ["me", "you"],
+            "allreduce_s": 0.5,
+            "matchmaking_s": 1.0,
+            "staleness_steps": 2,
+            "state": "APPLIED",
+            "t_group_formed": 1.0,
+        },
+        {
+            "applied": True,
+            "group_size": 2,
+            "group": ["me", "you"],
+            "allreduce_s": 1.5,
+            "matchmaking_s": 2.0,
+            "staleness_steps": 4,
+            "state": "APPLIED",
+            "t_group_formed": 2.0,
+        },
         {"applied": False, "state": "FAILED", "t_group_formed": None, "group_size": None},
         {"applied": False, "state": "FAILED", "t_group_formed": 3.0, "group_size": 2},
     ]
-    m = preflight.measure(rounds, {"values": 1_000_000, "compression": "fp16", "steps": 40, "seconds": 20.0,
-                                   "peer": "me"})
+    m = preflight.measure(
+        rounds, {"values": 1_000_000, "compression": "fp16", "steps": 40, "seconds": 20.0, "peer": "me"}
+    )
     assert (m.boxes, m.rounds_applied, m.rounds_failed, m.rounds_no_group) == (2, 2, 1, 1)
     assert m.bytes_per_round == 2_000_000  # fp16, group of 2
     assert m.link_mbit == pytest.approx(2 * 2_000_000 * 8 / 2.0 / 1e6)
@@ -143,9 +226,11 @@ def test_bad_preflight_flags_fail_with_a_clear_error_before_training() -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--preflight takes a positive number of seconds, got 0.0" in result.stderr
     assert "Traceback" not in result.stderr
-    for flags, message in ((["--preflight", "nan"], "--preflight takes a positive number"),
-                           (["--preflight", "--isolated"], "it runs neither with --isolated"),
-                           (["--preflight", "30", "--averager", "old"], "nor with --averager old")):
+    for flags, message in (
+        (["--preflight", "nan"], "--preflight takes a positive number"),
+        (["--preflight", "--isolated"], "it runs neither with --isolated"),
+        (["--preflight", "30", "--averager", "old"], "nor with --averager old"),
+    ):
         with pytest.raises(SwarmError, match=re.escape(message)):
             trainer.swarm_settings(trainer.parse_args(["--config", "swav_tiny", *flags]))
     settings = trainer.swarm_settings(trainer.parse_args(["--config", "swav_tiny", "--run_id", "r", "--preflight"]))

@@ -50,9 +50,25 @@ def test_plain_pytorch_snippet_runs() -> None:
 
 def run_demo(digits_dir: Path, out: Path, minutes: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "demo.py"), "--data_path", str(digits_dir), "--peers", "2", "--minutes",
-         str(minutes), "--min_matchmaking_time", "2", "--out", str(out)],
-        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=420,
+        [
+            sys.executable,
+            str(REPO / "demo.py"),
+            "--data_path",
+            str(digits_dir),
+            "--peers",
+            "2",
+            "--minutes",
+            str(minutes),
+            "--min_matchmaking_time",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
 
 
@@ -69,8 +85,9 @@ def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Pa
         assert "Traceback" not in output, f"run {run}: {output[-3000:]}"
         assert "traceback(s)" not in output, f"run {run}: {output[-3000:]}"  # nor in a peer's log (demo warns)
         assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stdout  # the join line
-        header = ("| peer | steps | own_samples | swarm_samples | final_loss | rounds | mean_group_size "
-                  "| mean_staleness |")
+        header = (
+            "| peer | steps | own_samples | swarm_samples | final_loss | rounds | mean_group_size | mean_staleness |"
+        )
         assert header in result.stdout
         assert (out / "swarm.png").stat().st_size > 10_000
         rows = [line for line in result.stdout.splitlines() if line.startswith("| peer") and "steps" not in line]
@@ -81,13 +98,20 @@ def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Pa
         first_step = json.loads((out / "peer0" / "progress.jsonl").read_text().splitlines()[0])["step"]
         assert first_step <= 5, f"run {run}: peer0 started at step {first_step}, not from scratch"
         assert (out / "summary.md").read_text().strip() == "\n".join(
-            line for line in result.stdout.splitlines() if line.startswith("|"))
+            line for line in result.stdout.splitlines() if line.startswith("|")
+        )
 
 
 def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
     (tmp_path / "thesis.tex").write_text("not a demo's")
-    result = subprocess.run([sys.executable, str(REPO / "demo.py"), "--out", str(tmp_path)], cwd=REPO,
-                            env=trainer_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "demo.py"), "--out", str(tmp_path)],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "is not empty and no demo made it" in result.stderr, result.stderr
     assert (tmp_path / "thesis.tex").read_text() == "not a demo's"
 
@@ -95,9 +119,23 @@ def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
 def test_demo_whose_peers_do_not_train_says_so(tmp_path: Path) -> None:
     """A demo whose first peer cannot start (no images at --data_path): the table shows it, the demo says why and
     exits non-zero."""
-    result = subprocess.run([sys.executable, str(REPO / "demo.py"), "--data_path", str(tmp_path / "nothing"),
-                             "--peers", "2", "--out", str(tmp_path / "out")], cwd=REPO, env=trainer_env(),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "demo.py"),
+            "--data_path",
+            str(tmp_path / "nothing"),
+            "--peers",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "| peer0 | 0 |" in result.stdout and "| peer1 | 0 |" in result.stdout
     assert "error: the demo failed: peer0 did not train" in result.stderr
@@ -207,6 +245,7 @@ def test_the_number_rule_catches_a_wrong_number() -> None:
 
 # --- commands --------------------------------------------------------------------------------------------------------
 
+
 def bash_commands(text: str) -> list[str]:
     """The command lines of the ```bash blocks, continuation lines joined and comments dropped."""
     commands = []
@@ -230,8 +269,12 @@ def test_readme_commands_parse_with_the_scripts_own_parsers() -> None:
     import run_monitor
     import run_trainer
 
-    parsers = {"run_trainer.py": run_trainer, "run_monitor.py": run_monitor, "run_eval.py": run_eval,
-               "export_trunk.py": export_trunk}
+    parsers = {
+        "run_trainer.py": run_trainer,
+        "run_monitor.py": run_monitor,
+        "run_eval.py": run_eval,
+        "export_trunk.py": export_trunk,
+    }
     makefile = (REPO / "Makefile").read_text()
     parsed = set()
     for doc, text in DOCS.items():

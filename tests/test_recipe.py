@@ -44,9 +44,15 @@ def test_peers_of_a_run_build_the_same_initial_model_and_keep_their_own_randomne
 
 def box_config(name: str, digits_dir: Path, *overrides: str) -> TrainerConfig:
     train = digits_dir / "train"
-    return compose_trainer_config(name, [f"config.DATA.TRAIN.DATA_PATHS=[{train}]",
-                                         f"config.CHECKPOINT.DIR={digits_dir.parent / 'recipe_checkpoints'}",
-                                         *overrides], has_gpu=True)
+    return compose_trainer_config(
+        name,
+        [
+            f"config.DATA.TRAIN.DATA_PATHS=[{train}]",
+            f"config.CHECKPOINT.DIR={digits_dir.parent / 'recipe_checkpoints'}",
+            *overrides,
+        ],
+        has_gpu=True,
+    )
 
 
 def test_the_resnet50_recipe_is_scaled_to_the_box_and_the_dataset(digits_dir: Path) -> None:
@@ -67,8 +73,13 @@ def test_the_resnet50_recipe_is_scaled_to_the_box_and_the_dataset(digits_dir: Pa
 
 
 def test_user_overrides_win_over_the_recipe(digits_dir: Path) -> None:
-    composed = box_config("swav_resnet50", digits_dir, "config.LOSS.swav_loss.queue.queue_length=512",
-                          "config.OPTIMIZER.param_schedulers.lr.start_value=0.05", "config.RECIPE.queue_start_epoch=2")
+    composed = box_config(
+        "swav_resnet50",
+        digits_dir,
+        "config.LOSS.swav_loss.queue.queue_length=512",
+        "config.OPTIMIZER.param_schedulers.lr.start_value=0.05",
+        "config.RECIPE.queue_start_epoch=2",
+    )
     config = composed.config
     assert config.LOSS.swav_loss.queue.queue_length == 512
     assert config.LOSS.swav_loss.queue.start_iter == 2 * (count_images(digits_dir / "train") // 64)
@@ -103,17 +114,22 @@ def test_prototypes_are_normalised_inside_the_averaging_hooks_lock_window() -> N
 # swav_vit_small's recipe on a ViT small enough for the CPU (2 layers, 64 wide, 8px patches of 32px crops) and on
 # swav_tiny's two 32px views of the digits (their small crops collapse SwAV there, see configs/swav_tiny.yaml)
 SMALL_VIT = [
-    "config.MODEL.TRUNK.VISION_TRANSFORMERS.IMAGE_SIZE=32", "config.MODEL.TRUNK.VISION_TRANSFORMERS.PATCH_SIZE=8",
-    "config.MODEL.TRUNK.VISION_TRANSFORMERS.NUM_LAYERS=2", "config.MODEL.TRUNK.VISION_TRANSFORMERS.NUM_HEADS=2",
-    "config.MODEL.TRUNK.VISION_TRANSFORMERS.HIDDEN_DIM=64", "config.MODEL.TRUNK.VISION_TRANSFORMERS.MLP_DIM=128",
+    "config.MODEL.TRUNK.VISION_TRANSFORMERS.IMAGE_SIZE=32",
+    "config.MODEL.TRUNK.VISION_TRANSFORMERS.PATCH_SIZE=8",
+    "config.MODEL.TRUNK.VISION_TRANSFORMERS.NUM_LAYERS=2",
+    "config.MODEL.TRUNK.VISION_TRANSFORMERS.NUM_HEADS=2",
+    "config.MODEL.TRUNK.VISION_TRANSFORMERS.HIDDEN_DIM=64",
+    "config.MODEL.TRUNK.VISION_TRANSFORMERS.MLP_DIM=128",
     "config.MODEL.HEAD.PARAMS=[[swav_head,{dims:[64,128,32],use_bn:true,num_clusters:[30]}]]",
 ]
 DIGIT_VIEWS = [
     "config.DATA.TRAIN.TRANSFORMS=[{name:ImgPilToMultiCrop,total_num_crops:2,size_crops:[32],num_crops:[2],"
     "crop_scales:[[0.5,1]]},{name:ImgPilColorDistortion,strength:0.3},{name:ToTensor},"
     "{name:Normalize,mean:[0.5,0.5,0.5],std:[0.5,0.5,0.5]}]",
-    "config.DATA.NUM_DATALOADER_WORKERS=0", "config.DATA.TRAIN.MMAP_MODE=False",
-    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16", "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=False",
+    "config.DATA.NUM_DATALOADER_WORKERS=0",
+    "config.DATA.TRAIN.MMAP_MODE=False",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16",
+    "config.HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD=False",
 ]
 
 
@@ -130,17 +146,29 @@ def test_vit_param_groups_leave_norms_biases_and_embeddings_without_weight_decay
     free = [names[id(p)] for group in groups if group["weight_decay"] == 0.0 for p in group["params"]]
     assert sorted(decayed + free) == sorted(names.values())  # each parameter in exactly one group
     # DINO's rule (biases and norms, the 1-D parameters, are not decayed) plus the ViT's two embeddings
-    expected_free = {name for name, param in model.named_parameters()
-                     if param.ndim == 1 or name.endswith(("pos_embed", "cls_token"))}
+    expected_free = {
+        name for name, param in model.named_parameters() if param.ndim == 1 or name.endswith(("pos_embed", "cls_token"))
+    }
     assert set(free) == expected_free and {"trunk.pos_embed", "trunk.cls_token"} <= expected_free
 
 
 @pytest.mark.timeout(300)
 def test_the_vit_recipe_trains_on_the_cpu(digits_dir: Path, tmp_path: Path) -> None:
     """AdamW, the weight-decay schedule, the warm-up, clipping: the SwAV loss falls over 3 epochs (267 steps)."""
-    result = run_trainer("--config", "swav_vit_small", "--data_path", str(digits_dir), "--checkpoint_dir",
-                         str(tmp_path / "vit"), "--isolated", *SMALL_VIT, *DIGIT_VIEWS,
-                         "config.OPTIMIZER.num_epochs=3", "config.LOG_FREQUENCY=5", timeout=280)
+    result = run_trainer(
+        "--config",
+        "swav_vit_small",
+        "--data_path",
+        str(digits_dir),
+        "--checkpoint_dir",
+        str(tmp_path / "vit"),
+        "--isolated",
+        *SMALL_VIT,
+        *DIGIT_VIEWS,
+        "config.OPTIMIZER.num_epochs=3",
+        "config.LOG_FREQUENCY=5",
+        timeout=280,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[recipe] OPTIMIZER.param_schedulers.lr: x0.0625" in result.stderr  # batch 16 of DINO's 256
     losses = [entry["loss"] for entry in read_jsonl(tmp_path / "vit" / "stdout.json")]

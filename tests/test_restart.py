@@ -37,8 +37,11 @@ def test_address_book_keeps_the_newest_peers_in_a_file(tmp_path: Path, caplog: p
     assert not book.remember({"QmA": ["/ip4/10.0.0.1/tcp/1"]}, now=2.0)  # seen again, same address: no new file
     book.remember({"QmC": ["/ip4/10.0.0.3/tcp/3", "/ip4/10.0.0.3/tcp/4"], "QmEmpty": []}, now=3.0)
     again = AddressBook(path, keep=2)  # what a restarted box reads: the two most recently seen, newest first
-    assert again.addresses() == ["/ip4/10.0.0.3/tcp/3/p2p/QmC", "/ip4/10.0.0.3/tcp/4/p2p/QmC",
-                                 "/ip4/10.0.0.1/tcp/1/p2p/QmA"]
+    assert again.addresses() == [
+        "/ip4/10.0.0.3/tcp/3/p2p/QmC",
+        "/ip4/10.0.0.3/tcp/4/p2p/QmC",
+        "/ip4/10.0.0.1/tcp/1/p2p/QmA",
+    ]
     assert again.addresses(exclude=["QmC"]) == ["/ip4/10.0.0.1/tcp/1/p2p/QmA"]  # our own id is never dialed
     path.write_text("{not json")
     assert len(AddressBook(path)) == 0 and "cannot be read" in caplog.text  # a broken file: a warning, no crash
@@ -54,17 +57,24 @@ def test_a_restarted_first_box_dials_the_peers_it_met(tmp_path: Path) -> None:
     joiners, again = [], None
     try:
         addresses = [str(address) for address in first.get_visible_maddrs()]
-        joiners = [swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, initial_peers=addresses))
-                   for _ in range(2)]
+        joiners = [
+            swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, initial_peers=addresses)) for _ in range(2)
+        ]
         rejoiner = rejoiner_of(first)
-        wait_until(lambda: rejoiner.check() is None and len(AddressBook(book_path)) == 2, 60,
-                   "both joiners in the first box's address book")
+        wait_until(
+            lambda: rejoiner.check() is None and len(AddressBook(book_path)) == 2,
+            60,
+            "both joiners in the first box's address book",
+        )
         first.shutdown()
         # the joiners still have each other: nobody dials the first box again
         again = swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, address_book=book_path))
         assert (dht_peer_count(again) or 0) >= 1  # back in the swarm at start, without --initial_peers
-        wait_until(lambda: all(str(again.peer_id) in neighbours(joiner) for joiner in joiners), 60,
-                   "the joiners knowing the restarted first box")
+        wait_until(
+            lambda: all(str(again.peer_id) in neighbours(joiner) for joiner in joiners),
+            60,
+            "the joiners knowing the restarted first box",
+        )
     finally:
         for dht in [*joiners, again]:
             if dht is not None:
@@ -87,32 +97,50 @@ def test_the_whole_swarm_restarts_in_another_order(tmp_path: Path, capfd: pytest
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        boxes.append({"identity": str(identity), "port": port,
-                      "address": f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"})
+        boxes.append(
+            {
+                "identity": str(identity),
+                "port": port,
+                "address": f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}",
+            }
+        )
 
     def start(index: int):
         box = boxes[index]
-        return swarm.start_dht(swarm.SwarmSettings(
-            host_maddrs=[f"/ip4/127.0.0.1/tcp/{box['port']}"], identity_path=box["identity"], join_timeout=5,
-            initial_peers=[] if index == 0 else [boxes[0]["address"]],
-            address_book=str(tmp_path / f"box{index}" / "known_peers.json")))  # fmt: skip
+        return swarm.start_dht(
+            swarm.SwarmSettings(
+                host_maddrs=[f"/ip4/127.0.0.1/tcp/{box['port']}"],
+                identity_path=box["identity"],
+                join_timeout=5,
+                initial_peers=[] if index == 0 else [boxes[0]["address"]],
+                address_book=str(tmp_path / f"box{index}" / "known_peers.json"),
+            )
+        )
 
     dhts: dict[int, object] = {}
     try:
         for index in range(3):
             dhts[index] = start(index)
         for index in range(3):  # each has noted the two others (the rejoiner does it every 10 s; here at once)
-            wait_until(lambda index=index: rejoiner_of(dhts[index]).check() is None
-                       and len(AddressBook(tmp_path / f"box{index}" / "known_peers.json")) == 2, 60,
-                       f"box{index}'s address book")  # fmt: skip
+            wait_until(
+                lambda index=index: (
+                    rejoiner_of(dhts[index]).check() is None
+                    and len(AddressBook(tmp_path / f"box{index}" / "known_peers.json")) == 2
+                ),
+                60,
+                f"box{index}'s address book",
+            )
         for index in range(3):
             dhts.pop(index).shutdown()
         for index in (2, 1, 0):
             dhts[index] = start(index)
         assert "nobody answered yet" in capfd.readouterr().err  # box2, back first, found nobody and started anyway
         ids = {index: str(dht.peer_id) for index, dht in dhts.items()}
-        wait_until(lambda: all(set(ids.values()) - {ids[index]} <= neighbours(dht) for index, dht in dhts.items()),
-                   60, "every box knowing the two others again")
+        wait_until(
+            lambda: all(set(ids.values()) - {ids[index]} <= neighbours(dht) for index, dht in dhts.items()),
+            60,
+            "every box knowing the two others again",
+        )
     finally:
         for dht in dhts.values():
             dht.shutdown()
@@ -141,16 +169,24 @@ def test_a_killed_dht_owner_leaves_no_daemon_holding_its_port(tmp_path: Path) ->
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    owner = subprocess.Popen([sys.executable, "-c", DHT_OWNER, str(port), str(REPO)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", DHT_OWNER, str(port), str(REPO)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert owner.stdout.readline().strip() == "up", "the DHT owner did not start"
         dht_processes = child_pids(owner.pid)
         assert dht_processes and not port_is_free(port)
         os.kill(owner.pid, signal.SIGKILL)  # the owner only, as the OOM killer would: not its process group
         owner.wait()
-        wait_until(lambda: port_is_free(port) and not any(is_running(pid) for pid in dht_processes), 60,
-                   "the DHT process and its p2p daemon ending with their owner")
+        wait_until(
+            lambda: port_is_free(port) and not any(is_running(pid) for pid in dht_processes),
+            60,
+            "the DHT process and its p2p daemon ending with their owner",
+        )
     finally:
         try:
             os.killpg(owner.pid, signal.SIGKILL)

@@ -38,8 +38,9 @@ def sync(swarm: Swarm, peers: list[DecentralizedSGD], rounds: int = 1) -> None:
     """Train these peers until each applied `rounds` rounds: now each holds a reference (a point shared with them)."""
     for peer in peers:
         swarm.train(peer)
-    wait_until(lambda: all(p.counters["rounds_applied"] >= rounds for p in peers), 60,
-               lambda: [p.counters for p in peers])  # fmt: skip
+    wait_until(
+        lambda: all(p.counters["rounds_applied"] >= rounds for p in peers), 60, lambda: [p.counters for p in peers]
+    )
 
 
 @pytest.mark.timeout(150)
@@ -63,8 +64,9 @@ def test_a_diverged_peer_is_left_out_and_heals(swarm, caplog):
     excluded = [r for p in healthy for r in p.records if str(diverged.peer_id) in (r.get("outliers") or [])]
     assert excluded and sum(p.counters["rounds_outliers_excluded"] for p in healthy) >= 1
     assert all(str(diverged.peer_id) not in r["group"] for r in excluded if r["applied"])
-    assert any("averaged without 1 member" in r.getMessage() or "no groupmate left" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "averaged without 1 member" in r.getMessage() or "no groupmate left" in r.getMessage() for r in caplog.records
+    )
     wait_until(lambda: diverged.local_step > steps_at_heal, 30)  # and it trains on
     swarm.stop_training()
 
@@ -83,8 +85,11 @@ def test_a_slowly_drifting_peer_is_caught_before_it_moves_the_others(swarm):
     for peer in healthy:
         swarm.train(peer)
     swarm.train(drifter, update=drift, period=0.1)  # x1.05 per step, 10 steps a second
-    wait_until(lambda: all(p.counters["rounds_applied"] >= 1 for p in [*healthy, drifter]), 60,
-               lambda: [p.counters for p in [*healthy, drifter]])  # fmt: skip
+    wait_until(
+        lambda: all(p.counters["rounds_applied"] >= 1 for p in [*healthy, drifter]),
+        60,
+        lambda: [p.counters for p in [*healthy, drifter]],
+    )
     drifting.set()
 
     def caught_twice() -> bool:
@@ -141,8 +146,11 @@ def test_only_peers_with_the_swarm_secret_average_together(swarm, caplog, monkey
         return [r.getMessage() for r in caplog.records if "no peer of this swarm accepts our secret" in r.getMessage()]
 
     def done() -> bool:
-        return (all(p.counters["rounds_applied"] >= 2 for p in members) and len(lines()) >= 2
-                and sum(p.counters["joins_refused_token"] for p in members) >= 1)  # fmt: skip
+        return (
+            all(p.counters["rounds_applied"] >= 2 for p in members)
+            and len(lines()) >= 2
+            and sum(p.counters["joins_refused_token"] for p in members) >= 1
+        )
 
     with caplog.at_level(logging.ERROR, logger="decentralized_sgd"):
         for peer in [*members, wrong, thief]:
@@ -152,8 +160,11 @@ def test_only_peers_with_the_swarm_secret_average_together(swarm, caplog, monkey
     assert all_equal_to(members, 1.0) and all_equal_to([wrong], 5.0, atol=0) and all_equal_to([thief], 7.0, atol=0)
     assert wrong.counters["rounds_applied"] == thief.counters["rounds_applied"] == 0
     assert not any(set(r["group"] or []) & outsiders for p in members for r in p.records)
-    assert all(r.levelno == logging.ERROR and "check --swarm_secret" in r.getMessage() for r in caplog.records
-               if "accepts our secret" in r.getMessage())  # fmt: skip
+    assert all(
+        r.levelno == logging.ERROR and "check --swarm_secret" in r.getMessage()
+        for r in caplog.records
+        if "accepts our secret" in r.getMessage()
+    )
 
     # a leader's answer to join requests: a member's own token passes; a token copied from a member, junk, and a
     # peer refused in a recent group do not

@@ -44,8 +44,13 @@ OWN, MATE = PeerID(os.urandom(34)), PeerID(os.urandom(34))  # us, and the groupm
 def new_step() -> StepControl:
     """A step as hivemind's ``DecentralizedAverager.step(wait=False, require_trigger=True)`` hands it back."""
     trigger, cancel = MPFuture(), MPFuture()  # first: hivemind's MPFuture backend starts with a plain one
-    step = StepControl(scheduled_time=get_dht_time(), deadline=get_dht_time() + 60, allow_retries=False, weight=1.0,
-                       data_for_gather=b"")  # fmt: skip
+    step = StepControl(
+        scheduled_time=get_dht_time(),
+        deadline=get_dht_time() + 60,
+        allow_retries=False,
+        weight=1.0,
+        data_for_gather=b"",
+    )
     step.attach(trigger, cancel)
     return step
 
@@ -135,24 +140,46 @@ class Peer:
         self.param = torch.nn.Parameter(torch.ones(size))
         self.optimizer = torch.optim.SGD([self.param], lr=0.1)
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.trainer, self.tensors = TrainerState(), AveragedTensors(self.optimizer, None, average_buffers=False,
-                                                                     average_optimizer_state=False)  # fmt: skip
+        self.trainer, self.tensors = (
+            TrainerState(),
+            AveragedTensors(self.optimizer, None, average_buffers=False, average_optimizer_state=False),
+        )
         marks = StepBoundaryMarks(self.tensors.local())
         slots = ResultSlots(lambda: FlatStaging(self.tensors.local(), marks, torch.float32))
         self.book = RoundBook(self.counters, slots, records_path=None, verbose=False, peer=str(OWN))
-        state = StateTransfer(self.optimizer, None, self.tensors, self.trainer, StagingCache(marks), marks, self.book,
-                              get_extra_state=None)  # fmt: skip
+        state = StateTransfer(
+            self.optimizer,
+            None,
+            self.tensors,
+            self.trainer,
+            StagingCache(marks),
+            marks,
+            self.book,
+            get_extra_state=None,
+        )
         checks = GroupChecks.for_tensors(self.tensors, seed="unit")
         self.hivemind = HivemindsSide(size, checks.sketch)
         self.supervisor = AveragerSupervisor(lambda: self.hivemind, self.counters, settings.averager_timeout)
         self.supervisor.start()
-        self.vetting = RoundVetting(checks, self.trainer, self.tensors, self.book, self.supervisor, state,
-                                    self.counters, OWN, secret=None, membership=None,
-                                    heal_timeout=1.0)  # fmt: skip
-        self.exchange = RoundExchange(settings, self.trainer, self.tensors, self.book, self.supervisor, self.vetting,
-                                      self.counters)  # fmt: skip
-        self.scheduler = RoundScheduler(settings, self.trainer, self.book, self.supervisor, self.exchange, self.vetting,
-                                        self.counters)  # fmt: skip
+        self.vetting = RoundVetting(
+            checks,
+            self.trainer,
+            self.tensors,
+            self.book,
+            self.supervisor,
+            state,
+            self.counters,
+            OWN,
+            secret=None,
+            membership=None,
+            heal_timeout=1.0,
+        )
+        self.exchange = RoundExchange(
+            settings, self.trainer, self.tensors, self.book, self.supervisor, self.vetting, self.counters
+        )
+        self.scheduler = RoundScheduler(
+            settings, self.trainer, self.book, self.supervisor, self.exchange, self.vetting, self.counters
+        )
 
     def train_step(self, change: float = -0.1) -> int:
         """One local step that moves every parameter by ``change``, then the step boundary (what
@@ -363,11 +390,13 @@ def test_a_much_larger_update_than_the_summaries_predict_is_refused(make_peer):
 def test_the_round_book_moves_several_rounds_at_once_and_records_them_in_order():
     counters = dict.fromkeys(COUNTERS, 0)
     param = torch.nn.Parameter(torch.zeros(4))
-    tensors = AveragedTensors(torch.optim.SGD([param], lr=0.1), None, average_buffers=False,
-                              average_optimizer_state=False)  # fmt: skip
+    tensors = AveragedTensors(
+        torch.optim.SGD([param], lr=0.1), None, average_buffers=False, average_optimizer_state=False
+    )
     marks = StepBoundaryMarks(tensors.local())
-    book = RoundBook(counters, ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), None, False,
-                     "me")  # fmt: skip
+    book = RoundBook(
+        counters, ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), None, False, "me"
+    )
     rounds = [Round(i, new_step(), time.time(), 0) for i in range(4)]
     with book.lock:
         book.rounds.extend(rounds)

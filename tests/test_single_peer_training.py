@@ -17,13 +17,27 @@ import torch
 from tests.conftest import REPO, trainer_env
 
 # 24 batches of 16 images: enough for LARC, the schedule, prototype freezing (10 iterations) and checkpoints
-SMALL_RUN = ["config.DATA.TRAIN.DATA_LIMIT=384", "config.OPTIMIZER.num_epochs=1",
-             "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=8", "config.LOG_FREQUENCY=1"]
+SMALL_RUN = [
+    "config.DATA.TRAIN.DATA_LIMIT=384",
+    "config.OPTIMIZER.num_epochs=1",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=8",
+    "config.LOG_FREQUENCY=1",
+]
 
 
 def trainer_command(digits_dir: Path, checkpoint_dir: Path, *flags: str) -> list[str]:
-    return [sys.executable, str(REPO / "run_trainer.py"), "--config", "swav_tiny", "--data_path", str(digits_dir),
-            "--checkpoint_dir", str(checkpoint_dir), *flags, *SMALL_RUN]
+    return [
+        sys.executable,
+        str(REPO / "run_trainer.py"),
+        "--config",
+        "swav_tiny",
+        "--data_path",
+        str(digits_dir),
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        *flags,
+        *SMALL_RUN,
+    ]
 
 
 def logged_iterations(checkpoint_dir: Path) -> list[dict]:
@@ -35,8 +49,14 @@ def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> 
     checkpoint_dir = tmp_path / "peer"
     # first run: killed (SIGKILL, as a crash would) right after its first iteration checkpoint is on disk (with 16
     # iterations to go: a fast machine must not finish the run before the kill)
-    process = subprocess.Popen(trainer_command(digits_dir, checkpoint_dir), cwd=REPO, env=trainer_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        trainer_command(digits_dir, checkpoint_dir),
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     try:
         while not (checkpoint_dir / "model_iteration8.torch").exists():  # written atomically: complete once seen
@@ -55,16 +75,24 @@ def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> 
     assert state["iteration"] == 8
 
     # resumed alone, and told to say so after half a second (default: a minute) without an averaging round
-    resumed = subprocess.run(trainer_command(digits_dir, checkpoint_dir, "--alone_warning_after", "0.5"), cwd=REPO,
-                             env=trainer_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        trainer_command(digits_dir, checkpoint_dir, "--alone_warning_after", "0.5"),
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = resumed.stdout + resumed.stderr
-    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 500):][:4000]  # a normal end prints no traceback
+    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 500) :][
+        :4000
+    ]  # a normal end prints no traceback
     assert "This box has averaged with nobody for" in log and "Our DHT knows no other peer" in log
     resume_line = next(line for line in log.splitlines() if "Resume from file" in line)
     resumed_from = int(resume_line.rsplit("model_iteration", 1)[1].split(".")[0])
     assert resumed_from >= 8
-    second_run = logged_iterations(checkpoint_dir)[len(first_run):]
+    second_run = logged_iterations(checkpoint_dir)[len(first_run) :]
     assert second_run[0]["iter"] == resumed_from  # continues where the checkpoint left off, not from 0
     assert second_run[-1]["iter"] == 23
     assert all(math.isfinite(entry["loss"]) for entry in second_run)

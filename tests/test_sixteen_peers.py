@@ -28,7 +28,8 @@ def test_sixteen_peers_reach_consensus_with_the_slow_peer_fixes_on(swarm) -> Non
     assert all(peer.slow_peer_fixes for peer in peers)
     for peer in peers:
         swarm.train(peer)
-    wait_until(lambda: spread(peers) <= TOLERANCE, DEADLINE_S,
-               lambda: (spread(peers), [dict(p.counters) for p in peers[:2]]))  # fmt: skip
+    wait_until(
+        lambda: spread(peers) <= TOLERANCE, DEADLINE_S, lambda: (spread(peers), [dict(p.counters) for p in peers[:2]])
+    )
     swarm.stop_training()
     assert all(p.counters["rounds_applied"] > 0 for p in peers), [p.counters["rounds_applied"] for p in peers]

@@ -111,8 +111,11 @@ def test_leader_avoidance_skips_a_leader_that_timed_out_and_forgives_on_success(
     assert asyncio.run(avoidance.wrap(request_join_group)(leader)) is None and not calls  # skipped, not asked
     avoidance.record(leader, got_group=True, seconds=0.1)
     assert not avoidance.avoided(leader) and asyncio.run(avoidance.wrap(request_join_group)(leader)) == "group"
-    assert avoidance.counts.as_dict() == {"slow_leader_timeouts": 1, "slow_leader_requests_skipped": 1,
-                                          "slow_dht_node_bans": 0}  # fmt: skip
+    assert avoidance.counts.as_dict() == {
+        "slow_leader_timeouts": 1,
+        "slow_leader_requests_skipped": 1,
+        "slow_dht_node_bans": 0,
+    }
 
 
 def _peers(count: int) -> list[PeerID]:
@@ -123,8 +126,9 @@ def test_slow_reply_blacklist_bans_none_of_a_swarm_that_is_slow_everywhere() -> 
     """A loaded machine: each of 15 nodes answers late a third of the time, at random (what the fix's first version
     banned 50 times in 2 minutes, until peers of a 16-peer swarm no longer found each other's groups)."""
     rng, blacklist, nodes = random.Random(0), SlowReplyBlacklist(), _peers(15)
-    banned = [node for _ in range(40) for node in nodes if blacklist.answered(node, 0.5 if rng.random() < 1 / 3 else
-                                                                              0.01)]  # fmt: skip
+    banned = [
+        node for _ in range(40) for node in nodes if blacklist.answered(node, 0.5 if rng.random() < 1 / 3 else 0.01)
+    ]
     assert len(banned) <= 3, banned  # noise may push a node above the others now and then, but few and rarely
 
 
@@ -174,8 +178,10 @@ def test_slow_reply_blacklist_bans_a_dht_node_that_answers_late() -> None:
     the fix, the first node's lookups put it into hivemind's blacklist; hivemind alone (wait_timeout 3 s) would not.
     A healthy node may be late now and then on a busy machine, but not as often."""
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    others = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-              for _ in range(2)]  # fmt: skip
+    others = [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+        for _ in range(2)
+    ]
     slow = others[-1]
     stop = threading.Event()
 
@@ -223,8 +229,9 @@ while True:
 
 
 def test_starvation_monitor_notices_a_stopped_process_and_its_recovery() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", MONITOR_SCRIPT, str(REPO)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, with the monitor's sampler process
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MONITOR_SCRIPT, str(REPO)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group, with the monitor's sampler process
     lines: list[str] = []
     try:
         assert proc.stdout.readline().strip() == "fine"
@@ -263,8 +270,9 @@ def test_a_process_busy_with_its_own_work_is_not_starved() -> None:
     """Its own threads holding the interpreter delay a thread of that process (an in-process monitor lost 69% here,
     and a VISSL swarm on 2 cores left averaging for minutes that way); the monitor's sampler process is not
     delayed by them, so the peer stays in the swarm."""
-    result = subprocess.run([sys.executable, "-c", BUSY_INTERPRETER_SCRIPT, str(REPO)], capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", BUSY_INTERPRETER_SCRIPT, str(REPO)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     lost, starved, episodes = result.stdout.split()
     assert float(lost) < 0.3 and starved == "False" and episodes == "0", result.stdout
@@ -302,8 +310,11 @@ def test_a_starvation_episode_ends_after_max_starved_s_and_needs_a_new_window() 
     tried_again = second
     assert starved_at is not None and monitor.episodes == 1
     assert tried_again == starved_at + 30  # never calm, but back after max_starved_s
-    left_again = next(second for second in range(tried_again + 1, tried_again + 20)
-                      if monitor.observe(float(second), 0.8) is None and monitor.starved)  # fmt: skip
+    left_again = next(
+        second
+        for second in range(tried_again + 1, tried_again + 20)
+        if monitor.observe(float(second), 0.8) is None and monitor.starved
+    )
     assert left_again - tried_again >= 5 and monitor.episodes == 2  # only after a new full window
 
 
@@ -323,17 +334,26 @@ def test_vissl_data_loader_workers_run_at_lower_priority_and_keep_vissl_seeding(
     from vissl_swarm.config_loading import compose_config
 
     train = str(digits_dir / "train")
-    config, _ = compose_config("swav_tiny", [f"config.DATA.TRAIN.DATA_PATHS=[{train}]",
-                                             f"config.DATA.TRAIN.LABEL_PATHS=[{train}]",
-                                             "config.DATA.NUM_DATALOADER_WORKERS=2"], has_gpu=False)  # fmt: skip
+    config, _ = compose_config(
+        "swav_tiny",
+        [
+            f"config.DATA.TRAIN.DATA_PATHS=[{train}]",
+            f"config.DATA.TRAIN.LABEL_PATHS=[{train}]",
+            "config.DATA.NUM_DATALOADER_WORKERS=2",
+        ],
+        has_gpu=False,
+    )
     config.SWARM = swarm.SwarmSettings(run_id="nice", config_name="swav_tiny").to_config()
     task = DecentralizedSelfSupervisionTask(config)
     task.set_available_splits()
     task.datasets, _ = task.build_datasets()
     worker_init = task.build_dataloaders(pin_memory=False)["train"].worker_init_fn  # what VISSL's workers run
 
-    facts = list(torch.utils.data.DataLoader(WorkerFacts(), batch_size=None, num_workers=2, worker_init_fn=worker_init,
-                                             multiprocessing_context="fork"))  # fmt: skip
+    facts = list(
+        torch.utils.data.DataLoader(
+            WorkerFacts(), batch_size=None, num_workers=2, worker_init_fn=worker_init, multiprocessing_context="fork"
+        )
+    )
     assert [nice for nice, _ in facts] == [min(os.nice(0) + DATA_WORKER_NICENESS, 19)] * 2  # 19: the lowest
     # VISSL's set_dataloader_seeds still runs: forked workers would otherwise share the parent's NumPy state
     assert facts[0][1] != facts[1][1], facts

@@ -13,8 +13,13 @@ from decentralized_sgd.staging import FlatStaging, StagingCache, StepBoundaryMar
 def mixed_tensors() -> list[torch.Tensor]:
     """What a model and its optimizer hold: fp32 weights, an fp16 one, an int64 counter, a 0-dim step."""
     torch.manual_seed(0)
-    return [torch.randn(3, 4), torch.randn(5).half(), torch.tensor([7, 8], dtype=torch.int64), torch.randn(2, 2),
-            torch.tensor(3.0)]  # fmt: skip
+    return [
+        torch.randn(3, 4),
+        torch.randn(5).half(),
+        torch.tensor([7, 8], dtype=torch.int64),
+        torch.randn(2, 2),
+        torch.tensor(3.0),
+    ]
 
 
 @pytest.mark.timeout(30)
@@ -39,8 +44,10 @@ def test_views_are_laid_out_flat_per_group_and_round_trip() -> None:
     assert len({v.untyped_storage().data_ptr() for v in slot.views}) == 1
     slot.download_(tensors)
     slot.add_to_(targets)  # targets = 2 x tensors, each in its own dtype
-    assert all(a.dtype == t.dtype and torch.allclose(a.double(), 2 * t.double(), atol=1e-2)
-               for a, t in zip(targets, tensors, strict=True))  # fmt: skip
+    assert all(
+        a.dtype == t.dtype and torch.allclose(a.double(), 2 * t.double(), atol=1e-2)
+        for a, t in zip(targets, tensors, strict=True)
+    )
 
 
 @pytest.mark.timeout(30)

@@ -29,15 +29,17 @@ def test_a_joiner_started_before_the_first_peer_joins_when_it_listens(tmp_path: 
 
     def first_peer_later() -> None:
         time.sleep(6.0)  # the joiner's first tries find nobody
-        started.append(hivemind.DHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
-                                    identity_path=str(identity)))
+        started.append(
+            hivemind.DHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=str(identity))
+        )
 
     thread = threading.Thread(target=first_peer_later)
     thread.start()
     joiner = None
     try:
-        joiner = swarm.start_dht(swarm.SwarmSettings(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                                     join_timeout=60))
+        joiner = swarm.start_dht(
+            swarm.SwarmSettings(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"], join_timeout=60)
+        )
         thread.join()
         assert started and started[0].peer_id in joiner.run_coroutine(_neighbours)
     finally:
@@ -64,8 +66,9 @@ def test_a_joiner_joins_a_first_peer_too_busy_to_answer_its_first_pings() -> Non
     os.kill(first.pid, signal.SIGSTOP)  # the DHT process only: its p2p daemon still accepts connections
     try:
         resume.start()
-        joiner = swarm.start_dht(swarm.SwarmSettings(initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                                     join_timeout=60))
+        joiner = swarm.start_dht(
+            swarm.SwarmSettings(initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"], join_timeout=60)
+        )
         assert first.peer_id in joiner.run_coroutine(_neighbours)
     finally:
         resume.cancel()
@@ -82,8 +85,9 @@ def test_a_joiner_nobody_answers_fails_clearly_and_frees_its_port() -> None:
         silent_address = str(loop.run_until_complete(silent.get_visible_maddrs())[0])
         for initial_peer in (silent_address, f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{silent.peer_id}"):
             port = free_port()  # a fixed port, as a user's --host_maddrs: a leftover daemon would hold it
-            settings = swarm.SwarmSettings(initial_peers=[initial_peer], host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
-                                           join_timeout=4)
+            settings = swarm.SwarmSettings(
+                initial_peers=[initial_peer], host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], join_timeout=4
+            )
             with pytest.raises(swarm.SwarmError, match="could not start or join the swarm.*first peer is running"):
                 swarm.start_dht(settings)
             deadline = time.monotonic() + 15
@@ -109,8 +113,12 @@ def test_the_join_line_runs_as_printed(tmp_path: Path) -> None:
     joiner = None
     try:
         first_addresses = [str(address) for address in first.get_visible_maddrs()]
-        settings = swarm.SwarmSettings(run_id="joinline", config_name="swav_tiny", initial_peers=first_addresses,
-                                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        settings = swarm.SwarmSettings(
+            run_id="joinline",
+            config_name="swav_tiny",
+            initial_peers=first_addresses,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        )
         joiner = swarm.start_dht(settings)
         line = swarm.join_command(joiner, settings)
     finally:

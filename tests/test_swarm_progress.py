@@ -37,8 +37,10 @@ def dhts():
 @pytest.mark.timeout(120)
 def test_boxes_agree_on_the_swarm_count_and_keep_a_departed_box(dhts) -> None:
     first, second, third = dhts(3)
-    boxes = [SwarmProgress(dht, RUN, batch, period=0.5, private_key=RSAPrivateKey())
-             for dht, batch in ((first, 16), (second, 16), (third, 32))]
+    boxes = [
+        SwarmProgress(dht, RUN, batch, period=0.5, private_key=RSAPrivateKey())
+        for dht, batch in ((first, 16), (second, 16), (third, 32))
+    ]
     try:
         for box, samples in zip(boxes, (160, 320, 640), strict=True):
             box.add(samples)
@@ -79,8 +81,9 @@ def test_counts_travel_in_state_dicts_and_forged_ones_are_refused(dhts) -> None:
     # re-signed with the donor's own key under the other box's name
     victim = SignedCount.sign(RUN, key, 48, 16)
     raised = SignedCount(victim.owner, 10_000, 16, victim.signature)
-    impostor = SignedCount(victim.owner, 10_000, 16, RSAPrivateKey().sign(SignedCount.payload(RUN, victim.owner,
-                                                                                                10_000, 16)))
+    impostor = SignedCount(
+        victim.owner, 10_000, 16, RSAPrivateKey().sign(SignedCount.payload(RUN, victim.owner, 10_000, 16))
+    )
     joiner = SwarmProgress(dht, RUN, 16, private_key=RSAPrivateKey(), start=False)
     taken = joiner.load_state_dict({"counts": [raised.to_wire(), impostor.to_wire(), ["junk"], victim.to_wire()]})
     assert taken == 1 and joiner.known_samples() == 48 and joiner.rejected == 2

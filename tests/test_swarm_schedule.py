@@ -15,13 +15,29 @@ from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, stop_all, w
 # joiners' start-up (a few seconds in which the first box trains alone) is a small part of the run
 EPOCHS, IMAGES, BATCH = 25, 640, 16
 ALONE_STEPS = EPOCHS * IMAGES // BATCH
-OVERRIDES = [f"config.DATA.TRAIN.DATA_LIMIT={IMAGES}", f"config.OPTIMIZER.num_epochs={EPOCHS}",
-             "config.LOG_FREQUENCY=20", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100"]
-FLAGS = ["--run_id", "scheduletest", "--target_group_size", "3", "--min_matchmaking_time", "2",
-         "--averaging_timeout", "20", "--next_chunk_timeout", "4"]  # the schedule itself: default flags
+OVERRIDES = [
+    f"config.DATA.TRAIN.DATA_LIMIT={IMAGES}",
+    f"config.OPTIMIZER.num_epochs={EPOCHS}",
+    "config.LOG_FREQUENCY=20",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=100",
+]
+FLAGS = [
+    "--run_id",
+    "scheduletest",
+    "--target_group_size",
+    "3",
+    "--min_matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "4",
+]  # the schedule itself: default flags
 PEAK_LR, FINAL_LR = 0.6, 0.0006  # swav_tiny's schedule: warm-up to 0.6, cosine down to 0.0006
-DONE = re.compile(r"the swarm's budget is done \((\d+) of (\d+) samples\); this box trained (\d+) iterations "
-                  r"\((\d+) samples\), last lr ([0-9.e-]+) \(x([0-9.]+) for the swarm's batch")
+DONE = re.compile(
+    r"the swarm's budget is done \((\d+) of (\d+) samples\); this box trained (\d+) iterations "
+    r"\((\d+) samples\), last lr ([0-9.e-]+) \(x([0-9.]+) for the swarm's batch"
+)
 
 
 def final_checkpoint(peer: LocalPeer) -> Path:
@@ -34,8 +50,13 @@ def final_checkpoint(peer: LocalPeer) -> Path:
 def test_three_boxes_share_one_recipe_and_end_by_themselves(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"box{index}", tmp_path) for index in range(3)]
     try:
-        start_swarm_together(peers, digits_dir, FLAGS, OVERRIDES,
-                             per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"])
+        start_swarm_together(
+            peers,
+            digits_dir,
+            FLAGS,
+            OVERRIDES,
+            per_peer_overrides=lambda peer: [f"config.SEED_VALUE={peers.index(peer)}"],
+        )
         # one box alone would take ALONE_STEPS steps (~1-3 min here); the swarm ends far sooner, by itself
         wait_until(lambda: not any(peer.is_running() for peer in peers), 420, "every box ending by itself")
     finally:
@@ -45,7 +66,7 @@ def test_three_boxes_share_one_recipe_and_end_by_themselves(digits_dir: Path, tm
     for peer in peers:
         log = peer.log_text()
         assert peer.process.returncode == 0, peer.exit_message()
-        assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+        assert "Traceback" not in log, log[log.index("Traceback") - 500 :][:3000]
         assert f"Total {ALONE_STEPS} iterations for training" in log  # the recipe is one box's, unchanged
         done = DONE.search(log)
         assert done, f"{peer.name} did not log the end of the swarm's budget: {peer.exit_message()}"

@@ -85,8 +85,12 @@ def test_only_peers_with_the_secret_read_and_write_the_swarm_records():
     exempt = [members_key("run")]
 
     def dht(swarm_secret: SwarmSecret, initial_peers=None) -> hivemind.DHT:
-        return hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=initial_peers,
-                            record_validators=[SwarmSecretValidator(swarm_secret, exempt)])  # fmt: skip
+        return hivemind.DHT(
+            start=True,
+            host_maddrs=LOCAL,
+            initial_peers=initial_peers,
+            record_validators=[SwarmSecretValidator(swarm_secret, exempt)],
+        )
 
     dhts = [dht(secret)]
     try:
@@ -137,8 +141,9 @@ def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environme
 
     key = tmp_path / "swarm.key"
     key.write_text("s3cret\n")
-    from_file = run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--swarm_secret_file",
-                                                                   str(key)]))  # fmt: skip
+    from_file = run_trainer.swarm_settings(
+        run_trainer.parse_args(["--config", "swav_tiny", "--swarm_secret_file", str(key)])
+    )
     inline = run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--swarm_secret", "s3cret"]))
     assert from_file.secret().keyed_prefix("run") == inline.secret().keyed_prefix("run")
     config = inline.to_config()  # what VISSL logs and hands to its workers: never the secret itself
@@ -154,14 +159,15 @@ def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environme
         assert in_worker.secret().keyed_prefix("run") == inline.secret().keyed_prefix("run")
         monkeypatch.setenv(swarm.SECRET_ENV, "s3cret")
     with pytest.raises(swarm.SwarmError, match="need the improved averager"):
-        run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", "--averager", "old",
-                                                           "--swarm_secret", "s3cret"]))  # fmt: skip
+        run_trainer.swarm_settings(
+            run_trainer.parse_args(["--config", "swav_tiny", "--averager", "old", "--swarm_secret", "s3cret"])
+        )
     with pytest.raises(swarm.SwarmError, match="cannot read .*missing.key"):
-        run_monitor.settings_from(run_monitor.build_parser().parse_args(["--swarm_secret_file",
-                                                                         str(tmp_path / "missing.key")]))  # fmt: skip
+        run_monitor.settings_from(
+            run_monitor.build_parser().parse_args(["--swarm_secret_file", str(tmp_path / "missing.key")])
+        )
     monitor = run_monitor.settings_from(run_monitor.build_parser().parse_args(["--swarm_secret_file", str(key)]))
     assert any(isinstance(v, SwarmSecretValidator) for v in metrics_validators("run", secret=monitor.secret()))
     dht = SimpleNamespace(get_visible_maddrs=lambda: ["/ip4/203.0.113.5/tcp/31337/p2p/QmPeer"])
     line = swarm.join_command(dht, from_file)  # the join line asks for the key file, never shows the secret
     assert "--swarm_secret_file" in line and "s3cret" not in line
-

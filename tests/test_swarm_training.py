@@ -22,20 +22,43 @@ from vissl_swarm.swarm_progress import SwarmProgress
 
 # 10 batches of 16 real images per epoch, plenty of epochs (for the whole swarm: the swarm-wide schedule): the test
 # decides when peers stop
-SWARM_OVERRIDES = ["config.DATA.TRAIN.DATA_LIMIT=160", "config.OPTIMIZER.num_epochs=3000",
-                   "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10", "config.LOG_FREQUENCY=5"]
+SWARM_OVERRIDES = [
+    "config.DATA.TRAIN.DATA_LIMIT=160",
+    "config.OPTIMIZER.num_epochs=3000",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=10",
+    "config.LOG_FREQUENCY=5",
+]
 SWARM_SECRET = "swarmtest-secret"  # the peers average with a swarm secret (it reaches spawned workers too)
 # --join_timeout: how long a joiner whose --initial_peers is down (the whole swarm's restart) waits before it dials
 # the peers it met; half the default, still five pings of the first box at start
-SWARM_FLAGS = ["--run_id", "swarmtest", "--target_group_size", "3", "--min_matchmaking_time", "2",
-               "--averaging_timeout", "20", "--next_chunk_timeout", "4", "--compression", "none",
-               "--swarm_secret", SWARM_SECRET, "--join_timeout", "15"]
+SWARM_FLAGS = [
+    "--run_id",
+    "swarmtest",
+    "--target_group_size",
+    "3",
+    "--min_matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "20",
+    "--next_chunk_timeout",
+    "4",
+    "--compression",
+    "none",
+    "--swarm_secret",
+    SWARM_SECRET,
+    "--join_timeout",
+    "15",
+]
 
 
 def float_tensors(model_state: dict) -> dict[str, torch.Tensor]:
     """VISSL's classy state of a model: {"trunk": {...}, "heads": {...}}."""
-    return {f"{part}.{name}": tensor for part in ("trunk", "heads") for name, tensor in model_state[part].items()
-            if tensor.is_floating_point()}
+    return {
+        f"{part}.{name}": tensor
+        for part in ("trunk", "heads")
+        for name, tensor in model_state[part].items()
+        if tensor.is_floating_point()
+    }
 
 
 def latest_weights(peer: LocalPeer) -> dict[str, torch.Tensor]:
@@ -80,8 +103,10 @@ def off_schedule(peers: list[LocalPeer], starts: dict[str, list[float]], share: 
             for other in peers:
                 theirs = swarm_position_at(other, entry["time"]) if other is not peer else None
                 if theirs is not None and abs(entry["swarm_samples"] - theirs) > share * theirs + slack:
-                    found.append(f"{peer.name} at step {entry['step']}: {entry['swarm_samples']} samples, "
-                                 f"{other.name}: {theirs:.0f}")
+                    found.append(
+                        f"{peer.name} at step {entry['step']}: {entry['swarm_samples']} samples, "
+                        f"{other.name}: {theirs:.0f}"
+                    )
     return found
 
 
@@ -93,7 +118,8 @@ def logged_fingerprint(peer: LocalPeer) -> str:
 
 @pytest.mark.timeout(1500)
 def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joiner_and_the_whole_swarm_restarting(
-        digits_dir: Path, tmp_path: Path) -> None:
+    digits_dir: Path, tmp_path: Path
+) -> None:
     peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
     double_batch = ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=32"]  # peer1: twice the others' batch (GPUs)
     # every box as the README starts it: an identity file and a fixed port (the same address across restarts); the
@@ -101,34 +127,57 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
     # overrides), what it is started again with
     identities = {peer.name: fixed_address(peer) for peer in peers}
     addresses = identities["peer0"][1]
-    commands = {peer.name: ([] if index == 0 else addresses, [*SWARM_FLAGS, *identities[peer.name][0]],
-                            [*SWARM_OVERRIDES, f"config.SEED_VALUE={index}", *(double_batch if index == 1 else [])])
-                for index, peer in enumerate(peers)}
+    commands = {
+        peer.name: (
+            [] if index == 0 else addresses,
+            [*SWARM_FLAGS, *identities[peer.name][0]],
+            [*SWARM_OVERRIDES, f"config.SEED_VALUE={index}", *(double_batch if index == 1 else [])],
+        )
+        for index, peer in enumerate(peers)
+    }
     try:
         # each peer its own seed (data order) and, at this first start only, no download of the first peer's
         # weights: each builds the run's initial model
-        start_swarm(peers, digits_dir, [*SWARM_FLAGS, "--load_state_timeout", "0"], SWARM_OVERRIDES,
-                    per_peer_overrides=lambda peer: commands[peer.name][2][len(SWARM_OVERRIDES):],
-                    per_peer_flags=lambda peer: identities[peer.name][0])
-        fingerprints = [wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
-                        for peer in peers]
+        start_swarm(
+            peers,
+            digits_dir,
+            [*SWARM_FLAGS, "--load_state_timeout", "0"],
+            SWARM_OVERRIDES,
+            per_peer_overrides=lambda peer: commands[peer.name][2][len(SWARM_OVERRIDES) :],
+            per_peer_flags=lambda peer: identities[peer.name][0],
+        )
+        fingerprints = [
+            wait_until(lambda peer=peer: logged_fingerprint(peer), 120, f"{peer.name}'s initial model")
+            for peer in peers
+        ]
         assert len(set(fingerprints)) == 1, f"the peers of one run built different initial models: {fingerprints}"
 
         # 1. every peer applies rounds in groups of at least 2
         for peer in peers:
-            wait_until(lambda peer=peer: len([r for r in peer.applied_rounds() if r["group_size"] >= 2]) >= 2,
-                       300, f"two averaging rounds on {peer.name}")
+            wait_until(
+                lambda peer=peer: len([r for r in peer.applied_rounds() if r["group_size"] >= 2]) >= 2,
+                300,
+                f"two averaging rounds on {peer.name}",
+            )
 
         # 2. the first box (the others' only --initial_peers) is killed mid-training, once it has a checkpoint to
         #    resume and has noted the others in its address book; the other two keep averaging with each other
-        wait_until(lambda: (peers[0].checkpoint_dir / "checkpoint.torch").is_file()
-                   and len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2,
-                   120, "peer0's first checkpoint and the others in its address book")  # fmt: skip
+        wait_until(
+            lambda: (
+                (peers[0].checkpoint_dir / "checkpoint.torch").is_file()
+                and len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2
+            ),
+            120,
+            "peer0's first checkpoint and the others in its address book",
+        )
         peers[0].kill()
         killed_at = time.time()
         for peer in peers[1:]:
-            wait_until(lambda peer=peer: any(r["group_size"] == 2 for r in peer.applied_rounds(since=killed_at)),
-                       180, f"a round of the two survivors on {peer.name}")
+            wait_until(
+                lambda peer=peer: any(r["group_size"] == 2 for r in peer.applied_rounds(since=killed_at)),
+                180,
+                f"a round of the two survivors on {peer.name}",
+            )
 
         # 3. the first box restarts with its README command: it dials the peers it met (nobody dials it: it has no
         #    --initial_peers, and the others have each other), VISSL resumes its checkpoint, which is behind the
@@ -136,12 +185,20 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
         swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers[1:])
         peers[0].start(digits_dir, *commands["peer0"])
         restarted_at = peers[0].started_at
-        wait_until(lambda: "Resume from file" in peers[0].log_text() and "is behind the swarm" in peers[0].log_text(),
-                   180, "peer0 resuming from its checkpoint, then catching up with the swarm")  # fmt: skip
+        wait_until(
+            lambda: "Resume from file" in peers[0].log_text() and "is behind the swarm" in peers[0].log_text(),
+            180,
+            "peer0 resuming from its checkpoint, then catching up with the swarm",
+        )
         assert "peers this box met before" in peers[0].log_text()  # it dialed its address book (then the rounds)
-        wait_until(lambda: any(r["group_size"] >= 2 for r in peers[0].applied_rounds(since=restarted_at))
-                   and any(e["time"] > restarted_at for e in peers[0].progress()),  # and a logged step (every 5th)
-                   180, "peer0 averaging with the others after its restart")  # fmt: skip
+        wait_until(
+            lambda: (
+                any(r["group_size"] >= 2 for r in peers[0].applied_rounds(since=restarted_at))
+                and any(e["time"] > restarted_at for e in peers[0].progress())
+            ),  # and a logged step (every 5th)
+            180,
+            "peer0 averaging with the others after its restart",
+        )
         first_after_restart = next(e for e in peers[0].progress() if e["time"] > restarted_at)
         assert first_after_restart["swarm_samples"] >= swarm_samples, (first_after_restart, swarm_samples)
         assert first_after_restart["step"] < first_after_restart["swarm_samples"] // 16  # its own steps: fewer
@@ -162,9 +219,15 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
 
         # 5. the whole swarm is stopped with Ctrl-C (README: stopping and restarting the whole swarm), once every box
         #    has a checkpoint and knows the three others; each finishes its step and exits 0
-        wait_until(lambda: all((peer.checkpoint_dir / "checkpoint.torch").is_file()
-                               and len(AddressBook(peer.checkpoint_dir / KNOWN_PEERS_FILE)) >= 3 for peer in peers),
-                   240, "a checkpoint of every box, and the three others in its address book")  # fmt: skip
+        wait_until(
+            lambda: all(
+                (peer.checkpoint_dir / "checkpoint.torch").is_file()
+                and len(AddressBook(peer.checkpoint_dir / KNOWN_PEERS_FILE)) >= 3
+                for peer in peers
+            ),
+            240,
+            "a checkpoint of every box, and the three others in its address book",
+        )
         stop_all(peers, timeout=180)
         assert all(peer.process.returncode == 0 for peer in peers), [peer.exit_message() for peer in peers]
         stopped_at = time.time()
@@ -176,21 +239,29 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
         log_sizes = {peer.name: len(peer.log_text()) for peer in peers}
 
         def this_life(peer: LocalPeer) -> str:
-            return peer.log_text()[log_sizes[peer.name]:]
+            return peer.log_text()[log_sizes[peer.name] :]
 
         back_order = [late, peers[2], peers[1], peers[0]]
         for peer in back_order[:-1]:
             peer.start(digits_dir, *commands[peer.name])
             time.sleep(3)  # one after the other, as boxes restarted by hand
-        wait_until(lambda: all("starting without --initial_peers" in this_life(peer) for peer in back_order[:-1]),
-                   180, "the three joiners starting without their --initial_peers")  # fmt: skip
+        wait_until(
+            lambda: all("starting without --initial_peers" in this_life(peer) for peer in back_order[:-1]),
+            180,
+            "the three joiners starting without their --initial_peers",
+        )
         peers[0].start(digits_dir, *commands["peer0"])
         swarm_started_at = {peer.name: peer.started_at for peer in peers}
         for peer in back_order:  # VISSL resumes each box's own checkpoint (its steps go on from there), then rounds
-            wait_until(lambda peer=peer: "Resume from file" in this_life(peer)
-                       and any(r["group_size"] >= 2 for r in peer.applied_rounds(since=swarm_started_at[peer.name]))
-                       and any(e["time"] > swarm_started_at[peer.name] for e in peer.progress()),
-                       300, f"{peer.name} resuming its checkpoint and averaging after the whole swarm's restart")
+            wait_until(
+                lambda peer=peer: (
+                    "Resume from file" in this_life(peer)
+                    and any(r["group_size"] >= 2 for r in peer.applied_rounds(since=swarm_started_at[peer.name]))
+                    and any(e["time"] > swarm_started_at[peer.name] for e in peer.progress())
+                ),
+                300,
+                f"{peer.name} resuming its checkpoint and averaging after the whole swarm's restart",
+            )
         assert "peers this box met before" in this_life(peers[0])  # the first box dialed its address book
     finally:
         stop_all(peers, timeout=180)
@@ -213,8 +284,10 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
     # every box, the one at twice the batch, the restarted one and the late joiner, is on the swarm's schedule: from
     # its second log line after each start (one logging period), its position is the others' at the same moment,
     # and its LR schedule's position is that share of the run (the budgets are equal: 3000 epochs of 160 images)
-    starts = {name: [start, swarm_started_at[name]] for name, start in
-              (("peer0", restarted_at), ("peer1", 0), ("peer2", 0), ("late", joined_at))}
+    starts = {
+        name: [start, swarm_started_at[name]]
+        for name, start in (("peer0", restarted_at), ("peer1", 0), ("peer2", 0), ("late", joined_at))
+    }
     wrong = off_schedule(peers, starts, share=0.2, slack=2000)
     assert not wrong, wrong[:10]
     for peer in peers:
@@ -230,13 +303,17 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
         assert "diverged from the swarm" not in peer.log_text(), peer.name  # healthy peers are never refused
         # each was stopped with Ctrl-C twice (peer0's SIGKILL leaves no text): a peer that leaves ends without a
         # traceback, and a restarted one starts without one
-        assert "Traceback" not in peer.log_text(), peer.log_text()[peer.log_text().index("Traceback") - 500:][:4000]
+        assert "Traceback" not in peer.log_text(), peer.log_text()[peer.log_text().index("Traceback") - 500 :][:4000]
     # the prototypes stay on the unit sphere, also at the steps that applied a round (normalised after averaging)
     for peer in peers:
         errors = [entry["prototypes_norm_error"] for entry in peer.progress()]
         assert max(errors) < 1e-6, f"{peer.name}'s prototypes left the unit sphere: {max(errors)}"
-    logged_at_apply = [entry for peer in peers[:2] for entry in peer.progress()
-                       if entry["step"] in {r["step_at_apply"] for r in peer.applied_rounds()}]
+    logged_at_apply = [
+        entry
+        for peer in peers[:2]
+        for entry in peer.progress()
+        if entry["step"] in {r["step_at_apply"] for r in peer.applied_rounds()}
+    ]
     assert logged_at_apply, "no logged step applied a round: the check above saw none"
     first_losses = [entry["loss"] for entry in peers[0].progress()[:3]]
     last_losses = [entry["loss"] for entry in peers[0].progress()[-3:]]
@@ -269,8 +346,11 @@ def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: P
         wait_until(lambda: single.progress(), 180, "the first logged step of the single peer")  # it has momentum
         box.start(digits_dir, addresses, flags, box_overrides)
         rank1_log = box.checkpoint_dir / "progress_rank1.jsonl"
-        wait_until(lambda: compare_replica_logs(box.progress(), read_jsonl(rank1_log))["round_steps_compared"] >= 3,
-                   420, "three rounds on the two-process peer, in the logs of both ranks")
+        wait_until(
+            lambda: compare_replica_logs(box.progress(), read_jsonl(rank1_log))["round_steps_compared"] >= 3,
+            420,
+            "three rounds on the two-process peer, in the logs of both ranks",
+        )
     finally:
         stop_all([box, single])
     assert "Joined the swarm at its position" in box.log_text()  # rank 0 downloaded the single peer's state
@@ -283,29 +363,55 @@ def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: P
 
 def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
     started = time.monotonic()
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers",
-                         "/ip4/127.0.0.1/tcp/notaport/p2p/QmX", timeout=120)
+    result = run_trainer(
+        "--config",
+        "swav_tiny",
+        "--data_path",
+        str(digits_dir),
+        "--initial_peers",
+        "/ip4/127.0.0.1/tcp/notaport/p2p/QmX",
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "is not a multiaddr" in result.stderr and "/p2p/" in result.stderr
     assert time.monotonic() - started < 60
 
 
 def test_initial_peer_without_peer_id(digits_dir: Path) -> None:
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers",
-                         "/ip4/127.0.0.1/tcp/31337", timeout=120)
+    result = run_trainer(
+        "--config",
+        "swav_tiny",
+        "--data_path",
+        str(digits_dir),
+        "--initial_peers",
+        "/ip4/127.0.0.1/tcp/31337",
+        timeout=120,
+    )
     assert result.returncode != 0 and "has no /p2p/<peer id> part" in result.stderr
 
 
 def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path) -> None:
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn"
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--initial_peers", unreachable,
-                         "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--join_timeout", "5", timeout=180)
+    result = run_trainer(
+        "--config",
+        "swav_tiny",
+        "--data_path",
+        str(digits_dir),
+        "--initial_peers",
+        unreachable,
+        "--host_maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--join_timeout",
+        "5",
+        timeout=180,
+    )
     assert result.returncode != 0
     assert "could not start or join the swarm" in result.stderr and "first peer is running" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_bad_averaging_knobs_are_rejected(digits_dir: Path) -> None:
-    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--target_group_size", "1",
-                         timeout=120)
+    result = run_trainer(
+        "--config", "swav_tiny", "--data_path", str(digits_dir), "--target_group_size", "1", timeout=120
+    )
     assert result.returncode != 0 and "--target_group_size must be at least 2" in result.stderr

@@ -42,10 +42,17 @@ def test_pkg_resources_is_available_for_vissl() -> None:
 @pytest.mark.parametrize("name", ["swav_resnet50", "swav_vit_small"])
 def test_adapt_config_replaces_apex_and_gpu_only_settings(name: str) -> None:
     # VISSL's own way to ask for LARC (sgd + use_larc) needs apex; the ViT's recipe is AdamW, asked for LARC here
-    config, changes = compose_config(name, ["config.OPTIMIZER.name=sgd", "config.OPTIMIZER.use_larc=True",
-                                            "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
-                                            "config.MULTI_PROCESSING_METHOD=forkserver",
-                                            "config.DISTRIBUTED.RUN_ID=xxxxxxxxxxxxxxxx"], has_gpu=False)
+    config, changes = compose_config(
+        name,
+        [
+            "config.OPTIMIZER.name=sgd",
+            "config.OPTIMIZER.use_larc=True",
+            "config.MODEL.AMP_PARAMS.AMP_TYPE=apex",
+            "config.MULTI_PROCESSING_METHOD=forkserver",
+            "config.DISTRIBUTED.RUN_ID=xxxxxxxxxxxxxxxx",
+        ],
+        has_gpu=False,
+    )
     assert config.OPTIMIZER.name == "sgd_fsdp" and config.OPTIMIZER.use_larc
     assert config.MODEL.AMP_PARAMS.AMP_TYPE == "pytorch" and not config.MODEL.AMP_PARAMS.USE_AMP
     assert config.MULTI_PROCESSING_METHOD == "fork"
@@ -115,8 +122,14 @@ launch_distributed(config, node_id=0, engine_name="train", hook_generator=ctrl_c
 
 
 def test_a_run_stopped_with_ctrl_c_ends_with_vissls_line_not_a_logging_error(tmp_path) -> None:
-    result = subprocess.run([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path)], env=trainer_env(), cwd=REPO,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path)],
+        env=trainer_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]  # VISSL swallows the KeyboardInterrupt and wraps up
     assert "Wrapping up, caught exception: KeyboardInterrupt()" in output, output[-3000:]

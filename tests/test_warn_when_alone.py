@@ -15,8 +15,11 @@ def test_warns_after_a_minute_alone_then_every_five_minutes(caplog: pytest.LogCa
     now = [1000.0]
     hook = WarnWhenAloneOnStepHook(clock=lambda: now[0])
     counters = {"rounds_applied": 0, "rounds_failed": 0}
-    task = SimpleNamespace(decentralized_sgd=SimpleNamespace(counters=counters), dht=None,
-                           swarm_settings=SimpleNamespace(run_id="lonely", config_name="swav_tiny"))
+    task = SimpleNamespace(
+        decentralized_sgd=SimpleNamespace(counters=counters),
+        dht=None,
+        swarm_settings=SimpleNamespace(run_id="lonely", config_name="swav_tiny"),
+    )
     hook.on_start(task)
 
     def step_at(seconds: float) -> int:
@@ -45,6 +48,7 @@ def test_warns_after_a_minute_alone_then_every_five_minutes(caplog: pytest.LogCa
 
 def test_the_message_says_what_the_dht_sees() -> None:
     assert "knows no other peer" in alone_message(61, 3, 0, "r", "c")
-    assert "knows 2 other peer(s)" in alone_message(61, 3, 2, "r", "c") and "run id, config and secret" in \
-        alone_message(61, 3, 2, "r", "c")
+    assert "knows 2 other peer(s)" in alone_message(
+        61, 3, 2, "r", "c"
+    ) and "run id, config and secret" in alone_message(61, 3, 2, "r", "c")
     assert "did not answer" in alone_message(61, 3, None, "r", "c")

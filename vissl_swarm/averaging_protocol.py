@@ -42,8 +42,9 @@ class Averaging(Protocol):
     def last_applied_record(self) -> dict | None:
         """The newest record with ``applied`` true, or None before the first applied round."""
 
-    def load_state_from_peers(self, timeout: float | None = None,
-                              accept: Callable[[dict], bool] | None = None) -> dict | None:
+    def load_state_from_peers(
+        self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None
+    ) -> dict | None:
         """Take over a peer's parameters (and optimizer state); return its training progress (the VISSL task's
         ``training_progress()`` dict) or None when no progress was taken over: the trainer then keeps its own
         schedule. ``accept(progress)`` false: keep our own state."""

@@ -54,9 +54,7 @@ class TrainerConfig:
     recipe: list[str] = field(default_factory=list)  # recipe.apply_recipe: values set for this box and dataset
 
 
-def compose_config(
-    name: str, overrides: list[str], has_gpu: bool, dump_config: bool = False
-) -> tuple[Any, list[str]]:
+def compose_config(name: str, overrides: list[str], has_gpu: bool, dump_config: bool = False) -> tuple[Any, list[str]]:
     """Return (VISSL AttrDict config, list of compat changes made to it); ``dump_config`` writes
     ``train_config.yaml`` into the checkpoint folder as VISSL's own launcher does."""
     composed = _compose(name, overrides, has_gpu, dump_config, scale_recipe=False)

@@ -29,8 +29,11 @@ class StopAtStepBoundary:
         if not self.training or self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("Ctrl-C: this peer stops after the current step and leaves the swarm (Ctrl-C again to stop at once)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            "Ctrl-C: this peer stops after the current step and leaves the swarm (Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def stop_if_requested(self) -> None:
         """At a step boundary (the step hook)."""

@@ -26,8 +26,14 @@ MAX_QUERY_BLOCK = 4096
 MIN_TRAIN_CHUNK = 256
 
 
-def exact_knn_predictions(train_features: torch.Tensor, train_labels: torch.Tensor, val_features: torch.Tensor,
-                          k: int, temperature: float, num_classes: int) -> torch.Tensor:
+def exact_knn_predictions(
+    train_features: torch.Tensor,
+    train_labels: torch.Tensor,
+    val_features: torch.Tensor,
+    k: int,
+    temperature: float,
+    num_classes: int,
+) -> torch.Tensor:
     """The reference: the whole similarity matrix at once (run_eval.py's kNN before it streamed)."""
     k = min(k, len(train_labels))
     similarity, neighbours = (val_features @ train_features.T).topk(k, dim=1)
@@ -62,15 +68,25 @@ def read_chunk(bank: torch.Tensor | np.ndarray, start: int, stop: int, device: t
         return bank[start:stop].to(device=device, dtype=torch.float32)
     if isinstance(bank, np.memmap) and bank.filename is not None and bank.flags.c_contiguous:
         row = int(np.prod(bank.shape[1:]))
-        rows = np.fromfile(bank.filename, dtype=bank.dtype, count=(stop - start) * row,
-                           offset=bank.offset + start * row * bank.dtype.itemsize).reshape(stop - start, -1)
+        rows = np.fromfile(
+            bank.filename,
+            dtype=bank.dtype,
+            count=(stop - start) * row,
+            offset=bank.offset + start * row * bank.dtype.itemsize,
+        ).reshape(stop - start, -1)
     else:
         rows = np.ascontiguousarray(bank[start:stop])
     return torch.from_numpy(rows).to(device=device, dtype=torch.float32)
 
 
-def streaming_topk(train_features: Bank, val_features: torch.Tensor, k: int, memory_gb: float = DEFAULT_MEMORY_GB,
-                   query_block: int | None = None, train_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def streaming_topk(
+    train_features: Bank,
+    val_features: torch.Tensor,
+    k: int,
+    memory_gb: float = DEFAULT_MEMORY_GB,
+    query_block: int | None = None,
+    train_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the k largest similarities to the bank and their train indices, sorted descending; the bank read
     chunk by chunk. ``query_block``/``train_chunk`` override the sizes derived from ``memory_gb`` (tests force many
     chunks with them)."""
@@ -82,7 +98,7 @@ def streaming_topk(train_features: Bank, val_features: torch.Tensor, k: int, mem
     device = val_features.device
     similarities, indices = [], []
     for q_start in range(0, len(val_features), query_block):
-        queries = val_features[q_start:q_start + query_block].float()
+        queries = val_features[q_start : q_start + query_block].float()
         best_sim = torch.empty(len(queries), 0, device=device)
         best_idx = torch.empty(len(queries), 0, dtype=torch.long, device=device)
         for t_start in range(0, num_train, train_chunk):
@@ -96,9 +112,17 @@ def streaming_topk(train_features: Bank, val_features: torch.Tensor, k: int, mem
     return torch.cat(similarities), torch.cat(indices)
 
 
-def knn_predictions(train_features: Bank, train_labels: torch.Tensor | np.ndarray, val_features: torch.Tensor,
-                    k: int, temperature: float, num_classes: int, memory_gb: float = DEFAULT_MEMORY_GB,
-                    query_block: int | None = None, train_chunk: int | None = None) -> torch.Tensor:
+def knn_predictions(
+    train_features: Bank,
+    train_labels: torch.Tensor | np.ndarray,
+    val_features: torch.Tensor,
+    k: int,
+    temperature: float,
+    num_classes: int,
+    memory_gb: float = DEFAULT_MEMORY_GB,
+    query_block: int | None = None,
+    train_chunk: int | None = None,
+) -> torch.Tensor:
     """Each query's class by the vote of its k nearest train features, weighted exp(similarity / T), computed with
     working memory bounded by ``memory_gb`` (see the module docstring)."""
     similarity, neighbours = streaming_topk(train_features, val_features, k, memory_gb, query_block, train_chunk)

@@ -113,8 +113,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0) ->
         broadcast_tensors(_tensors(state), src=src)
         return
     device = collective_device()
-    received = [torch.empty(spec.shape, dtype=spec.dtype, device=device)
-                for spec in nested_flatten(layout) if isinstance(spec, _TensorSpec)]
+    received = [
+        torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        for spec in nested_flatten(layout)
+        if isinstance(spec, _TensorSpec)
+    ]
     broadcast_tensors(received, src=src)
     filled = iter(received)
     optimizer.load_state_dict(
@@ -154,13 +157,20 @@ def compare_replica_logs(rank0: list[dict], rank1: list[dict], rel: float = 1e-9
     """
     by_step0, by_step1 = ({entry["step"]: entry for entry in log} for log in (rank0, rank1))
     common = sorted(set(by_step0) & set(by_step1))
-    round_steps = [entry["step"] for previous, entry in zip(rank0, rank0[1:], strict=False)
-                   if entry["step"] == previous["step"] + 1 and entry["step"] in by_step1
-                   and entry.get("rounds_ok", 0) > previous.get("rounds_ok", 0)]
+    round_steps = [
+        entry["step"]
+        for previous, entry in zip(rank0, rank0[1:], strict=False)
+        if entry["step"] == previous["step"] + 1
+        and entry["step"] in by_step1
+        and entry.get("rounds_ok", 0) > previous.get("rounds_ok", 0)
+    ]
 
     def differ(key: str, steps: list[int]) -> list[int]:
-        return [step for step in steps
-                if abs(by_step0[step][key] - by_step1[step][key]) > rel * max(abs(by_step0[step][key]), 1.0)]
+        return [
+            step
+            for step in steps
+            if abs(by_step0[step][key] - by_step1[step][key]) > rel * max(abs(by_step0[step][key]), 1.0)
+        ]
 
     return {
         "steps_compared": len(common),

@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str | Callable[[], object] = "the condition",
-               poll: float = 0.5) -> Any:
+def wait_until(
+    condition: Callable[[], Any], timeout: float, what: str | Callable[[], object] = "the condition", poll: float = 0.5
+) -> Any:
     """Poll ``condition`` until it returns something truthy, and return that. TimeoutError otherwise, naming ``what``
     (or, if it is a callable, what it returns then: the state worth seeing when a wait fails)."""
     deadline = time.monotonic() + timeout
@@ -65,8 +66,20 @@ class LocalPeer:
         """Start (or restart) the trainer; its output goes to ``<out_dir>/<name>.log``."""
         assert self.process is None or self.process.poll() is not None, f"{self.name} is still running"
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        command = [*self.prefix, sys.executable, str(REPO / "run_trainer.py"), "--config", self.config, "--data_path",
-                   str(data_path), "--checkpoint_dir", str(self.checkpoint_dir), "--host_maddrs", LOOPBACK, *flags]
+        command = [
+            *self.prefix,
+            sys.executable,
+            str(REPO / "run_trainer.py"),
+            "--config",
+            self.config,
+            "--data_path",
+            str(data_path),
+            "--checkpoint_dir",
+            str(self.checkpoint_dir),
+            "--host_maddrs",
+            LOOPBACK,
+            *flags,
+        ]
         if initial_peers:
             command += ["--initial_peers", *initial_peers]
         command += overrides
@@ -74,8 +87,9 @@ class LocalPeer:
         env["PYTHONPATH"] = str(REPO)
         mode = "a" if self.process is not None else "w"
         with open(self.log_path, mode) as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.started_at = time.time()
         self.restarts += mode == "a"
 
@@ -140,10 +154,15 @@ class LocalPeer:
             self.kill()
 
 
-def start_swarm(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
-                per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
-                first_flags: list[str] = (), per_peer_flags: Callable[[LocalPeer], list[str]] | None = None,
-                ) -> list[str]:
+def start_swarm(
+    peers: list[LocalPeer],
+    data_path: Path,
+    flags: list[str],
+    overrides: list[str],
+    per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
+    first_flags: list[str] = (),
+    per_peer_flags: Callable[[LocalPeer], list[str]] | None = None,
+) -> list[str]:
     """Start the first peer (with ``first_flags`` too), read its join line, start the others with it; return the
     join addresses. ``per_peer_flags``: flags of each peer's own after ``flags`` (e.g. ``fixed_address``'s)."""
     extra = per_peer_overrides or (lambda peer: [])
@@ -169,9 +188,14 @@ def fixed_address(peer: LocalPeer) -> tuple[list[str], list[str]]:
     return ["--identity_path", str(identity), "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}"], [address]
 
 
-def start_swarm_together(peers: list[LocalPeer], data_path: Path, flags: list[str], overrides: list[str],
-                         per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
-                         stagger: float = 1.5) -> list[str]:
+def start_swarm_together(
+    peers: list[LocalPeer],
+    data_path: Path,
+    flags: list[str],
+    overrides: list[str],
+    per_peer_overrides: Callable[[LocalPeer], list[str]] | None = None,
+    stagger: float = 1.5,
+) -> list[str]:
     """Start all peers at about the same moment, so that none trains alone for the others' start-up (as after
     ``start_swarm``, which waits for the first peer's join line): the first peer gets an identity and port made
     here, so its address is known before it runs. A joiner whose DHT comes up before the first peer listens, or

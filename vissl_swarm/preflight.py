@@ -79,8 +79,10 @@ def allreduce_bytes(values: int, bytes_per_value: float, group_size: int) -> flo
     """Bytes one member sends (and, as many, receives) in one butterfly AllReduce of ``values`` values: its tensors
     split into n parts, n-1 parts sent out to be reduced, and its reduced part sent back to the n-1 others."""
     if values < 0 or bytes_per_value <= 0 or group_size < 1:
-        raise PreflightError(f"allreduce_bytes needs values >= 0, bytes_per_value > 0 and group_size >= 1, got "
-                             f"{values}, {bytes_per_value}, {group_size}")
+        raise PreflightError(
+            f"allreduce_bytes needs values >= 0, bytes_per_value > 0 and group_size >= 1, got "
+            f"{values}, {bytes_per_value}, {group_size}"
+        )
     return values * bytes_per_value * 2.0 * (group_size - 1) / group_size
 
 
@@ -156,7 +158,8 @@ def measure(rounds: Sequence[dict], run: dict) -> Measured:
     matchmaking = [r["matchmaking_s"] for r in applied if r.get("matchmaking_s") is not None]
     allreduce = [r["allreduce_s"] for r in timed]
     return Measured(
-        boxes=len(peers), rounds_applied=len(applied),
+        boxes=len(peers),
+        rounds_applied=len(applied),
         rounds_failed=sum(r.get("t_group_formed") is not None for r in failed),
         rounds_no_group=sum(r.get("t_group_formed") is None for r in failed),
         group_sizes=tuple(int(r["group_size"]) for r in applied if r.get("group_size")),
@@ -167,9 +170,11 @@ def measure(rounds: Sequence[dict], run: dict) -> Measured:
         matchmaking_s=statistics.median(matchmaking) if matchmaking else None,
         staleness_steps=statistics.median(staleness) if staleness else None,
         staleness_max_steps=max(staleness) if staleness else None,
-        steps=int(run["steps"]), seconds=float(run["seconds"]), values=int(run["values"]),
+        steps=int(run["steps"]),
+        seconds=float(run["seconds"]),
+        values=int(run["values"]),
         compression=str(run["compression"]),
-    )  # fmt: skip
+    )
 
 
 def _ceil(value: float, step: float) -> float:
@@ -180,8 +185,9 @@ def _seconds(value: float) -> str:
     return f"{value:g}"
 
 
-def advise(measured: Measured, current: Settings, values: int | None = None,
-           link_mbit: float | None = None) -> list[Advice]:
+def advise(
+    measured: Measured, current: Settings, values: int | None = None, link_mbit: float | None = None
+) -> list[Advice]:
     """The settings these measurements advise, each with its reason; a pure function of the numbers.
 
     ``values``: advise for a model of that many averaged values instead of the measured one, at the same step time:
@@ -196,20 +202,25 @@ def advise(measured: Measured, current: Settings, values: int | None = None,
     if measured.steps <= 0 or measured.seconds <= 0:
         raise PreflightError(f"no training to advise on: {measured.steps} steps in {measured.seconds} s")
     if measured.rounds_applied == 0 or measured.link_mbit is None or measured.allreduce_max_s is None:
-        why = (f"no averaging round was applied ({measured.rounds_no_group} found no group, {measured.rounds_failed} "
-               f"failed; {measured.boxes - 1} other boxes seen): check that the other boxes ran the pre-flight at "
-               "the same time with the same --run_id, --config and secret, and that their ports are open")
-        return [Advice("--target_group_size", str(current.target_group_size), why),
-                Advice("--min_matchmaking_time", _seconds(current.min_matchmaking_time), why),
-                Advice("--averaging_timeout", _seconds(current.averaging_timeout), why),
-                Advice("--compression", current.compression, why)]
+        why = (
+            f"no averaging round was applied ({measured.rounds_no_group} found no group, {measured.rounds_failed} "
+            f"failed; {measured.boxes - 1} other boxes seen): check that the other boxes ran the pre-flight at "
+            "the same time with the same --run_id, --config and secret, and that their ports are open"
+        )
+        return [
+            Advice("--target_group_size", str(current.target_group_size), why),
+            Advice("--min_matchmaking_time", _seconds(current.min_matchmaking_time), why),
+            Advice("--averaging_timeout", _seconds(current.averaging_timeout), why),
+            Advice("--compression", current.compression, why),
+        ]
     size = measured.values if values is None else values
     step_s, rate = measured.step_s, link_mbit or measured.link_mbit
     seen = max(measured.boxes, 2)
     typical_group = round(statistics.median(measured.group_sizes)) if measured.group_sizes else seen
     per_value = bytes_per_value(measured.compression)
-    extra_bytes = allreduce_bytes(size, per_value, typical_group) - allreduce_bytes(measured.values, per_value,
-                                                                                    typical_group)
+    extra_bytes = allreduce_bytes(size, per_value, typical_group) - allreduce_bytes(
+        measured.values, per_value, typical_group
+    )
     extra_s = extra_bytes * 8 / (rate * 1e6)  # the bytes a larger model adds, at the rate
     allreduce_max = max(0.0, measured.allreduce_max_s + extra_s)
     allreduce = max(0.0, (measured.allreduce_s or 0.0) + extra_s)
@@ -217,51 +228,80 @@ def advise(measured: Measured, current: Settings, values: int | None = None,
 
     # group size: no larger than the boxes that ran; on a slow link, 2 (each member sends 1.0x the model, not 1.5x)
     group = max(2, min(current.target_group_size, seen))
-    reason = (f"{measured.boxes} boxes took part; a group holds at most that many (groups seen: "
-              f"{_sizes(measured.group_sizes)})")
+    reason = (
+        f"{measured.boxes} boxes took part; a group holds at most that many (groups seen: "
+        f"{_sizes(measured.group_sizes)})"
+    )
     if allreduce > SLOW_ALLREDUCE_S and group > 2:
         group = 2
-        reason = (f"an AllReduce takes {allreduce:.1f} s here (> {SLOW_ALLREDUCE_S:g} s): in groups of 2 each box "
-                  f"sends 1.0x the model per round instead of {2 * (seen - 1) / seen:.2f}x, and waits for one peer")
+        reason = (
+            f"an AllReduce takes {allreduce:.1f} s here (> {SLOW_ALLREDUCE_S:g} s): in groups of 2 each box "
+            f"sends 1.0x the model per round instead of {2 * (seen - 1) / seen:.2f}x, and waits for one peer"
+        )
     advice.append(Advice("--target_group_size", str(group), reason))
 
     # matchmaking: long enough for a box in the middle of its step to join (a round starts at a step boundary),
     # and no shorter than an AllReduce: the next group gathers during it anyway
     wanted = max(1.0, 2 * step_s, allreduce)
-    reason = (f"at least 2 steps ({2 * step_s:.2f} s: a box joins at its next step boundary) and one AllReduce "
-              f"({allreduce:.2f} s: the next group gathers while it runs)")
-    filled = measured.group_size_mean is not None and measured.group_size_mean >= min(current.target_group_size,
-                                                                                     seen) - 0.25
+    reason = (
+        f"at least 2 steps ({2 * step_s:.2f} s: a box joins at its next step boundary) and one AllReduce "
+        f"({allreduce:.2f} s: the next group gathers while it runs)"
+    )
+    filled = (
+        measured.group_size_mean is not None and measured.group_size_mean >= min(current.target_group_size, seen) - 0.25
+    )
     if not filled:
         wanted = max(wanted, 1.5 * current.min_matchmaking_time)
-        reason += (f"; groups averaged {measured.group_size_mean:.2f} of {min(current.target_group_size, seen)} "
-                   f"possible: longer than the {current.min_matchmaking_time:g} s used")
+        reason += (
+            f"; groups averaged {measured.group_size_mean:.2f} of {min(current.target_group_size, seen)} "
+            f"possible: longer than the {current.min_matchmaking_time:g} s used"
+        )
     advice.append(Advice("--min_matchmaking_time", _seconds(_ceil(wanted, 0.5)), reason))
 
     # timeout: a few times the slowest AllReduce, never below the current one (it only bounds a hung round)
     needed = _ceil(TIMEOUT_FACTOR * allreduce_max, 5.0)
     if needed > current.averaging_timeout:
-        advice.append(Advice("--averaging_timeout", _seconds(needed),
-                             f"{TIMEOUT_FACTOR:g}x the slowest AllReduce ({allreduce_max:.1f} s) is more than the "
-                             f"{current.averaging_timeout:g} s used: rounds would be cut off"))
+        advice.append(
+            Advice(
+                "--averaging_timeout",
+                _seconds(needed),
+                f"{TIMEOUT_FACTOR:g}x the slowest AllReduce ({allreduce_max:.1f} s) is more than the "
+                f"{current.averaging_timeout:g} s used: rounds would be cut off",
+            )
+        )
     else:
-        advice.append(Advice("--averaging_timeout", _seconds(current.averaging_timeout),
-                             f"keep: {TIMEOUT_FACTOR:g}x the slowest AllReduce ({allreduce_max:.1f} s) is "
-                             f"{TIMEOUT_FACTOR * allreduce_max:.1f} s, within it (a dead peer is dropped sooner, by "
-                             "--next_chunk_timeout)"))
+        advice.append(
+            Advice(
+                "--averaging_timeout",
+                _seconds(current.averaging_timeout),
+                f"keep: {TIMEOUT_FACTOR:g}x the slowest AllReduce ({allreduce_max:.1f} s) is "
+                f"{TIMEOUT_FACTOR * allreduce_max:.1f} s, within it (a dead peer is dropped sooner, by "
+                "--next_chunk_timeout)",
+            )
+        )
 
     # compression: fp32 when a round of full-precision values takes less than a step at this rate
     fp32_s = allreduce_bytes(size, BYTES_PER_VALUE["none"], group) * 8 / (rate * 1e6)
     if fp32_s < step_s:
-        advice.append(Advice("--compression", "none",
-                             f"an fp32 round ({_megabytes(allreduce_bytes(size, 4.0, group))} sent per box) takes "
-                             f"{fp32_s:.2f} s at {rate:.1f} Mbit/s, under one step ({step_s:.2f} s): exact averages "
-                             "cost no staleness"))
+        advice.append(
+            Advice(
+                "--compression",
+                "none",
+                f"an fp32 round ({_megabytes(allreduce_bytes(size, 4.0, group))} sent per box) takes "
+                f"{fp32_s:.2f} s at {rate:.1f} Mbit/s, under one step ({step_s:.2f} s): exact averages "
+                "cost no staleness",
+            )
+        )
     else:
-        advice.append(Advice("--compression", "fp16",
-                             f"an fp32 round ({_megabytes(allreduce_bytes(size, 4.0, group))} sent per box) would "
-                             f"take {fp32_s:.2f} s at {rate:.1f} Mbit/s, {fp32_s / step_s:.1f} steps of "
-                             f"{step_s:.2f} s: fp16 halves the bytes and the staleness"))
+        advice.append(
+            Advice(
+                "--compression",
+                "fp16",
+                f"an fp32 round ({_megabytes(allreduce_bytes(size, 4.0, group))} sent per box) would "
+                f"take {fp32_s:.2f} s at {rate:.1f} Mbit/s, {fp32_s / step_s:.1f} steps of "
+                f"{step_s:.2f} s: fp16 halves the bytes and the staleness",
+            )
+        )
     return advice
 
 
@@ -289,22 +329,29 @@ def table_rows(measured: Measured) -> list[tuple[str, str]]:
         ("rounds applied / failed / no group", f"{m.rounds_applied} / {m.rounds_failed} / {m.rounds_no_group}"),
         ("AllReduce s (median / max)", f"{_number(m.allreduce_s)} / {_number(m.allreduce_max_s)}"),
         ("values averaged", f"{m.values:,} ({m.compression}: {bytes_per_value(m.compression):g} bytes each)"),
-        ("bytes sent per round per box (as many received)",
-         "-" if m.bytes_per_round is None else _megabytes(m.bytes_per_round)),
+        (
+            "bytes sent per round per box (as many received)",
+            "-" if m.bytes_per_round is None else _megabytes(m.bytes_per_round),
+        ),
         ("effective link rate (bytes / AllReduce s)", "-" if m.link_mbit is None else f"{m.link_mbit:.2f} Mbit/s"),
         ("matchmaking s (median)", _number(m.matchmaking_s)),
-        ("staleness steps (median / max)", f"{_number(m.staleness_steps, 1)} / "
-                                           f"{'-' if m.staleness_max_steps is None else m.staleness_max_steps}"),
+        (
+            "staleness steps (median / max)",
+            f"{_number(m.staleness_steps, 1)} / {'-' if m.staleness_max_steps is None else m.staleness_max_steps}",
+        ),
         ("local steps per applied round", _number(m.steps_per_round, 1)),
         ("steps / seconds trained (s per step)", f"{m.steps} / {m.seconds:.1f} ({m.step_s:.3f})"),
-    ]  # fmt: skip
+    ]
 
 
 def format_report(measured: Measured, advice: Sequence[Advice]) -> str:
     rows = table_rows(measured)
     width = max(len(name) for name, _ in rows)
-    lines = ["pre-flight of this box", *(f"  {name:<{width}}  {value}" for name, value in rows),
-             "advised settings for these links:"]
+    lines = [
+        "pre-flight of this box",
+        *(f"  {name:<{width}}  {value}" for name, value in rows),
+        "advised settings for these links:",
+    ]
     lines += [f"  {a.flag} {a.value}: {a.reason}" for a in advice]
     lines.append("  " + " ".join(f"{a.flag} {a.value}" for a in advice))
     return "\n".join(lines)
@@ -332,8 +379,12 @@ def report(folder: Path, current: Settings) -> tuple[str, dict[str, Any]]:
     measured = measure(read_jsonl(folder / "averaging_rounds.jsonl"), run)
     advice = advise(measured, current)
     numbers = {**asdict(measured), "step_s": measured.step_s, "steps_per_round": measured.steps_per_round}
-    document = {"measured": numbers, "settings": asdict(current), "advice": [asdict(a) for a in advice],
-                "folder": str(folder)}
+    document = {
+        "measured": numbers,
+        "settings": asdict(current),
+        "advice": [asdict(a) for a in advice],
+        "folder": str(folder),
+    }
     (folder / REPORT_FILE).write_text(json.dumps(document, indent=1))
     return format_report(measured, advice), document
 
@@ -348,4 +399,3 @@ def remove_checkpoints(folder: Path) -> int:
             freed += checkpoint.lstat().st_size
             checkpoint.unlink()
     return freed
-

@@ -31,9 +31,14 @@ from pathlib import Path
 from typing import Any
 
 # the LR values each kind of VISSL param scheduler uses (vissl/utils/hydra_config.get_scaled_lr_scheduler)
-LR_VALUE_KEYS = {"cosine": ("start_value", "end_value"), "linear": ("start_value", "end_value"),
-                 "constant": ("value",), "multistep": ("values",), "step": ("values",),
-                 "step_with_fixed_gamma": ("base_value",)}
+LR_VALUE_KEYS = {
+    "cosine": ("start_value", "end_value"),
+    "linear": ("start_value", "end_value"),
+    "constant": ("value",),
+    "multistep": ("values",),
+    "step": ("values",),
+    "step_with_fixed_gamma": ("base_value",),
+}
 QUEUE = "LOSS.swav_loss.queue"
 FROZEN = "MODEL.TEMP_FROZEN_PARAMS_ITER_MAP"
 LR = "OPTIMIZER.param_schedulers.lr"
@@ -63,8 +68,10 @@ def training_images(config: Any) -> int:
     """Images per epoch of the training split: the ImageFolder's, or ``DATA_LIMIT`` if that is smaller."""
     train = config.DATA.TRAIN
     if list(train.DATA_SOURCES) != ["disk_folder"]:
-        raise RecipeError(f"the recipe counts images of a disk_folder source, not of {list(train.DATA_SOURCES)}: "
-                          "set the RECIPE epoch keys to null and give VISSL's iteration counts instead")
+        raise RecipeError(
+            f"the recipe counts images of a disk_folder source, not of {list(train.DATA_SOURCES)}: "
+            "set the RECIPE epoch keys to null and give VISSL's iteration counts instead"
+        )
     images = count_images(Path(train.DATA_PATHS[0]))
     return min(images, train.DATA_LIMIT) if train.DATA_LIMIT >= 0 else images
 
@@ -118,10 +125,15 @@ class _Recipe:
             images = self._images()
             self._iterations = images // self.gpus // int(self.config.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
             if self._iterations < 1:
-                raise RecipeError(f"{images} training images make no full batch of {self.batch} on this box: "
-                                  "use a larger dataset or a smaller BATCHSIZE_PER_REPLICA")
-            self.lines.insert(0, f"box batch {self.batch} (BATCHSIZE_PER_REPLICA x NUM_PROC_PER_NODE); {images} "
-                                 f"training images: {self._iterations} iterations per epoch")
+                raise RecipeError(
+                    f"{images} training images make no full batch of {self.batch} on this box: "
+                    "use a larger dataset or a smaller BATCHSIZE_PER_REPLICA"
+                )
+            self.lines.insert(
+                0,
+                f"box batch {self.batch} (BATCHSIZE_PER_REPLICA x NUM_PROC_PER_NODE); {images} "
+                f"training images: {self._iterations} iterations per epoch",
+            )
         return self._iterations
 
     def _set(self, key: str, value: Any, why: str) -> None:
@@ -150,16 +162,23 @@ class _Recipe:
         if not self.recipe.get("scale_final_lr", True) and final is not None:
             last.end_value = float(final)
             described[-1] = f"{last.name} {last.start_value:.6g} -> {last.end_value:.6g} (final LR not scaled)"
-        self.lines.append(f"{LR}: x{factor:g} (given for batch {self.reference}, this box's is {self.batch}): "
-                          + ", ".join(described))
+        self.lines.append(
+            f"{LR}: x{factor:g} (given for batch {self.reference}, this box's is {self.batch}): " + ", ".join(described)
+        )
 
     def queue(self) -> None:
         if self.recipe.get("queue_length") is not None:
             reference_length = int(self.recipe.queue_length)
             batches = round(reference_length * self.batch / self.reference) // self.batch
             length = max(batches, 1 if reference_length > 0 else 0) * self.batch
-            why = (f"{reference_length} features at batch {self.reference}, scaled to this box's batch {self.batch} "
-                   "(a multiple of it)") if length else "no queue"
+            why = (
+                (
+                    f"{reference_length} features at batch {self.reference}, scaled to this box's batch {self.batch} "
+                    "(a multiple of it)"
+                )
+                if length
+                else "no queue"
+            )
             self._set(f"{QUEUE}.queue_length", length, why)
         if self.recipe.get("queue_start_epoch") is not None:
             epochs = self.recipe.queue_start_epoch

@@ -30,6 +30,7 @@ class SwarmError(ValueError):
 
 ALONE_AFTER_S = 60.0  # a box with no applied round for this long is alone: it warns, and the monitor lists it
 
+
 @dataclass
 class SwarmSettings:
     """Everything a peer needs to join; stored in the VISSL config (``config.SWARM``) so spawned workers see it."""
@@ -110,13 +111,19 @@ def hide_secret(settings: SwarmSettings) -> SwarmSettings:
 
 def add_secret_arguments(group: Any) -> None:
     """--swarm_secret / --swarm_secret_file, the same for the trainer and the monitor (an argparse group/parser)."""
-    group.add_argument("--swarm_secret_file", default="",
-                       help="file with the swarm's secret: only peers with the same secret average together and "
-                            "write the swarm's records (make one with python -c 'import secrets; "
-                            "print(secrets.token_hex(16))' > swarm.key and copy it to every box)")
-    group.add_argument("--swarm_secret", default="",
-                       help="the swarm's secret itself (visible in the process list: prefer --swarm_secret_file; "
-                            f"the {SECRET_ENV} environment variable works too)")
+    group.add_argument(
+        "--swarm_secret_file",
+        default="",
+        help="file with the swarm's secret: only peers with the same secret average together and "
+        "write the swarm's records (make one with python -c 'import secrets; "
+        "print(secrets.token_hex(16))' > swarm.key and copy it to every box)",
+    )
+    group.add_argument(
+        "--swarm_secret",
+        default="",
+        help="the swarm's secret itself (visible in the process list: prefer --swarm_secret_file; "
+        f"the {SECRET_ENV} environment variable works too)",
+    )
 
 
 def secret_settings(args: argparse.Namespace) -> dict[str, str]:
@@ -173,10 +180,13 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     check_multiaddrs("--announce_maddrs", settings.announce_maddrs)
     book = AddressBook(settings.address_book or None)
     met_before = len(book.addresses())
-    hint = ("check that the first peer is running and that its address and port are reachable from here (open "
-            "the port; a first peer behind NAT, whose join line shows only a private address, cannot be joined from "
-            "outside its LAN: start the swarm on a box with a public address)" if settings.initial_peers
-            else "check --host_maddrs and --identity_path")
+    hint = (
+        "check that the first peer is running and that its address and port are reachable from here (open "
+        "the port; a first peer behind NAT, whose join line shows only a private address, cannot be joined from "
+        "outside its LAN: start the swarm on a box with a public address)"
+        if settings.initial_peers
+        else "check --host_maddrs and --identity_path"
+    )
     deadline = time.monotonic() + settings.join_timeout
     initial_peers = settings.initial_peers
     try:
@@ -184,9 +194,11 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     except SwarmError as error:
         if not (met_before and initial_peers and "failed to connect to bootstrap peers" in str(error)):
             raise
-        logger.warning(f"None of --initial_peers answered within {settings.join_timeout:g} s; this box met "
-                       f"{met_before} address(es) of other peers before ({book.path}): starting without "
-                       "--initial_peers and dialing those")
+        logger.warning(
+            f"None of --initial_peers answered within {settings.join_timeout:g} s; this box met "
+            f"{met_before} address(es) of other peers before ({book.path}): starting without "
+            "--initial_peers and dialing those"
+        )
         initial_peers = []
         dht = _start_dht_process(settings, initial_peers, startup_timeout, deadline, hint)
 
@@ -196,21 +208,34 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     if initial_peers and not _joined(dht, deadline, known_addresses):
         if not met_before:
             dht.shutdown()
-            raise SwarmError(f"could not start or join the swarm: none of --initial_peers answered within "
-                             f"{settings.join_timeout:g} s (--join_timeout); {hint}")
-        logger.warning("None of --initial_peers answered; training alone until they or the peers met before "
-                       "answer (dialed every 10 s)")
+            raise SwarmError(
+                f"could not start or join the swarm: none of --initial_peers answered within "
+                f"{settings.join_timeout:g} s (--join_timeout); {hint}"
+            )
+        logger.warning(
+            "None of --initial_peers answered; training alone until they or the peers met before "
+            "answer (dialed every 10 s)"
+        )
     elif not initial_peers and met_before:
         answered = _joined(dht, time.monotonic(), known_addresses, warn=False)  # one try: it may be the first
-        print(f"[swarm] dialed the {met_before} address(es) of peers this box met before ({book.path}): "
-              + ("back in the swarm" if answered else "nobody answered yet; dialing them every 10 s (the first "
-                 "box of a swarm started again, or the others are down)"), file=sys.stderr, flush=True)
+        print(
+            f"[swarm] dialed the {met_before} address(es) of peers this box met before ({book.path}): "
+            + (
+                "back in the swarm"
+                if answered
+                else "nobody answered yet; dialing them every 10 s (the first "
+                "box of a swarm started again, or the others are down)"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     keep_dht_connected(dht, addresses=known_addresses, book=book)  # rejoin after an outage; keep the book
     return dht
 
 
-def _start_dht_process(settings: SwarmSettings, initial_peers: list[str], startup_timeout: float, deadline: float,
-                       hint: str) -> Any:
+def _start_dht_process(
+    settings: SwarmSettings, initial_peers: list[str], startup_timeout: float, deadline: float, hint: str
+) -> Any:
     """A FixedDHT started with these initial peers; started again while its p2p daemon reaches none of them (until
     ``deadline``). SwarmError when it cannot start."""
     import hivemind
@@ -239,8 +264,10 @@ def _start_dht_process(settings: SwarmSettings, initial_peers: list[str], startu
         except (P2PDaemonError, hivemind.p2p.P2PHandlerError, OSError, RuntimeError, TimeoutError) as error:
             if "failed to connect to bootstrap peers" not in str(error) or time.monotonic() > deadline:
                 raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
-            logger.warning(f"None of --initial_peers answered yet; trying again in {JOIN_RETRY_S:g} s "
-                           f"(for {max(0.0, deadline - time.monotonic()):.0f} s more)")
+            logger.warning(
+                f"None of --initial_peers answered yet; trying again in {JOIN_RETRY_S:g} s "
+                f"(for {max(0.0, deadline - time.monotonic()):.0f} s more)"
+            )
             time.sleep(JOIN_RETRY_S)
 
 
@@ -288,9 +315,11 @@ def reachability_note(addresses: list[str]) -> str:
     hosts = sorted({a.split("/")[2] for a in addresses})
     if not all(any(ipaddress.ip_address(h) in n for n in networks) for h in hosts):
         return ""
-    return (f"Note: this box's addresses are private ({', '.join(hosts)}): only boxes in its LAN can join through "
-            "it. Boxes elsewhere should join through a box with a public address, or forward a port here and pass "
-            "--host_maddrs /ip4/0.0.0.0/tcp/<port> --announce_maddrs /ip4/<public ip>/tcp/<port>")
+    return (
+        f"Note: this box's addresses are private ({', '.join(hosts)}): only boxes in its LAN can join through "
+        "it. Boxes elsewhere should join through a box with a public address, or forward a port here and pass "
+        "--host_maddrs /ip4/0.0.0.0/tcp/<port> --announce_maddrs /ip4/<public ip>/tcp/<port>"
+    )
 
 
 def join_command(dht: Any, settings: SwarmSettings) -> str:
@@ -303,9 +332,11 @@ def join_command(dht: Any, settings: SwarmSettings) -> str:
     run_id, preflight = settings.run_id, ""
     if settings.preflight_s > 0:  # the joiner's --preflight appends the suffix itself
         run_id, preflight = run_id.removesuffix(PREFLIGHT_SUFFIX), f" --preflight {settings.preflight_s:g}"
-    return (f"{interpreter()} run_trainer.py --config {settings.config_name or '<config>'} --run_id {run_id}"
-            f"{preflight} --data_path <your ImageFolder dataset>{secret} --host_maddrs /ip4/0.0.0.0/tcp/{JOINER_PORT} "
-            f"--identity_path peer.key --initial_peers {peers}")
+    return (
+        f"{interpreter()} run_trainer.py --config {settings.config_name or '<config>'} --run_id {run_id}"
+        f"{preflight} --data_path <your ImageFolder dataset>{secret} --host_maddrs /ip4/0.0.0.0/tcp/{JOINER_PORT} "
+        f"--identity_path peer.key --initial_peers {peers}"
+    )
 
 
 def interpreter() -> str:
@@ -323,4 +354,3 @@ def use_shared_dht(dht: Any) -> None:
 def take_shared_dht() -> Any:
     """The DHT run_trainer.py started in this process, or None in a spawned worker."""
     return _shared_dht
-

@@ -68,8 +68,9 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
-def metrics_validators(run_id: str, private_key: RSAPrivateKey | None = None,
-                       secret: SwarmSecret | None = None) -> list[RecordValidatorBase]:  # fmt: skip
+def metrics_validators(
+    run_id: str, private_key: RSAPrivateKey | None = None, secret: SwarmSecret | None = None
+) -> list[RecordValidatorBase]:
     """Validators for the metrics key of ``run_id``; add them to every DHT of the run, the monitor's included.
     ``secret``: the swarm's (``swarm.start_dht`` adds its validator already; adding it again is harmless).
 
@@ -77,8 +78,10 @@ def metrics_validators(run_id: str, private_key: RSAPrivateKey | None = None,
     record only when its subkey holds the public key of the signing validator it was given. Adding these twice to
     one DHT is harmless (hivemind merges a second RSASignatureValidator away and a second schema is the same).
     """
-    validators: list[RecordValidatorBase] = [SchemaValidator(MetricsSchema, prefix=run_id),
-                                             RSASignatureValidator(private_key)]  # fmt: skip
+    validators: list[RecordValidatorBase] = [
+        SchemaValidator(MetricsSchema, prefix=run_id),
+        RSASignatureValidator(private_key),
+    ]
     if secret is not None:
         validators.append(SwarmSecretValidator(secret))
     return validators
@@ -89,9 +92,20 @@ def owner_subkey(private_key: RSAPrivateKey | None = None) -> bytes:
     return RSASignatureValidator(private_key).local_public_key
 
 
-def make_record(*, step: int, samples_per_s: float, loss: float | None, group_size: int | None,
-                staleness_steps: int | None, rounds_ok: int, rounds_failed: int, time: float,
-                peer_id: str, averager_failures: int = 0, no_group_s: float = 0.0) -> dict[str, Any]:
+def make_record(
+    *,
+    step: int,
+    samples_per_s: float,
+    loss: float | None,
+    group_size: int | None,
+    staleness_steps: int | None,
+    rounds_ok: int,
+    rounds_failed: int,
+    time: float,
+    peer_id: str,
+    averager_failures: int = 0,
+    no_group_s: float = 0.0,
+) -> dict[str, Any]:
     """A record that passes the schema: numbers coerced to the exact types, a non-finite loss as None."""
     finite_loss = loss is not None and math.isfinite(float(loss))
     return {

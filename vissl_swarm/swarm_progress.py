@@ -131,8 +131,17 @@ class SwarmProgress:
     hivemind's state-serving thread (a joiner's download). ``self._lock`` guards every field below.
     """
 
-    def __init__(self, dht: Any, run: str, batch: int, *, period: float = PERIOD_S, expiration: float = EXPIRATION_S,
-                 private_key: RSAPrivateKey | None = None, start: bool = True) -> None:
+    def __init__(
+        self,
+        dht: Any,
+        run: str,
+        batch: int,
+        *,
+        period: float = PERIOD_S,
+        expiration: float = EXPIRATION_S,
+        private_key: RSAPrivateKey | None = None,
+        start: bool = True,
+    ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
         self.dht, self.run, self.batch = dht, run, batch
@@ -169,8 +178,11 @@ class SwarmProgress:
         now = time.monotonic()
         with self._lock:
             known = self._known_locked()
-            ahead = sum(min(now - seen.received_at, 2 * self.period) * seen.samples_per_s
-                        for seen in self._seen.values() if seen.live)  # fmt: skip
+            ahead = sum(
+                min(now - seen.received_at, 2 * self.period) * seen.samples_per_s
+                for seen in self._seen.values()
+                if seen.live
+            )
             self._position = max(self._position, known + int(ahead))
             return self._position
 
@@ -235,8 +247,10 @@ class SwarmProgress:
         if not count.verify(self.run):
             with self._lock:
                 self.rejected += 1
-            logger.warning(f"Ignored a progress count with a bad signature ({count.samples} samples): a box of "
-                           "another run, or one that tried to count for another box")
+            logger.warning(
+                f"Ignored a progress count with a bad signature ({count.samples} samples): a box of "
+                "another run, or one that tried to count for another box"
+            )
             return False
         with self._lock:
             seen = self._seen.setdefault(count.owner, _Seen(count))
@@ -257,17 +271,29 @@ class SwarmProgress:
                 self.publish()
                 self.refresh()
             except Exception as error:  # a DHT that fails now may answer next period; training goes on
-                logger.warning(f"Swarm progress: could not publish or read the swarm's count ({error!r}); "
-                               f"retrying in {self.period:g} s")
+                logger.warning(
+                    f"Swarm progress: could not publish or read the swarm's count ({error!r}); "
+                    f"retrying in {self.period:g} s"
+                )
             self._stop.wait(self.period)
 
     def publish(self, timeout: float = DHT_TIMEOUT_S) -> bool:
         """Store our signed count (and our speed) under our subkey; True if the DHT took it."""
         count = SignedCount.sign(self.run, self._key, self._own, self.batch)
-        record = ProgressRecord(owner=count.owner, samples=count.samples, batch=count.batch,
-                                signature=count.signature, samples_per_s=float(self._measure_rate())).dict()
-        future = self.dht.store(progress_key(self.run), record, expiration_time=get_dht_time() + self.expiration,
-                                subkey=self._subkey, return_future=True)
+        record = ProgressRecord(
+            owner=count.owner,
+            samples=count.samples,
+            batch=count.batch,
+            signature=count.signature,
+            samples_per_s=float(self._measure_rate()),
+        ).dict()
+        future = self.dht.store(
+            progress_key(self.run),
+            record,
+            expiration_time=get_dht_time() + self.expiration,
+            subkey=self._subkey,
+            return_future=True,
+        )
         return bool(future.result(timeout=timeout))
 
     def refresh(self, timeout: float = DHT_TIMEOUT_S) -> None:
@@ -311,8 +337,9 @@ class SwarmProgress:
         try:
             self.publish(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception as error:
-            logger.warning(f"Swarm progress: could not publish our last count ({error!r}); the others keep the "
-                           "one before")
+            logger.warning(
+                f"Swarm progress: could not publish our last count ({error!r}); the others keep the one before"
+            )
 
 
 WHERE_BELOW_ONE = 1.0 - 1e-9  # VISSL's train step asserts where < 1 (classy_vision's schedulers are defined on [0, 1))
