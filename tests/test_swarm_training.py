@@ -79,11 +79,11 @@ def resumed_checkpoint(log: str) -> tuple[int, int]:
     return int(state["iteration"]), SwarmProgress.total_of(counts, counts.get("run", ""))
 
 
-def swarm_position_at(peer: LocalPeer, when: float) -> float | None:
-    """The swarm's samples as ``peer`` logged them at ``when`` (linear between its two log lines around it, at most
-    20 s apart); None where it logged nothing around that time."""
-    entries = [(entry["time"], entry["swarm_samples"]) for entry in peer.progress()]
-    for (t0, p0), (t1, p1) in itertools.pairwise(entries):
+def swarm_position_at(entries: list[dict], when: float) -> float | None:
+    """The swarm's samples as a box logged them (``entries``, its progress lines) at ``when``: linear between its two
+    lines around it, at most 20 s apart; None where it logged nothing around that time."""
+    points = [(entry["time"], entry["swarm_samples"]) for entry in entries]
+    for (t0, p0), (t1, p1) in itertools.pairwise(points):
         if t0 <= when <= t1 and t1 - t0 <= 20:
             return p0 + (p1 - p0) * (when - t0) / max(t1 - t0, 1e-9)
     return None
@@ -92,16 +92,19 @@ def swarm_position_at(peer: LocalPeer, when: float) -> float | None:
 def off_schedule(peers: list[LocalPeer], starts: dict[str, list[float]], share: float, slack: int) -> list[str]:
     """Log lines at which a box's swarm position differs from another box's at that moment by more than ``share``
     of it plus ``slack`` samples (what the swarm trains while a count travels: a few seconds); ``starts[name]``:
-    when a box was started; its first line after each start is left out (it may still lag by a logging period)."""
-    found = []
+    when a box was started. Its first line after each start is left out, as a line to check and as a point of
+    another box's position (it may still lag by a logging period: the box's own samples only, the swarm's count
+    not in yet)."""
+    settled = {}
     for peer in peers:
         entries = peer.progress()
         first_lines = {next((e["time"] for e in entries if e["time"] > start), None) for start in starts[peer.name]}
-        for entry in entries:
-            if entry["time"] <= starts[peer.name][0] or entry["time"] in first_lines:
-                continue
+        settled[peer.name] = [e for e in entries if e["time"] > starts[peer.name][0] and e["time"] not in first_lines]
+    found = []
+    for peer in peers:
+        for entry in settled[peer.name]:
             for other in peers:
-                theirs = swarm_position_at(other, entry["time"]) if other is not peer else None
+                theirs = swarm_position_at(settled[other.name], entry["time"]) if other is not peer else None
                 if theirs is not None and abs(entry["swarm_samples"] - theirs) > share * theirs + slack:
                     found.append(
                         f"{peer.name} at step {entry['step']}: {entry['swarm_samples']} samples, "
