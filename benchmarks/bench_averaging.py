@@ -1042,19 +1042,19 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
     t0, t1, t2, t3 = cfg.windows(t_train)
     end = t1 if t3 is None else t3
     extend = cfg.extend_until_round_s if t3 is None and cfg.mode != "none" else 0.0
-    last_look = 0.0
+    extended, last_look = False, 0.0
     while True:
         now = time.time()
         if now >= end:
             if now >= t1 + extend or (now - last_look >= 0.2 and _window_has_round(driver, t0)):
                 break
-            last_look = now
+            extended, last_look = True, now
         driver.train_step()
         step_times.append(time.time())
         if trainer.last_loss is not None:
             losses.append(trainer.last_loss)
-    if t3 is None:
-        t1 = max(t1, step_times[-1] if step_times else t1)  # an extended window ends with its last step
+    if extended:  # an extended window ends with its last step; a fixed one stays [t0, t1]
+        t1 = step_times[-1]
     tail = losses[-20:]
     return {
         "t_train": t_train,
