@@ -185,8 +185,8 @@ class RoundExchange:
                 copy_(r.slot, buffers)
             norm = self.tensors.norm(r.slot)
             finite = math.isfinite(norm)
-            if finite and delta_rule:
-                refusal = vetting.check_update(r, judgement, norm)
+            if finite and delta_rule:  # weighted by samples, the AllReduce is not the summaries' plain mean
+                refusal = vetting.check_update(r, judgement, norm, None if self.settings.weight_by_samples else r.slot)
             if finite and refusal is None:  # before DONE: the trainer may apply it right after
                 vetting.accepted(r, reference, norm)
             with self.book.lock:

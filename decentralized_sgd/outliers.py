@@ -89,6 +89,16 @@ class WeightSketch:
         projected = both[:-1] @ self._projection
         return [*projected.tolist(), float(both[-1])]
 
+    @torch.no_grad()
+    def project(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
+        """The projection part of the point of these tensors, without the norm (no pass over every value): linear in
+        them, so the projection of an update is the difference of the projections of its two ends."""
+        if [t.numel() for t in tensors] != self.numels:
+            raise ValueError("WeightSketch: the tensors differ from the ones it was built for")
+        picked = [tensors[i].detach().reshape(-1)[idx.to(tensors[i].device)].cpu().double() for i, idx in self._picks]
+        values = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
+        return (values @ self._projection).numpy()
+
 
 @dataclass(frozen=True)
 class Summary:
@@ -322,7 +332,19 @@ class UpdateCheck:
     the group formed. A peer that diverged in between (or drifts fast) is not refused by the rule, but the update it
     causes is much larger than both what the summaries predicted and what this peer's recent rounds brought:
 
-        limit = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
+        limit  = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
+        excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update|
+
+    ``limit`` bounds the update's exact norm (it also sees a few blown-up values that the sketch's sample misses).
+    ``excess`` bounds how far it outgrew the prediction: ``sketched`` is the update measured with the projection of
+    the summaries (``WeightSketch.project``), so that an update exactly as predicted measures ``expected`` whatever
+    the projection. Healthy groupmates exceed the prediction by what they trained and applied between their summary
+    and their fill (about a normal update); an update smaller than predicted (the group came together meanwhile)
+    always passes. A groupmate that kept drifting after a summary the rule let in does not: the rule's rate is an
+    average since the reference, so a drift that began a few still steps after it passes the floor for a while
+    (test_robust_peers under load: 6 steps of x1.05 after 7 still ones, 2.6% per step), and by the fill 11 steps
+    later the update had grown 3.8 times, within ``limit``, and moved the others by 43%. Without ``sketched``
+    (weight_by_samples: the AllReduce weights the members, the prediction does not) only ``limit`` applies.
 
     Only once this peer has applied a round (since it started or healed): before that nothing says what is normal,
     and a peer that joins from elsewhere must be able to catch up (its first update may be as large as the distance
@@ -340,15 +362,30 @@ class UpdateCheck:
             return math.inf
         return self.multiple * ((expected or 0.0) + float(np.median(self._recent))) + self.rel_floor * snapshot_norm
 
-    def check(self, update_norm: float, expected: float | None, snapshot_norm: float) -> tuple[bool, str]:
-        """(accept?, a log line with the numbers)."""
+    def excess_limit(self, expected: float, snapshot_norm: float) -> float:
+        if not self._recent:
+            return math.inf
+        return expected + self.multiple * float(np.median(self._recent)) + self.rel_floor * snapshot_norm
+
+    def check(
+        self, update_norm: float, expected: float | None, snapshot_norm: float, sketched: float | None = None
+    ) -> tuple[bool, str]:
+        """(accept?, a log line with the numbers). ``sketched``: |the update's projection| (see the class)."""
         limit = self.limit(expected, snapshot_norm)
         recent = f"{np.median(self._recent):.4g}" if self._recent else "none"
         expected_text = "n/a" if expected is None else f"{expected:.4g}"
         ok = math.isfinite(update_norm) and update_norm <= limit
-        return ok, (
-            f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g} "
-            f"(expected {expected_text}, median of recent updates {recent}, |snapshot| {snapshot_norm:.4g})"
+        line = f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g}"
+        if ok and sketched is not None and expected is not None:
+            excess = self.excess_limit(expected, snapshot_norm)
+            ok = sketched <= excess
+            line += (
+                f", sketched {sketched:.4g} {'<=' if ok else '>'} expected + {self.multiple:g} x recent + floor "
+                f"{excess:.4g}"
+            )
+        return (
+            ok,
+            f"{line} (expected {expected_text}, median of recent updates {recent}, |snapshot| {snapshot_norm:.4g})",
         )
 
     def applied(self, update_norm: float) -> None:

@@ -10,7 +10,8 @@ Per round, in the scheduler thread:
    ran the AllReduce without the outliers, see ``guard``). Logged with the numbers and counted. If we are the outlier,
    the round is discarded and a heal is asked for.
 3. ``check_update(...)``: the update ``averaged - snapshot`` against what the summaries and our recent rounds predict
-   (``outliers.UpdateCheck``); a far larger one is discarded and our local weights are kept.
+   (``outliers.UpdateCheck``: its size, and how far it outgrew the prediction, measured with the summaries' projection);
+   a far larger one is discarded and our local weights are kept.
 
 The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock``: no round
 starts (``payload`` says "not now") and none not yet triggered goes on; nobody may download our state; we take a
@@ -193,10 +194,14 @@ class RoundVetting:
             group, None, expected_update_norm(summaries, verdict, own), 0.0 if own_summary is None else own_summary.norm
         )
 
-    def check_update(self, r: Round, judgement: Judgement, update_norm: float) -> str | None:
-        """The update of a round the verdict kept (finite): None to apply it, else why not."""
+    def check_update(
+        self, r: Round, judgement: Judgement, update_norm: float, update: Sequence[torch.Tensor] | None = None
+    ) -> str | None:
+        """The update of a round the verdict kept (finite): None to apply it, else why not. ``update``: its tensors,
+        to measure it as the summaries measure the expected one (None: its size only, see ``UpdateCheck``)."""
         r.extra["update_norm"] = update_norm
-        ok, line = self.update_check.check(update_norm, judgement.expected, judgement.own_norm)
+        sketched = None if update is None else float(np.linalg.norm(self.sketch.project(update)))
+        ok, line = self.update_check.check(update_norm, judgement.expected, judgement.own_norm, sketched)
         if ok:
             return None
         self.counters["rounds_rejected_large_update"] += 1

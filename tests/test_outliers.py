@@ -227,6 +227,28 @@ def test_update_check_refuses_an_update_far_larger_than_expected():
 
 
 @pytest.mark.timeout(60)
+def test_update_check_refuses_an_update_that_outgrew_the_prediction():
+    # a groupmate's summary the rule let in (34% away), whose values kept drifting until the fill (x1.05^11 more)
+    group = summaries({"me": weights(value=1.0), "b": weights(value=1.0), "drifter": weights(value=1.05**6)})
+    verdict = OutlierRule().judge(group)
+    expected = expected_update_norm(group, verdict, "me")
+    sk, snapshot = sketch(), weights(value=1.0)
+    averaged = [(2 * s + 1.05**17 * s) / 3 for s in snapshot]
+    update = [a - s for a, s in zip(averaged, snapshot, strict=True)]
+    assert np.allclose(sk.project(update), np.subtract(sk(averaged), sk(snapshot))[:-1])  # linear: the two ends
+    sketched, norm, size = float(np.linalg.norm(sk.project(update))), float(flat(update).norm()), sk(snapshot)[-1]
+    assert sketched == pytest.approx(3.8 * expected, rel=0.01)  # the projection's error is the same on both sides
+    check = UpdateCheck()
+    check.applied(0.0)  # the rounds before brought nothing
+    assert check.check(norm, expected, size)[0]  # its size alone is within 4 * expected: it moved the others 43%
+    ok, line = check.check(norm, expected, size, sketched)
+    assert not ok and "sketched" in line and "> expected + 4 x recent + floor" in line
+    assert check.check(expected, expected, size, expected)[0]  # as predicted
+    assert check.check(0.0, expected, size, 0.0)[0]  # smaller: the group came together meanwhile
+    assert UpdateCheck().check(norm, expected, size, sketched)[0]  # no round applied yet: a newcomer catches up
+
+
+@pytest.mark.timeout(60)
 def test_judge_group_refuses_members_without_a_token_before_looking_at_their_weights():
     sk = sketch()
     good = {

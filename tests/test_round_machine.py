@@ -39,6 +39,7 @@ from decentralized_sgd.trainer_state import TrainerState
 from decentralized_sgd.vetting import GroupChecks, RoundVetting
 
 OWN, MATE = PeerID(os.urandom(34)), PeerID(os.urandom(34))  # us, and the groupmate hivemind's side brings
+DRIFTER = PeerID(os.urandom(34))  # a third groupmate, in the tests that bring one themselves
 
 
 def new_step() -> StepControl:
@@ -385,6 +386,42 @@ def test_a_much_larger_update_than_the_summaries_predict_is_refused(make_peer):
     assert peer.counters["rounds_applied"] == 1
     peer.train_step()
     assert torch.allclose(peer.param.detach(), snapshot - 0.1)  # our own weights, not the far average
+
+
+def test_an_update_that_outgrew_what_the_summaries_predict_is_refused():
+    """test_robust_peers' drifting peer under load, with its numbers (27 values: the sketch is exact). The drifter's
+    summary, taken 6 steps (x1.05 each) into its drift, passed the rule: its reference was 7 still steps older, so
+    it moved 0.34 / 13 = 2.6% of |w| per step, under the 3% floor. Its values were copied 11 steps later (x1.05^17):
+    the update, 3.8 times what the summaries predicted, was within 4 * expected and moved the others by 43%."""
+    peer = Peer(FAST, size=27)
+    try:
+        peer.train_step(0.0)
+        peer.scheduler.tick()
+        peer.hivemind.form(0)
+        peer.scheduler.tick()
+        peer.hivemind.finish(0, [peer.param.detach().clone()])  # a round that changes nothing: history [0]
+        peer.train_step(0.0)
+        peer.scheduler.tick()  # round 0 DONE, round 1 looking
+        assert peer.train_step(0.0) == 1
+        peer.hivemind.form(1)
+        peer.scheduler.tick()
+        assert peer.round(1).state is S.TRIGGERED
+        step, gathered = peer.hivemind.steps[1]
+        own = Summary.from_wire(gathered["summary"], peer.vetting.sketch.size).point
+        healthy = Summary(own, 26, own, 13)
+        drifter = Summary(1.05**6 * own, 26, own, 13)
+        with peer.hivemind.buffers(10.0) as buffers:  # our snapshot (1.0), the healthy mate's, the drifter's 1.05^17
+            step.began_allreduce = True
+            buffers[0].mul_((1.05**17 + 2) / 3)
+        step.set_result({OWN: gathered, MATE: {"summary": healthy.to_wire()}, DRIFTER: {"summary": drifter.to_wire()}})
+        peer.scheduler.tick()
+        peer.scheduler.tick()
+        assert peer.state_of(1) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1
+        assert not peer.book.records[1]["outliers"]  # the rule let the drifter in: the update check is what is left
+        peer.train_step(0.0)
+        assert torch.equal(peer.param.detach(), torch.ones(27))  # our own weights, not 1.43 of them
+    finally:
+        peer.book.close("test over")
 
 
 def test_the_round_book_moves_several_rounds_at_once_and_records_them_in_order():
