@@ -53,8 +53,12 @@ $(FASHION)/train/.complete: $(STAMP) scripts/export_fashion_mnist.py
 	fi
 	$(PY) scripts/export_fashion_mnist.py --idx_dir "$(FASHION_IDX)" --out $(FASHION)
 
+# two pytest-xdist workers: the scenarios of many processes on one, one after the other, the rest on the other
+# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process
+TEST_WORKERS ?= 2
+
 test: venv data
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 demo: venv data
 	$(PY) demo.py --data_path $(DATA)

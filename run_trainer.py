@@ -27,9 +27,11 @@ from vissl_swarm.ctrl_c import ctrl_c
 if TYPE_CHECKING:
     from hivemind import DHT
 
-# at import: VISSL's multi-GPU workers are spawned processes that re-import this module before unpickling VISSL's
-# worker function, which imports classy_vision (see vissl_compat)
-vissl_compat.apply()
+# a spawned worker (VISSL's multi-GPU workers, where they are spawned) re-imports this module as __mp_main__ before
+# unpickling VISSL's worker function, which imports classy_vision (see vissl_compat); the trainer itself applies the
+# patches in main(), after the flags are checked: a wrong flag fails at once, without 3 s of imports
+if __name__ == "__mp_main__":
+    vissl_compat.apply()
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"}
 
@@ -378,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    vissl_compat.apply()
     import torch
     from vissl.utils.distributed_launcher import launch_distributed
 

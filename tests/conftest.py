@@ -16,6 +16,12 @@ from vissl_swarm import vissl_compat  # noqa: E402  (before any test imports VIS
 
 vissl_compat.apply()
 
+# The longest scenarios, of three or more trainers or sixteen peers, carry @pytest.mark.xdist_group("swarm_scenarios").
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): the group goes to one worker, its tests one
+# after the other, and first (xdist orders work by size, the group is the largest); the other worker takes the rest
+# (unit tests, single processes, swarms of two boxes or a few small peers). Two of these scenarios at once would each
+# get one core of two; one of them beside the lighter tests keeps both cores busy.
+
 
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

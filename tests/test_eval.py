@@ -17,7 +17,7 @@ import torch
 import run_eval as run_eval_module
 from run_eval import EvalError, evaluate, knn_accuracy, knn_top1, resolve_checkpoint
 from tests.conftest import REPO, run_trainer, trainer_env
-from vissl_swarm.knn import exact_knn_predictions, knn_predictions
+from vissl_swarm.knn import exact_knn_predictions, knn_predictions, streaming_topk
 
 # 2 batches of 16 images, one epoch: a real VISSL checkpoint in seconds (alone, no swarm)
 SHORT_RUN = [
@@ -160,15 +160,35 @@ def test_features_are_cached_and_the_streamed_vote_is_exact(
     monkeypatch.setattr(run_eval_module, "extract_features", no_extraction)
     assert evaluate(trained_dir, digits_dir, feature_cache=cache) == first
 
-    # the digits features of a trained trunk: the streamed vote, in many chunks, predicts exactly as the full matrix
+    # the digits features of a trained trunk: the streamed vote, in many chunks, finds the full matrix's neighbours
+    # and predicts as it does. A trunk trained two steps gives many near-equal similarities: a chunk's product may
+    # round differently in the last bit, so where the k-th neighbour ties the next one or two classes' votes tie,
+    # either answer is right (seen: a few of 360 queries)
     files = {name.split("-")[0] + (".labels" if "labels" in name else ""): cache / name for name in cached}
     train, val = torch.from_numpy(np.load(files["train"])), torch.from_numpy(np.load(files["val"]))
     train_labels, val_labels = (torch.from_numpy(np.load(files[f"{split}.labels"])) for split in ("train", "val"))
     exact = exact_knn_predictions(train, train_labels, val, k=20, temperature=0.1, num_classes=10)
     assert first.top1 == float((exact == val_labels).float().mean())
+    decided = ~near_ties(train, train_labels, val, k=20, temperature=0.1, num_classes=10)
+    exact_similarity = (val @ train.T).topk(20, dim=1).values
     for sizes in ({}, {"query_block": 50, "train_chunk": 100}):
+        similarity, _ = streaming_topk(files["train"], val, 20, **sizes)
+        assert torch.allclose(similarity, exact_similarity, atol=1e-5), sizes
         streamed = knn_predictions(files["train"], train_labels, val, k=20, temperature=0.1, num_classes=10, **sizes)
-        assert torch.equal(streamed, exact), sizes
+        assert torch.equal(streamed[decided], exact[decided]), (sizes, int(decided.sum()), len(decided))
+
+
+def near_ties(
+    train: torch.Tensor, labels: torch.Tensor, val: torch.Tensor, k: int, temperature: float, num_classes: int
+) -> torch.Tensor:
+    """Queries whose vote rounding may decide: the k-th similarity within 1e-5 of the next, or the two largest
+    classes' votes within 0.1% of each other."""
+    top = (val @ train.T).topk(k + 1, dim=1)
+    tie_at_k = top.values[:, k - 1] - top.values[:, k] <= 1e-5
+    votes = torch.zeros(len(val), num_classes)
+    votes.scatter_add_(1, labels[top.indices[:, :k]], (top.values[:, :k] / temperature).exp())
+    best, second = votes.topk(2, dim=1).values.unbind(dim=1)
+    return tie_at_k | (best - second <= 1e-3 * best)
 
 
 def test_a_resnet50_trunk_is_evaluated_as_the_trainer_calls_it(digits_dir: Path, tmp_path: Path) -> None:

@@ -266,6 +266,7 @@ def monitor_table(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(600)
 def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp_path: Path) -> None:
     assert publishing_hooks(), "wire PublishProgressOnStepHook into hooks.swarm_hook_generator"

@@ -72,6 +72,7 @@ def run_demo(digits_dir: Path, out: Path, minutes: float) -> subprocess.Complete
     )
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(900)
 def test_demo_in_a_short_mode_twice_in_one_folder(digits_dir: Path, tmp_path: Path) -> None:
     """`make demo` runs demo.py: here with 2 peers for a few seconds of training, twice in the same folder. Each run

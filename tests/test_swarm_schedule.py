@@ -46,6 +46,7 @@ def final_checkpoint(peer: LocalPeer) -> Path:
     return finals[-1]
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(600)
 def test_three_boxes_share_one_recipe_and_end_by_themselves(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"box{index}", tmp_path) for index in range(3)]

@@ -119,6 +119,7 @@ def logged_fingerprint(peer: LocalPeer) -> str:
     return match.group(1) if match else ""
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(1500)
 def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joiner_and_the_whole_swarm_restarting(
     digits_dir: Path, tmp_path: Path
@@ -332,6 +333,7 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
     assert final_distance < 0.5 * moved, (final_distance, moved)
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(600)
 def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: Path, tmp_path: Path) -> None:
     """Two local ranks (gloo on CPU, VISSL's own DDP) form one peer; only rank 0 is in the swarm. It downloads the
