@@ -163,7 +163,7 @@ def test_features_are_cached_and_the_streamed_vote_is_exact(
     # the digits features of a trained trunk: the streamed vote, in many chunks, finds the full matrix's neighbours
     # and predicts as it does. A trunk trained two steps gives many near-equal similarities: a chunk's product may
     # round differently in the last bit, so where the k-th neighbour ties the next one or two classes' votes tie,
-    # either answer is right (seen: a few of 360 queries)
+    # either answer is right (seen once, on a loaded machine)
     files = {name.split("-")[0] + (".labels" if "labels" in name else ""): cache / name for name in cached}
     train, val = torch.from_numpy(np.load(files["train"])), torch.from_numpy(np.load(files["val"]))
     train_labels, val_labels = (torch.from_numpy(np.load(files[f"{split}.labels"])) for split in ("train", "val"))
