@@ -67,22 +67,28 @@ class WeightSketch:
         """Length of a point: the projection, then the norm."""
         return self.dims + 1
 
+    def _picked(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+        """The sampled values of each tensor, and whether the tensors share one device (then the values stay on it,
+        picked with indices cached per device; else each part is moved to the CPU)."""
+        if [t.numel() for t in tensors] != self.numels:
+            raise ValueError("WeightSketch: the tensors differ from the ones it was built for")
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if any(t.device != device for t in tensors):  # unusual
+            return [tensors[i].detach().reshape(-1)[idx].cpu() for i, idx in self._picks], False
+        if device not in self._on_device:
+            self._on_device[device] = [idx.to(device) for _, idx in self._picks]
+        indices = self._on_device[device]
+        return [tensors[i].detach().reshape(-1)[idx] for (i, _), idx in zip(self._picks, indices, strict=True)], True
+
     @torch.no_grad()
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[float]:
         """The point of these tensors (same order and sizes as at construction); non-finite if any value is.
         On a GPU: a few small kernels and one copy of ~4K values to the CPU."""
-        if [t.numel() for t in tensors] != self.numels:
-            raise ValueError("WeightSketch: the tensors differ from the ones it was built for")
-        device = tensors[0].device if tensors else torch.device("cpu")
-        if any(t.device != device for t in tensors):  # unusual: move each picked part and norm separately
-            picked = [tensors[i].detach().reshape(-1)[idx].cpu() for i, idx in self._picks]
-            norms = [torch.linalg.vector_norm(t.detach()).cpu() for t in tensors if t.numel()]
-        else:
-            if device not in self._on_device:
-                self._on_device[device] = [idx.to(device) for _, idx in self._picks]
-            indices = self._on_device[device]
-            picked = [tensors[i].detach().reshape(-1)[idx] for (i, _), idx in zip(self._picks, indices, strict=True)]
+        picked, one_device = self._picked(tensors)
+        if one_device:
             norms = list(torch._foreach_norm([t.detach() for t in tensors if t.numel()]))
+        else:
+            norms = [torch.linalg.vector_norm(t.detach()).cpu() for t in tensors if t.numel()]
         values = torch.cat([p.double() for p in picked]) if picked else torch.zeros(0, dtype=torch.float64)
         norm = torch.stack([n.double() for n in norms]).norm() if norms else torch.zeros((), dtype=torch.float64)
         both = torch.cat([values, norm.reshape(1)]).cpu()  # the only synchronization
@@ -93,10 +99,8 @@ class WeightSketch:
     def project(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
         """The projection part of the point of these tensors, without the norm (no pass over every value): linear in
         them, so the projection of an update is the difference of the projections of its two ends."""
-        if [t.numel() for t in tensors] != self.numels:
-            raise ValueError("WeightSketch: the tensors differ from the ones it was built for")
-        picked = [tensors[i].detach().reshape(-1)[idx.to(tensors[i].device)].cpu().double() for i, idx in self._picks]
-        values = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
+        picked, _ = self._picked(tensors)
+        values = torch.cat([p.double() for p in picked]).cpu() if picked else torch.zeros(0, dtype=torch.float64)
         return (values @ self._projection).numpy()
 
 
