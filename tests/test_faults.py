@@ -203,6 +203,7 @@ def test_the_others_keep_averaging_when_the_bootstrap_peer_is_gone(swarm):
     assert_survivors_healthy(swarm, others)
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("ip")), reason="needs unshare (util-linux), ip")
 def test_a_peer_cut_off_the_network_and_restored(tmp_path):

@@ -60,6 +60,7 @@ def run_scenario(out: Path, scenario: str, mode: str) -> dict:
     return summary
 
 
+@pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(420)
 def test_natted_boxes_average_through_a_real_nat(tmp_path, nat_tools):
     """Both scenarios at once (each in its own namespaces; most of their time is waiting: p2pd start-up, matchmaking):

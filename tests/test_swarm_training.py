@@ -29,8 +29,6 @@ SWARM_OVERRIDES = [
     "config.LOG_FREQUENCY=5",
 ]
 SWARM_SECRET = "swarmtest-secret"  # the peers average with a swarm secret (it reaches spawned workers too)
-# --join_timeout: how long a joiner whose --initial_peers is down (the whole swarm's restart) waits before it dials
-# the peers it met; half the default, still five pings of the first box at start
 SWARM_FLAGS = [
     "--run_id",
     "swarmtest",
@@ -46,9 +44,14 @@ SWARM_FLAGS = [
     "none",
     "--swarm_secret",
     SWARM_SECRET,
-    "--join_timeout",
-    "15",
 ]
+# --join_timeout, how long a joiner keeps dialing its --initial_peers: while the first box runs, as long as a first box
+# that shares two loaded cores with the others may take to answer (seen: over 15 s, beside a swarm of 16 in the
+# suite); it answers within seconds otherwise, so the test only waits that long where it would fail. In the whole
+# swarm's restart the first box is down, and every joiner waits all of it before it dials the peers it met: half the
+# default, still five pings of the first box.
+JOIN_A_RUNNING_BOX = ["--join_timeout", "90"]
+JOIN_A_STOPPED_BOX = ["--join_timeout", "15"]
 
 
 def float_tensors(model_state: dict) -> dict[str, torch.Tensor]:
@@ -134,7 +137,7 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
     commands = {
         peer.name: (
             [] if index == 0 else addresses,
-            [*SWARM_FLAGS, *identities[peer.name][0]],
+            [*SWARM_FLAGS, *JOIN_A_RUNNING_BOX, *identities[peer.name][0]],
             [*SWARM_OVERRIDES, f"config.SEED_VALUE={index}", *(double_batch if index == 1 else [])],
         )
         for index, peer in enumerate(peers)
@@ -145,7 +148,7 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
         start_swarm(
             peers,
             digits_dir,
-            [*SWARM_FLAGS, "--load_state_timeout", "0"],
+            [*SWARM_FLAGS, *JOIN_A_RUNNING_BOX, "--load_state_timeout", "0"],
             SWARM_OVERRIDES,
             per_peer_overrides=lambda peer: commands[peer.name][2][len(SWARM_OVERRIDES) :],
             per_peer_flags=lambda peer: identities[peer.name][0],
@@ -212,7 +215,7 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
         swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers)
         late = LocalPeer("late", tmp_path)
         peers.append(late)
-        commands["late"] = (addresses, [*SWARM_FLAGS, *fixed_address(late)[0]], SWARM_OVERRIDES)
+        commands["late"] = (addresses, [*SWARM_FLAGS, *JOIN_A_RUNNING_BOX, *fixed_address(late)[0]], SWARM_OVERRIDES)
         late.start(digits_dir, *commands["late"])
         late.join_addresses()  # it keeps pinging the first box until it answers (start_dht): one start
         wait_until(lambda: late.progress(), 180, "the late joiner's first logged step")
@@ -247,7 +250,8 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
 
         back_order = [late, peers[2], peers[1], peers[0]]
         for peer in back_order[:-1]:
-            peer.start(digits_dir, *commands[peer.name])
+            initial_peers, flags, overrides = commands[peer.name]
+            peer.start(digits_dir, initial_peers, [*flags, *JOIN_A_STOPPED_BOX], overrides)  # the last flag counts
             time.sleep(3)  # one after the other, as boxes restarted by hand
         wait_until(
             lambda: all("starting without --initial_peers" in this_life(peer) for peer in back_order[:-1]),
