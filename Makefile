@@ -57,8 +57,23 @@ $(FASHION)/train/.complete: $(STAMP) scripts/export_fashion_mnist.py
 # (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process
 TEST_WORKERS ?= 2
 
-test: venv data
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+test: venv data test-tools
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup tests
+
+# The NAT tests build masquerading routers in network namespaces (tests/nat_testbed.py) and need iptables: installed
+# here if missing and we are root with apt-get; elsewhere they are skipped, and the summary (-rs) says why.
+.PHONY: test-tools
+
+test-tools:
+	@if ! command -v iptables >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing iptables for the NAT tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables 2>&1 >/dev/null \
+	      | { grep -v "^debconf: delaying package configuration" >&2 || true; }; \
+	  else \
+	    echo "warning: no iptables: the NAT tests will be skipped (sudo apt-get install -y iptables)" >&2; \
+	  fi; \
+	fi
 
 demo: venv data
 	$(PY) demo.py --data_path $(DATA)

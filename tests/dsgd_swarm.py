@@ -12,12 +12,13 @@ from pathlib import Path
 import hivemind
 import torch
 
-from decentralized_sgd import DecentralizedSGD, keep_dht_connected
-from decentralized_sgd.hivemind_fixes import FixedDHT
+from decentralized_sgd import DecentralizedSGD
 from vissl_swarm import local_swarm
+from vissl_swarm.swarm import SwarmSettings, start_dht
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+JOIN_TIMEOUT_S = 60.0
 FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=2.0, allreduce_timeout=15.0)
 
 
@@ -95,11 +96,12 @@ class Swarm:
         self.trainers: list[Trainer] = []
 
     def dht(self) -> hivemind.DHT:
-        initial_peers = self.dhts[0].get_visible_maddrs() if self.dhts else None
-        self.dhts.append(
-            FixedDHT(start=True, host_maddrs=self.host_maddrs, initial_peers=initial_peers, startup_timeout=60)
-        )  # 16 p2p daemons starting at once on 2 loaded cores
-        keep_dht_connected(self.dhts[-1])  # as swarm.start_dht does
+        """A DHT as a box starts it (``swarm.start_dht``: a FixedDHT that dials the first one again for up to
+        ``JOIN_TIMEOUT_S``, then keeps connected), bootstrapped from the first: hivemind's own bootstrap pings once,
+        and a first DHT busy on a loaded machine can miss it (seen at load 37)."""
+        initial_peers = [str(address) for address in self.dhts[0].get_visible_maddrs()] if self.dhts else []
+        settings = SwarmSettings(host_maddrs=self.host_maddrs, initial_peers=initial_peers, join_timeout=JOIN_TIMEOUT_S)
+        self.dhts.append(start_dht(settings, startup_timeout=60))  # 16 p2p daemons at once on 2 loaded cores
         return self.dhts[-1]
 
     def peer(self, model: torch.nn.Module, lr: float = 0.0, momentum: float = 0.0, **kwargs) -> DecentralizedSGD:

@@ -5,8 +5,8 @@ Debian's dataset-fashion-mnist, which a fresh machine lacks).
 It proves the code path, not the benchmark's numbers (those come from its full run): the processes start, the swarm
 peers average (DecentralizedSGD over hivemind on 127.0.0.1), each peer evaluates on the 10k test images along its
 run, the JSON has the documented fields, and no peer process is left behind. Outcomes only, no timings: a loaded
-2-core machine makes everything slower, and the quick budget paces each swarm step to at least 40 ms, so a swarm peer
-trains for ~13 s and averages several times even there (one applied round is all this asks).
+2-core machine makes everything slower, and the quick budget paces each swarm step to at least 100 ms, so a swarm
+peer trains for ~25 s and averages several times even there (one applied round is all this asks of each).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from baselines.hivemind_optimizer import (
     TARGET_BATCH_ENV,
     HivemindOptimizerAverager,
     VisslHivemindOptimizer,
+    _RetriedStateDownloadIsOneLine,
     target_batch_size,
 )
 from vissl_swarm.averaging_protocol import Averaging
@@ -56,6 +59,30 @@ def test_target_batch_size_default_and_environment() -> None:
         target_batch_size(16, 3, environ={TARGET_BATCH_ENV: "0"})
 
 
+def test_a_retried_state_download_is_one_warning_line() -> None:
+    """hivemind.Optimizer logs each failed state download with a traceback, then retries (hivemind#504): one line."""
+    try:
+        [][0]
+    except IndexError:
+        record = logging.getLogger("hivemind.optim.optimizer").makeRecord(
+            "hivemind.optim.optimizer",
+            logging.ERROR,
+            __file__,
+            1,
+            "Failed to load state from peers: %s, retrying ...",
+            ("list index out of range",),
+            sys.exc_info(),
+        )
+    assert _RetriedStateDownloadIsOneLine().filter(record)
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert record.getMessage() == (
+        "hivemind.Optimizer: Failed to load state from peers: list index out of range, retrying ... (hivemind#504)"
+    )
+    assert "Traceback" not in logging.Formatter().format(record)
+    other = logging.LogRecord("hivemind.optim.optimizer", logging.ERROR, __file__, 1, "something else", (), None)
+    assert _RetriedStateDownloadIsOneLine().filter(other) and other.levelno == logging.ERROR
+
+
 class _Larc:
     """What install() needs of VISSL's LARC_FSDP: an ``optim`` it calls ``step()`` on, groups read through it."""
 
@@ -90,6 +117,8 @@ def test_installed_inside_larc_vissl_lr_reaches_the_sgd(tmp_path: Path) -> None:
         options = DecentralizedSelfSupervisionTask._averager_options(task, settings, tmp_path / "rounds.jsonl")
         averager = HivemindOptimizerAverager.install(task, settings, options)  # as HivemindOptimizerTask does
         assert isinstance(averager, Averaging)
+        hivemind_optimizer_log = logging.getLogger("hivemind.optim.optimizer")
+        assert [type(f) for f in hivemind_optimizer_log.filters].count(_RetriedStateDownloadIsOneLine) == 1
         assert isinstance(larc.optim, VisslHivemindOptimizer) and larc.optim.opt is sgd
         assert larc.param_groups is sgd.param_groups  # VISSL's writes land in the SGD's own groups, not copies
         assert averager.target_batch_size == 8 * 2 * DEFAULT_STEPS_PER_EPOCH
