@@ -62,6 +62,16 @@ class AveragerUnresponsive(RuntimeError):
     """The averager process did not answer within its deadline (stopped, wedged, or killed holding a lock)."""
 
 
+def shared_memory_manager_timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is torch's shared-memory manager not answering in time ("Shared memory manager connection
+    has timed out"). Every hivemind MPFuture takes a byte of shared memory, and every 16th asks torch's manager
+    process for a new block (``hivemind.utils.mpfuture.SharedBytes``); on a machine loaded far past its cores the
+    manager can miss its deadline, and the call that made the future raises before anything was sent (seen: a state
+    download started by a peer of a test swarm, with two busy processes beside the test suite). The call can be made
+    again later. Upstream: pytorch/pytorch#2482 (open)."""
+    return isinstance(error, RuntimeError) and "Shared memory manager connection has timed out" in str(error)
+
+
 @contextlib.contextmanager
 def keep_ctrl_c() -> Iterator[None]:
     """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so

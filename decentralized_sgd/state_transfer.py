@@ -25,6 +25,7 @@ from hivemind.optim.state_averager import load_optimizer_state
 from hivemind.utils import nested_flatten
 
 from .averager import Averager
+from .hivemind_fixes import shared_memory_manager_timed_out
 from .rounds import RoundBook
 from .staging import StagingCache, StepBoundaryMarks
 from .tensors import AveragedTensors
@@ -94,6 +95,14 @@ class StateTransfer:
             loaded = averager.load_state_from_peers(timeout=timeout)
         except TimeoutError:
             loaded = None
+        except RuntimeError as error:
+            if not shared_memory_manager_timed_out(error):
+                raise
+            logger.warning(
+                "load_state_from_peers: could not start the download: torch's shared-memory manager did not answer "
+                "in time (this machine is overloaded); keeping our own state for now"
+            )
+            return None
         if loaded is None:
             logger.info(
                 "load_state_from_peers: no peer could share its state (peers in --client_mode never do: "

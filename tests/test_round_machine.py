@@ -148,7 +148,7 @@ class Peer:
         marks = StepBoundaryMarks(self.tensors.local())
         slots = ResultSlots(lambda: FlatStaging(self.tensors.local(), marks, torch.float32))
         self.book = RoundBook(self.counters, slots, records_path=None, verbose=False, peer=str(OWN))
-        state = StateTransfer(
+        self.state = state = StateTransfer(
             self.optimizer,
             None,
             self.tensors,
@@ -470,3 +470,25 @@ def test_the_round_book_moves_several_rounds_at_once_and_records_them_in_order()
     book.close("shut down")
     assert late[0].state is S.CANCELLED and late[1].state is S.FAILED and not book.rounds
     assert [record["round"] for record in book.records] == [0, 1, 2, 3]  # nothing recorded after the run is over
+
+
+def test_a_download_torch_could_not_start_keeps_our_state_and_other_errors_still_raise(make_peer) -> None:
+    """hivemind's MPFuture asks torch's shared-memory manager for memory; on an overloaded machine it can time out
+    (pytorch/pytorch#2482: seen in a test swarm's heal) before anything was sent: the download did not happen, and the
+    trainer goes on (a heal is tried again when a group refuses us next); any other error still raises."""
+    peer = make_peer(FAST)
+    before = peer.param.detach().clone()
+
+    def manager_timed_out(timeout: float) -> None:
+        raise RuntimeError("Shared memory manager connection has timed out\nException raised from recv at ...")
+
+    peer.hivemind.load_state_from_peers = manager_timed_out
+    assert peer.state.load(peer.hivemind, timeout=1.0, accept=None) is None
+    assert torch.equal(peer.param.detach(), before)
+
+    def broken(timeout: float) -> None:
+        raise RuntimeError("something else")
+
+    peer.hivemind.load_state_from_peers = broken
+    with pytest.raises(RuntimeError, match="something else"):
+        peer.state.load(peer.hivemind, timeout=1.0, accept=None)
