@@ -22,13 +22,7 @@ from dsgd_swarm import averaged_tensors, make_model, wait_until
 from vissl_swarm.swarm import SwarmSettings
 
 PEERS, TOLERANCE = 16, 0.01
-BOX = SwarmSettings()
-BOX_TIMEOUTS = dict(
-    min_matchmaking_time=BOX.min_matchmaking_time,
-    request_timeout=BOX.request_timeout,
-    next_chunk_timeout=BOX.next_chunk_timeout,
-    allreduce_timeout=BOX.averaging_timeout,
-)
+BOX_TIMEOUTS = SwarmSettings().averager_timeouts()
 DEADLINE_S = 300.0  # only bounds a broken swarm: this machine is loaded during CI (2 CPUs, other suites)
 
 

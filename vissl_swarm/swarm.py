@@ -77,6 +77,15 @@ class SwarmSettings:
         config.pop("swarm_secret")
         return config
 
+    def averager_timeouts(self) -> dict[str, float]:
+        """These settings' waits as DecentralizedSGD's keyword arguments (its names are hivemind's)."""
+        return dict(
+            min_matchmaking_time=self.min_matchmaking_time,
+            request_timeout=self.request_timeout,
+            allreduce_timeout=self.averaging_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+        )
+
     def secret(self) -> Any:
         """The swarm secret (a ``decentralized_sgd.secret.SwarmSecret``) from --swarm_secret, --swarm_secret_file or
         else the SWAV_SWARM_SECRET environment variable; None without one. SwarmError for an empty or unreadable one."""
