@@ -83,7 +83,12 @@ from hivemind.p2p import PeerID
 
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.averager_shutdown import shut_down_averager
-from decentralized_sgd.hivemind_fixes import _NoGroupIsNoError, cancel_step_first, log_departures_in_one_line
+from decentralized_sgd.hivemind_fixes import (
+    _NoGroupIsNoError,
+    cancel_step_first,
+    log_departures_in_one_line,
+    rewrite_as_one_line,
+)
 
 logger = logging.getLogger(__name__)  # debug lines; what a user reads goes to the root logger, as VISSL's
 
@@ -296,9 +301,8 @@ class _RetriedStateDownloadIsOneLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.getMessage().startswith("Failed to load state from peers"):
-            record.msg, record.args = f"hivemind.Optimizer: {record.getMessage()} (hivemind#504)", ()
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            message = f"hivemind.Optimizer: {record.getMessage()} (hivemind#504)"
+            rewrite_as_one_line(record, message, level=logging.WARNING)
         return True
 
 

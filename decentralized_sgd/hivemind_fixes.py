@@ -153,6 +153,14 @@ _DEPARTURE_ERRORS = (
 )
 
 
+def rewrite_as_one_line(record: logging.LogRecord, message: str, level: int | None = None) -> None:
+    """Turn a log record with a traceback into one line, ``message``, at ``level`` if given (the filters of hivemind's
+    records that say nothing was lost: here and in the benchmarks' baselines)."""
+    record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None
+    if level is not None:
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+
+
 class _DepartureIsOneLine(logging.Filter):
     """hivemind logs a departure with a full traceback, wherever the request in flight was: an AllReduce broken off
     by a leaving groupmate (``averager.py``, ``_aggregate_with_group``), a stream its p2p daemon closed
@@ -175,8 +183,9 @@ class _DepartureIsOneLine(logging.Filter):
             isinstance(error, _DEPARTURE_ERRORS) or slow_donor or abandoned and error
         ):
             message = record.getMessage().rstrip(":")
-            record.msg = message if message == str(error) or repr(error) in message else f"{message}: {error!r}"
-            record.args, record.exc_info, record.exc_text = (), None, None
+            rewrite_as_one_line(
+                record, message if message == str(error) or repr(error) in message else f"{message}: {error!r}"
+            )
         return True
 
 
@@ -196,9 +205,8 @@ class _AbandonedDepartureIsOneLine(logging.Filter):
         message = record.getMessage()
         if message.startswith("Task exception was never retrieved") and isinstance(error, _DEPARTURE_ERRORS):
             task = "hivemind's matchmaking" if "find_peers_or_notify_cancel" in message else "a background"
-            record.msg = f"{task} task ended on a departure while its round was cancelled: {error!r}"
-            record.args, record.exc_info, record.exc_text = (), None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            message = f"{task} task ended on a departure while its round was cancelled: {error!r}"
+            rewrite_as_one_line(record, message, level=logging.WARNING)
         return True
 
 
