@@ -72,6 +72,18 @@ def shared_memory_manager_timed_out(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "Shared memory manager connection has timed out" in str(error)
 
 
+SHM_FUTURES_PER_BLOCK = 4096  # hivemind's default: 16
+
+
+def fewer_shared_memory_requests() -> None:
+    """Make the round trips to torch's shared-memory manager (see ``shared_memory_manager_timed_out``) rare: hivemind
+    allocates the bytes of its MPFutures in blocks of ``HIVEMIND_SHM_BUFFER_SIZE`` (read at every new block), 16 by
+    default, so a peer asks the manager for memory every 16th future, a few times a minute; with 4096 a block is 4 KiB
+    of shared memory and lasts hours. A value the user set is kept. Trainer's process, before the averager process is
+    forked (it inherits the value). Upstream: no hivemind issue found; the timeout itself is pytorch/pytorch#2482."""
+    os.environ.setdefault("HIVEMIND_SHM_BUFFER_SIZE", str(SHM_FUTURES_PER_BLOCK))
+
+
 @contextlib.contextmanager
 def keep_ctrl_c() -> Iterator[None]:
     """hivemind's ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the *calling* process (so

@@ -54,7 +54,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from .exchange import RoundExchange, fail_from_control
-from .hivemind_fixes import AveragerUnresponsive, cancel_step_first
+from .hivemind_fixes import AveragerUnresponsive, cancel_step_first, shared_memory_manager_timed_out
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .settings import RoundSettings
@@ -123,14 +123,23 @@ class RoundScheduler(threading.Thread):
         while not self._stopping.is_set():
             self._wake.wait(TICK_S)
             self._wake.clear()
-            try:
-                self.tick()
-            except AveragerUnresponsive as e:
-                self.supervisor.failed(str(e))
-            except Exception as e:  # a bug: say so loudly once, keep the peer training
-                if repr(e) not in self._errors_seen:
-                    self._errors_seen.add(repr(e))
-                    logger.exception(f"DecentralizedSGD scheduler: unexpected {e!r}; rounds may stall, please report")
+            self.tick_and_log_errors()
+
+    def tick_and_log_errors(self) -> None:
+        """The thread's tick: an error is logged, never raised (the thread keeps the peer training)."""
+        try:
+            self.tick()
+        except AveragerUnresponsive as e:
+            self.supervisor.failed(str(e))
+        except Exception as e:
+            if shared_memory_manager_timed_out(e):  # an overloaded machine, not a bug: the next tick tries again
+                logger.warning(
+                    "DecentralizedSGD scheduler: torch's shared-memory manager did not answer in time (this machine "
+                    "is overloaded: pytorch/pytorch#2482); a round may fail, the next tick goes on"
+                )
+            elif repr(e) not in self._errors_seen:  # a bug: say so loudly once, keep the peer training
+                self._errors_seen.add(repr(e))
+                logger.exception(f"DecentralizedSGD scheduler: unexpected {e!r}; rounds may stall, please report")
 
     def tick(self) -> None:
         """One pass over the rounds (the thread's loop calls it every tick; a unit test may call it itself)."""

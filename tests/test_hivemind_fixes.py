@@ -27,6 +27,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
 from hivemind.compression.quantization import Quantization
 from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.mpfuture import SharedBytes
 
 from decentralized_sgd.averager import Averager, handler_address_slot
 from decentralized_sgd.dht_rejoin import rejoin_if_alone
@@ -38,6 +39,7 @@ from decentralized_sgd.hivemind_fixes import (
     _DepartureIsOneLine,
     _NoGroupIsNoError,
     cancel_step_first,
+    fewer_shared_memory_requests,
     fixed_8bit_decoding,
     fixed_part_reducer,
     keep_ctrl_c,
@@ -339,3 +341,21 @@ def test_a_cancelled_step_is_cancelled_before_the_averager_can_see_its_trigger_e
     other way round (when this fails, the work-around can go)."""
     assert _step_seen_when_its_futures_end(cancel_step_first) == (True, True)
     assert _step_seen_when_its_futures_end(StepControl.cancel) == (False, False)  # hivemind 1.1.12
+
+
+def test_hivemind_futures_take_their_shared_memory_in_large_blocks_unless_the_user_set_a_size(monkeypatch):
+    """Every block of MPFuture bytes is a round trip to torch's shared-memory manager, which an overloaded machine
+    can time out (pytorch/pytorch#2482): after the fix, hivemind's next block holds 4096 futures, not 16."""
+    for name in ("_pid", "_buffer", "_index"):  # hivemind's own block and place in it are restored afterwards
+        monkeypatch.setattr(SharedBytes, name, getattr(SharedBytes, name))
+    monkeypatch.delenv("HIVEMIND_SHM_BUFFER_SIZE", raising=False)
+    SharedBytes._buffer = None
+    fewer_shared_memory_requests()
+    SharedBytes.next()
+    assert len(SharedBytes._buffer) == 4096
+
+    monkeypatch.setenv("HIVEMIND_SHM_BUFFER_SIZE", "64")  # the user's own value wins
+    SharedBytes._buffer = None
+    fewer_shared_memory_requests()
+    SharedBytes.next()
+    assert len(SharedBytes._buffer) == 64

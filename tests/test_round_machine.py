@@ -11,6 +11,7 @@ scenario is exact and takes milliseconds. The same machine with real peers: test
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -492,3 +493,25 @@ def test_a_download_torch_could_not_start_keeps_our_state_and_other_errors_still
     peer.hivemind.load_state_from_peers = broken
     with pytest.raises(RuntimeError, match="something else"):
         peer.state.load(peer.hivemind, timeout=1.0, accept=None)
+
+
+def test_the_scheduler_logs_a_timed_out_shared_memory_manager_as_overload_and_other_errors_as_a_bug(
+    make_peer, caplog
+) -> None:
+    """A tick that raised torch's shared-memory timeout (pytorch/pytorch#2482; seen in the scheduler's thread at a
+    load of 20-37 on 2 cores) is an overloaded machine: a warning that says so, every time. Any other error is a bug,
+    logged once with its traceback. Neither ends the thread's loop."""
+    peer = make_peer(FAST)
+    raised = [RuntimeError("Shared memory manager connection has timed out"), ValueError("a bug")] * 2
+
+    def tick() -> None:
+        raise raised.pop(0)
+
+    peer.scheduler.tick = tick
+    with caplog.at_level(logging.WARNING, logger="decentralized_sgd.scheduler"):
+        for _ in range(4):
+            peer.scheduler.tick_and_log_errors()
+    overload = [r for r in caplog.records if "pytorch/pytorch#2482" in r.getMessage()]
+    bugs = [r for r in caplog.records if "please report" in r.getMessage()]
+    assert [r.levelno for r in overload] == [logging.WARNING] * 2 and not any(r.exc_info for r in overload)
+    assert len(bugs) == 1 and bugs[0].levelno == logging.ERROR and "ValueError('a bug')" in bugs[0].getMessage()
