@@ -369,7 +369,9 @@ def address_book_path(config) -> str:
     return str(Path(get_checkpoint_folder(config)) / KNOWN_PEERS_FILE)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hook_generator: Callable | None = None) -> int:
+    """The trainer's command line; ``hook_generator`` (``cfg -> hooks``), if given, replaces ``swarm_hook_generator``
+    (the tests add a hook to it, tests/paced_trainer.py)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config_path(args.config)
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     from hooks import swarm_hook_generator
     from vissl_swarm.config_loading import compose_trainer_config
     from vissl_swarm.swarm_metrics import metrics_validators
+
+    hooks = hook_generator or swarm_hook_generator
 
     try:
         composed = compose_trainer_config(args.config, overrides, has_gpu=torch.cuda.is_available())
@@ -433,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:  # VISSL trains in this process: Ctrl-C stops at a step boundary
         ctrl_c.install()
     try:
-        launch_distributed(config, node_id=0, engine_name="train", hook_generator=swarm_hook_generator)
+        launch_distributed(config, node_id=0, engine_name="train", hook_generator=hooks)
     finally:  # an error of the training run propagates after this (a return here would swallow it)
         left = leave(leave_swarm, dht)
     if not left:

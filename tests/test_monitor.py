@@ -29,7 +29,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from tests.conftest import REPO, trainer_env
-from vissl_swarm.local_swarm import LocalPeer, stop_all, wait_until
+from tests.paced_trainer import paced_peer
+from vissl_swarm.local_swarm import stop_all, wait_until
 from vissl_swarm.swarm_metrics import fetch_metrics, make_record, metrics_key, metrics_validators, owner_subkey
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -249,7 +250,7 @@ def start_monitor(tmp_path: Path, table: Path) -> tuple[subprocess.Popen, Path]:
     ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, process_group=0
         )
     return process, log_path
 
@@ -272,7 +273,7 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
     assert publishing_hooks(), "wire PublishProgressOnStepHook into hooks.swarm_hook_generator"
     table = tmp_path / "table.json"
     monitor, log_path = start_monitor(tmp_path, table)
-    trainers = [LocalPeer(f"peer{index}", tmp_path) for index in range(2)]
+    trainers = [paced_peer(f"peer{index}", tmp_path) for index in range(2)]
     reader = rogue = None
     try:
         line = join_line(monitor, log_path)

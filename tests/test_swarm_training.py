@@ -14,6 +14,7 @@ import torch
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
+from tests.paced_trainer import paced_peer
 from tests.test_recipe import build_task_model
 from vissl_swarm.initial_model import weights_fingerprint
 from vissl_swarm.local_replicas import compare_replica_logs
@@ -127,7 +128,7 @@ def logged_fingerprint(peer: LocalPeer) -> str:
 def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joiner_and_the_whole_swarm_restarting(
     digits_dir: Path, tmp_path: Path
 ) -> None:
-    peers = [LocalPeer(f"peer{index}", tmp_path) for index in range(3)]
+    peers = [paced_peer(f"peer{index}", tmp_path) for index in range(3)]
     double_batch = ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=32"]  # peer1: twice the others' batch (GPUs)
     # every box as the README starts it: an identity file and a fixed port (the same address across restarts); the
     # first box without --initial_peers, the others joining through it. commands: each box's (initial peers, flags,
@@ -213,7 +214,7 @@ def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joi
         # 4. a late joiner without a checkpoint (the join line's command: a fixed port and an identity file) takes
         #    over the swarm's weights and its position in the schedule
         swarm_samples = max(peer.progress()[-1]["swarm_samples"] for peer in peers)
-        late = LocalPeer("late", tmp_path)
+        late = paced_peer("late", tmp_path)
         peers.append(late)
         commands["late"] = (addresses, [*SWARM_FLAGS, *JOIN_A_RUNNING_BOX, *fixed_address(late)[0]], SWARM_OVERRIDES)
         late.start(digits_dir, *commands["late"])
@@ -344,8 +345,8 @@ def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: P
     swarm's state (momentum included) and averages momentum too: rank 1 holds exactly rank 0's parameters and
     momentum at every step, and its buffers at every step where rank 0 applied a round (between rounds each rank's
     BatchNorm statistics follow its own batches, as in any DDP run without SyncBatchNorm)."""
-    box = LocalPeer("box", tmp_path)
-    single = LocalPeer("single", tmp_path)
+    box = paced_peer("box", tmp_path)
+    single = paced_peer("single", tmp_path)
     every_step = [o for o in SWARM_OVERRIDES if not o.startswith("config.LOG_FREQUENCY")] + ["config.LOG_FREQUENCY=1"]
     box_overrides = [*every_step, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.SEED_VALUE=5"]
     flags = [*SWARM_FLAGS, "--target_group_size", "2", "--average_optimizer_state"]

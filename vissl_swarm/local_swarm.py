@@ -53,6 +53,7 @@ class LocalPeer:
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
     prefix: list[str] = field(default_factory=list)  # a command the trainer runs under (e.g. a network namespace's)
+    script: Path = REPO / "run_trainer.py"  # or a script that runs its main() with other hooks (tests/paced_trainer.py)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -69,7 +70,7 @@ class LocalPeer:
         command = [
             *self.prefix,
             sys.executable,
-            str(REPO / "run_trainer.py"),
+            str(self.script),
             "--config",
             self.config,
             "--data_path",
