@@ -371,7 +371,7 @@ def address_book_path(config) -> str:
 
 def main(argv: list[str] | None = None, hook_generator: Callable | None = None) -> int:
     """The trainer's command line; ``hook_generator`` (``cfg -> hooks``), if given, replaces ``swarm_hook_generator``
-    (the tests add a hook to it, tests/paced_trainer.py)."""
+    (the GPU check's benchmarks/measured_trainer.py and the tests' tests/paced_trainer.py each add one hook to it)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config_path(args.config)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from classy_vision.hooks import ClassyHook  # noqa: E402
 
-from hooks import swarm_hook_generator  # noqa: E402  (bound before gpu_check puts measured_hook_generator there)
+from hooks import swarm_hook_generator  # noqa: E402
 
 
 @dataclass
@@ -152,12 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min_rounds", type=int, required=True, help="rounds applied before the window starts")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then run_trainer.py's arguments")
     args = parser.parse_args(argv)
-    import hooks
     import run_trainer
 
     settings = WindowSettings(args.result, args.schema, args.warmup_steps, args.window_steps, args.min_rounds)
-    hooks.swarm_hook_generator = functools.partial(measured_hook_generator, settings)  # run_trainer imports it late
-    return run_trainer.main(args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args)
+    trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
+    return run_trainer.main(trainer_args, hook_generator=functools.partial(measured_hook_generator, settings))
 
 
 if __name__ == "__main__":
