@@ -22,6 +22,13 @@ vissl_compat.apply()
 # largest unit first); the other worker takes the rest (unit tests, single processes, swarms of two boxes or a few
 # small peers). Two of these scenarios at once would each get one core of two: a try without the group, the longest
 # first, started the four-box scenario beside the sixteen peers, and a joiner's first box did not answer it in 15 s.
+#
+# The suite is bound by CPU (two cores), and most of it goes to peers that live for minutes, measured on this machine:
+# a trainer's start (10-17 CPU-s to its first rounds), a running peer's hivemind side (averager, DHT and p2p daemon
+# processes, the scheduler's ticks: 7-13 CPU-s a minute with its trainer nearly idle), and rounds (a group that fills
+# at once forms again after a step or two: the slower the machine, the more rounds a fixed recipe takes). So the
+# scenarios that wait for time, not steps, pace their trainers (tests/paced_trainer.py), and a scenario that trains a
+# fixed recipe wants a larger group than it has (test_swarm_schedule.py).
 
 
 @pytest.fixture(autouse=True)

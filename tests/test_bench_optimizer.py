@@ -107,9 +107,15 @@ def test_quick_alone_and_swarm(tmp_path: Path) -> None:
     assert (
         swarm["curve"][-1]["swarm_samples"] == alone["curve"][-1]["swarm_samples"] == alone["peers"][0]["local_samples"]
     )
+    # every swarm peer averaged at least once, unless this machine starved it of CPU: then the starvation monitor took
+    # it out of averaging, as built, and its log says so (seen once, beside the suite with two busy processes, load
+    # 20: one peer lost 76% of 5 s at its start and trained its ~20 s alone while the other two averaged 14 rounds)
+    averaged = [peer for peer in swarm["peers"] if peer["rounds_applied"] >= 1]
+    assert len(averaged) >= 2, swarm["peers"]
     for peer in swarm["peers"]:
-        assert peer["rounds_applied"] >= 1, peer  # every swarm peer averaged at least once
-        assert peer["steps_per_round"] is not None and peer["steps_per_round"] > 0
+        log = (Path(swarm["run_dir"]) / f"peer{peer['rank']}.log").read_text()
+        assert peer in averaged or "starved of CPU" in log, (peer, log[-2000:])
+    assert all(peer["steps_per_round"] is not None and peer["steps_per_round"] > 0 for peer in averaged)
     summary = {entry["variant"]: entry for entry in result["summary"]}
     assert summary["alone"]["speedup_final"] == 1.0 and "speedup_half" in summary[swarm["variant"]]
     assert "| alone |" in reports["md"].read_text() and reports["png"].stat().st_size > 0
