@@ -250,7 +250,7 @@ def start_monitor(tmp_path: Path, table: Path) -> tuple[subprocess.Popen, Path]:
     ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, process_group=0
+            command, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     return process, log_path
 
