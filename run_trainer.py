@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vissl_swarm import preflight, swarm, vissl_compat
 from vissl_swarm.config_loading import ConfigError, available_configs, check_overrides, config_path
@@ -369,7 +369,7 @@ def address_book_path(config) -> str:
     return str(Path(get_checkpoint_folder(config)) / KNOWN_PEERS_FILE)
 
 
-def main(argv: list[str] | None = None, hook_generator: Callable | None = None) -> int:
+def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | None = None) -> int:
     """The trainer's command line; ``hook_generator`` (``cfg -> hooks``), if given, replaces ``swarm_hook_generator``
     (the GPU check's benchmarks/measured_trainer.py and the tests' tests/paced_trainer.py each add one hook to it)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None, hook_generator: Callable | None = None) 
     from vissl_swarm.config_loading import compose_trainer_config
     from vissl_swarm.swarm_metrics import metrics_validators
 
-    hooks = hook_generator or swarm_hook_generator
+    hook_generator = hook_generator or swarm_hook_generator
 
     try:
         composed = compose_trainer_config(args.config, overrides, has_gpu=torch.cuda.is_available())
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None, hook_generator: Callable | None = None) 
     if config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:  # VISSL trains in this process: Ctrl-C stops at a step boundary
         ctrl_c.install()
     try:
-        launch_distributed(config, node_id=0, engine_name="train", hook_generator=hooks)
+        launch_distributed(config, node_id=0, engine_name="train", hook_generator=hook_generator)
     finally:  # an error of the training run propagates after this (a return here would swallow it)
         left = leave(leave_swarm, dht)
     if not left:
