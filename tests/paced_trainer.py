@@ -29,6 +29,8 @@ MIN_STEP_ENV = "PACED_TRAINER_MIN_STEP_S"
 SCRIPT = Path(__file__)
 # measured on this 2-core machine, the test of the four boxes' story alone: unpaced 229 s and 362 CPU-s; paced to
 # 0.3 s 158 s and 235 CPU-s; to 0.6 s 170 s and 240 CPU-s (what is left is the processes' starts and hivemind's own)
+# In the whole suite that test still took 382-457 CPU-s paced (364-400 unpaced): its peers live longer there, and a
+# living peer's hivemind side costs 12-22% of a core (tests/conftest.py)
 MIN_STEP_S = 0.3
 
 
