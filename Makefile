@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`. Both set everything up on a machine with
+# The two commands of the README: `make demo` and `make test` (and `make test-long`). Each sets everything up on a machine with
 # nothing installed: a local virtual environment (.venv) and the exported digits dataset (data/digits).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -54,11 +54,20 @@ $(FASHION)/train/.complete: $(STAMP) scripts/export_fashion_mnist.py
 	$(PY) scripts/export_fashion_mnist.py --idx_dir "$(FASHION_IDX)" --out $(FASHION)
 
 # two pytest-xdist workers: the scenarios of many processes on one, one after the other, the rest on the other
-# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process
+# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process. `make test` is the suite (CI's command);
+# the tests marked long (pyproject.toml: several trainers for minutes, benchmarks' smoke runs) are `make test-long`:
+# pytest's summary counts them as deselected.
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup
+
+.PHONY: test-long
 
 test: venv data test-tools
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PYTEST) -m "not long" tests
+	@echo "make test leaves out the long scenarios and benchmark smoke runs (deselected above): make test-long runs them"
+
+test-long: venv data test-tools
+	$(PYTEST) -m long tests
 
 # The NAT tests build masquerading routers in network namespaces (tests/nat_testbed.py) and need iptables: installed
 # here if missing and we are root with apt-get; elsewhere they are skipped, and the summary (-rs) says why.

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = (
     "samples_per_s_per_peer",
@@ -31,6 +33,7 @@ MODES = ("none", "improved", "hivemind_optimizer")
 EXTEND_S = 60
 
 
+@pytest.mark.long
 def test_bench_averaging_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [

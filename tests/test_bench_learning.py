@@ -25,6 +25,7 @@ def finite(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(900)
 def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -58,6 +58,7 @@ def digits_idx(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_quick_alone_and_swarm(tmp_path: Path) -> None:
     out, reports = tmp_path / "runs", {name: tmp_path / f"optimizer.{name}" for name in ("json", "md", "png")}

@@ -91,6 +91,7 @@ def assert_survivors_healthy(swarm: Swarm, peers: list[DecentralizedSGD]) -> Non
     assert all(torch.isfinite(t).all() for p in peers for t in averaged_tensors(p))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(360)
 def test_peer_killed_in_matchmaking_then_restarted_then_killed_between_rounds(swarm, tmp_path, fault_peers):
     survivors = [swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))]

@@ -172,6 +172,7 @@ FLAGS = [
 DONE = re.compile(r"the swarm's budget is done \((\d+) of (\d+) samples\); this box trained (\d+) iterations")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_two_boxes_average_with_hivemind_optimizer_and_exit_cleanly(digits_dir: Path, tmp_path: Path) -> None:
     peers = [LocalPeer(f"box{index}", tmp_path, env={TARGET_BATCH_ENV: str(TARGET)}) for index in range(BOXES)]

@@ -31,6 +31,7 @@ def spread(peers: list) -> float:
     return float((stacked - stacked.mean(dim=0)).abs().max())
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(480)
 def test_sixteen_peers_reach_consensus_with_the_slow_peer_fixes_on(swarm) -> None:

@@ -123,6 +123,7 @@ def logged_fingerprint(peer: LocalPeer) -> str:
     return match.group(1) if match else ""
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(1500)
 def test_three_peers_average_survive_the_first_box_restarting_take_in_a_late_joiner_and_the_whole_swarm_restarting(
