@@ -56,7 +56,7 @@ $(FASHION)/train/.complete: $(STAMP) scripts/export_fashion_mnist.py
 # two pytest-xdist workers: the scenarios of many processes on one, one after the other, the rest on the other
 # (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process. `make test` is the suite (CI's command);
 # the tests marked long (pyproject.toml: several trainers for minutes, benchmarks' smoke runs) are `make test-long`:
-# pytest's summary counts them as deselected.
+# pytest-xdist's summary does not count them, so the target says so.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup
 
@@ -64,7 +64,7 @@ PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup
 
 test: venv data test-tools
 	$(PYTEST) -m "not long" tests
-	@echo "make test leaves out the long scenarios and benchmark smoke runs (deselected above): make test-long runs them"
+	@echo "make test leaves out the tests marked long (several trainers for minutes, benchmarks' smoke runs): make test-long runs them"
 
 test-long: venv data test-tools
 	$(PYTEST) -m long tests
