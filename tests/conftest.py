@@ -19,7 +19,7 @@ vissl_compat.apply()
 # Tests marked long (pyproject.toml) are not in `make test` but in `make test-long`: the four boxes' story of restarts
 # (9 trainer starts, ~4 min alone on this machine), sixteen peers, the kill-in-matchmaking fault run, the
 # hivemind.Optimizer baseline's two boxes, and the benchmarks' smoke runs; together ~870 CPU-s of the ~2,170 the whole
-# suite took, which kept `make test` at 20-23 min on 2 cores.
+# suite took, which kept `make test` at 18-23 min on 2 cores.
 # The longest scenarios (three or more trainers, sixteen peers, the NAT and network-cut namespaces) carry
 # @pytest.mark.xdist_group("swarm_scenarios"). `make test` runs the suite on two pytest-xdist workers
 # (--dist loadgroup): the group goes to one worker, its tests one after the other, and first (xdist hands out the
