@@ -12,12 +12,16 @@ Loaded (``load_state_from_peers``): only if the donor's model matches ours and `
 under ``dsgd.lock``, with every round whose values went in before marked stale (its update is against the old
 parameters: it is discarded when it ends). Parameters and buffers go to the device through the same staging;
 optimizer state through ``optimizer.load_state_dict`` (which gives each tensor its own place on the device).
+A download that arrived cut short (fewer tensors than the donor's metadata lists) is downloaded again, at most
+``DOWNLOAD_ATTEMPTS`` times within the timeout: hivemind returns it as if it were whole (hivemind#504: its reader of a
+response stream ends quietly when the connection closes), and taking it over failed with "list index out of range".
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -34,6 +38,7 @@ from .trainer_state import TrainerState
 logger = logging.getLogger(__name__)
 
 SERVE_LOCK_TIMEOUT_S = 10.0
+DOWNLOAD_ATTEMPTS = 3  # downloads of a donor's state that arrived cut short (hivemind#504) before we keep our own
 
 
 class StateTransfer:
@@ -91,23 +96,8 @@ class StateTransfer:
     def load(self, averager: Averager, timeout: float, accept: Callable[[dict], bool] | None) -> dict | None:
         """Trainer thread: download a donor's state with ``averager`` and take it over; see
         DecentralizedSGD.load_state_from_peers."""
-        try:
-            loaded = averager.load_state_from_peers(timeout=timeout)
-        except TimeoutError:
-            loaded = None
-        except RuntimeError as error:
-            if not shared_memory_manager_timed_out(error):
-                raise
-            logger.warning(
-                "load_state_from_peers: could not start the download: torch's shared-memory manager did not answer "
-                "in time (this machine is overloaded); keeping our own state for now"
-            )
-            return None
+        loaded = self._download_whole(averager, timeout)
         if loaded is None:
-            logger.info(
-                "load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
-                "README, Behind NAT)"
-            )
             return None
         metadata, tensors = loaded
         num_params, num_buffers = metadata["num_params"], metadata["num_buffers"]
@@ -135,6 +125,48 @@ class StateTransfer:
             self.book.state_reloaded(self.trainer.local_step)
         return extra_state
 
+    def _download_whole(self, averager: Averager, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """Trainer thread: a donor's (metadata, tensors) with every tensor its metadata lists, or None (logged)."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+            loaded = self._download(averager, max(0.0, deadline - time.monotonic()))
+            if loaded is None:
+                return None
+            metadata, tensors = loaded
+            expected = served_tensor_count(metadata)
+            if len(tensors) == expected:
+                return metadata, tensors
+            again = attempt < DOWNLOAD_ATTEMPTS and time.monotonic() < deadline
+            logger.warning(
+                f"load_state_from_peers: the donor's state arrived cut short ({len(tensors)} of {expected} tensors; "
+                f"hivemind#504): {'downloading it again' if again else 'keeping our own state'}"
+            )
+            if not again:
+                return None
+        return None
+
+    @staticmethod
+    def _download(averager: Averager, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """Trainer thread: one download with hivemind, or None (logged) if nobody could share or it could not start."""
+        try:
+            loaded = averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            loaded = None
+        except RuntimeError as error:
+            if not shared_memory_manager_timed_out(error):
+                raise
+            logger.warning(
+                "load_state_from_peers: could not start the download: torch's shared-memory manager did not answer "
+                "in time (this machine is overloaded); keeping our own state for now"
+            )
+            return None
+        if loaded is None:
+            logger.info(
+                "load_state_from_peers: no peer could share its state (peers in --client_mode never do: "
+                "README, Behind NAT)"
+            )
+        return loaded
+
     def _take_over_model_tensors(self, targets: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
         """Trainer thread, holding dsgd.lock: ``targets ← loaded`` through the served state's staging (to a GPU: one
         non-blocking copy per device, which the trainer's stream waits for), then a new step-boundary mark."""
@@ -143,6 +175,13 @@ class StateTransfer:
             staging.write_(loaded)
             staging.copy_to_(targets)
         self.marks.record()
+
+
+def served_tensor_count(metadata: dict) -> int:
+    """How many tensors a donor's ``metadata`` (see ``StateTransfer.serve``) says it sent: parameters, buffers and the
+    optimizer's tensors."""
+    optimizer_tensors = sum(1 for entry in metadata["optimizer"] if entry.get("type") == "tensor")
+    return int(metadata["num_params"]) + int(metadata["num_buffers"]) + optimizer_tensors
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[torch.Tensor]]:

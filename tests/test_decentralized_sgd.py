@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 import hivemind
 import pytest
@@ -29,8 +30,11 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     deserialize_torch_tensor,
 )
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
+from decentralized_sgd.averager import Averager
 from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
 from decentralized_sgd.step_clock import StepClock
 
@@ -342,6 +346,49 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
     ]
     assert donors, "the joiner's params/buffers match no donor"
     donor_momentum = [donors[0].state[p]["momentum_buffer"] for p in donors[0].model.parameters()]
+    joiner_momentum = [joiner.state[p]["momentum_buffer"] for p in joiner.model.parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(donor_momentum, joiner_momentum, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_a_state_download_cut_short_is_downloaded_again(swarm, monkeypatch, caplog):
+    """hivemind#504: a donor's state that arrives cut short (its stream ends early, as when the connection closes) is
+    returned by hivemind as if whole; the joiner notices (fewer tensors than the donor's metadata lists) and downloads
+    it again, instead of failing with "list index out of range" while taking over the optimizer's state (seen in
+    the demo: a joiner exited with that IndexError)."""
+    torch.manual_seed(1)
+    model = make_model()
+    # the model's tensors and one of the optimizer's (each one part: a tiny model), then the stream ends
+    cut_after = len(list(model.parameters())) + len(list(model.buffers())) + 1
+    cuts_left = [1]  # in the donor's averager process (forked with this patch): only its first answer is cut
+    serve_whole = Averager.rpc_download_state
+
+    async def cut_short_once(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind reads typing's, not collections.abc's
+        sent = 0
+        async for message in serve_whole(self, request, context):
+            if cuts_left[0] and sent == cut_after:
+                cuts_left[0] -= 1
+                return
+            sent += 1
+            yield message
+
+    monkeypatch.setattr(Averager, "rpc_download_state", cut_short_once)  # every averager here; the joiner serves none
+    donor = swarm.peer(model, lr=0.05, momentum=0.9)
+    for _ in range(3):  # momentum to take over
+        donor.zero_grad()
+        donor.model(torch.randn(8, 4)).pow(2).mean().backward()
+        donor.step(batch_size=8)
+
+    torch.manual_seed(2)
+    joiner = swarm.peer(make_model(), lr=0.05, momentum=0.9)
+    with caplog.at_level(logging.WARNING, logger="decentralized_sgd.state_transfer"):
+        assert joiner.load_state_from_peers(timeout=30) is not None
+    whole = len(list(model.parameters())) * 2 + len(list(model.buffers()))  # parameters, buffers, momentum
+    assert f"arrived cut short ({cut_after} of {whole} tensors; hivemind#504): downloading it again" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(donor.model.parameters(), joiner.model.parameters(), strict=True))
+    donor_momentum = [donor.state[p]["momentum_buffer"] for p in donor.model.parameters()]
     joiner_momentum = [joiner.state[p]["momentum_buffer"] for p in joiner.model.parameters()]
     assert all(torch.equal(x, y) for x, y in zip(donor_momentum, joiner_momentum, strict=True))
 
