@@ -141,8 +141,9 @@ def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule
     b = swarm.peer(b_model, delta_rule=delta_rule)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
 
-    def filled_round() -> dict | None:  # a round before it may have found no group (B still starting): no fill
-        return next((r for r in a.records if r["step_at_snapshot"] is not None), None)
+    def filled_round() -> dict | None:  # the round that found B (a round before it may have found no group, B still
+        # starting: such a round has a snapshot too, so the first round with a snapshot may not be this one)
+        return next((r for r in a.records if r["group_size"] == 2), None)
 
     drive(a, until=filled.is_set)  # A's first filled round is being filled with A's params (all zeros)
     with a.lock, torch.no_grad():  # (waits for the fill) a local step while the round runs
@@ -165,8 +166,9 @@ def test_snapshot_is_taken_after_the_group_formed(swarm, refresh):
     a = swarm.peer(a_model, refresh_before_allreduce=refresh, pipeline=False)
     b = swarm.peer(b_model, refresh_before_allreduce=refresh, pipeline=False)
 
-    def filled_round() -> dict | None:  # a round before it may have found no group (B still starting): no fill
-        return next((r for r in a.records if r["step_at_snapshot"] is not None), None)
+    def filled_round() -> dict | None:  # the first round A applied with B (a round before it may have found no group,
+        # B still starting: such a round has a snapshot too, and B did not apply it)
+        return next((r for r in a.records if r["applied"] and r["group_size"] == 2), None)
 
     # A's weight always equals its step counter, so the averaged value reveals which step the snapshot came from
     swarm.train(
@@ -177,7 +179,6 @@ def test_snapshot_is_taken_after_the_group_formed(swarm, refresh):
     swarm.stop_training()
 
     record = filled_round()
-    assert record["applied"] and record["group_size"] == 2, record
     snapshot_step = record["step_at_snapshot"]
     assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, snapshot_step / 2))  # (S + 0) / 2
     if refresh:
