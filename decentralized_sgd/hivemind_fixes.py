@@ -32,6 +32,7 @@ import logging
 import multiprocessing.sharedctypes
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -82,6 +83,33 @@ def fewer_shared_memory_requests() -> None:
     of shared memory and lasts hours. A value the user set is kept. Trainer's process, before the averager process is
     forked (it inherits the value). Upstream: no hivemind issue found; the timeout itself is pytorch/pytorch#2482."""
     os.environ.setdefault("HIVEMIND_SHM_BUFFER_SIZE", str(SHM_FUTURES_PER_BLOCK))
+
+
+def unattached_step_controls_are_one_line() -> None:
+    """hivemind's ``StepControl.__del__`` asserts that the control has a trigger attached. A round whose
+    ``averager.step(wait=False, require_trigger=True)`` failed as it began (torch's shared-memory manager timed out
+    between the control's creation and its trigger's: pytorch/pytorch#2482) leaves a control without one, and Python
+    prints "Exception ignored in: StepControl.__del__" with a traceback when it is collected. Nothing is lost (the
+    round never started; the scheduler already said so): log one WARNING instead. Other unraisable errors go to the
+    hook that was there. Trainer's process, once. Upstream: no hivemind issue found; still so on hivemind's master
+    (control.py, 4bd43b7)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "unattached_step_controls_are_one_line", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.object is StepControl.__del__ and isinstance(
+            unraisable.exc_value, AssertionError | AttributeError
+        ):
+            logger.warning(
+                "hivemind's StepControl of a round that failed as it began was collected without a trigger "
+                f"({unraisable.exc_value}); nothing to cancel"
+            )
+            return
+        previous(unraisable)
+
+    hook.unattached_step_controls_are_one_line = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import rejoin_count
 from .exchange import RoundExchange
-from .hivemind_fixes import fewer_shared_memory_requests
+from .hivemind_fixes import fewer_shared_memory_requests, unattached_step_controls_are_one_line
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .rounds import RoundBook
 from .scheduler import RoundScheduler
@@ -232,6 +232,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             refusals=checks.refusals,
         )
         fewer_shared_memory_requests()
+        unattached_step_controls_are_one_line()
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
         )
