@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test` (and `make test-long`). Each sets everything up on a machine with
+# The README's commands: `make demo`, `make test` and `make test-long`. Each sets everything up on a machine with
 # nothing installed: a local virtual environment (.venv) and the exported digits dataset (data/digits).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c

@@ -127,23 +127,22 @@ class StateTransfer:
 
     def _download_whole(self, averager: Averager, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Trainer thread: a donor's (metadata, tensors) with every tensor its metadata lists, or None (logged)."""
-        deadline = time.monotonic() + timeout
-        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+        deadline, attempts_left = time.monotonic() + timeout, DOWNLOAD_ATTEMPTS
+        while True:
             loaded = self._download(averager, max(0.0, deadline - time.monotonic()))
             if loaded is None:
                 return None
-            metadata, tensors = loaded
-            expected = served_tensor_count(metadata)
-            if len(tensors) == expected:
-                return metadata, tensors
-            again = attempt < DOWNLOAD_ATTEMPTS and time.monotonic() < deadline
+            arrived, expected = len(loaded[1]), served_tensor_count(loaded[0])
+            if arrived == expected:
+                return loaded
+            attempts_left -= 1
+            again = attempts_left > 0 and time.monotonic() < deadline
             logger.warning(
-                f"load_state_from_peers: the donor's state arrived cut short ({len(tensors)} of {expected} tensors; "
+                f"load_state_from_peers: the donor's state arrived cut short ({arrived} of {expected} tensors; "
                 f"hivemind#504): {'downloading it again' if again else 'keeping our own state'}"
             )
             if not again:
                 return None
-        return None
 
     @staticmethod
     def _download(averager: Averager, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
