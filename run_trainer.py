@@ -12,6 +12,8 @@ Any number of VISSL overrides ``config.SECTION.KEY=VALUE`` may follow the flags.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import os
 import secrets
 import sys
 import time
@@ -369,6 +371,15 @@ def address_book_path(config) -> str:
     return str(Path(get_checkpoint_folder(config)) / KNOWN_PEERS_FILE)
 
 
+def report_fatal_errors() -> None:
+    """Print every thread's Python stack to stderr (the trainer's log) when the trainer dies of a native crash: a
+    segfault, or glibc aborting on a corrupted heap, otherwise leaves one line ("free(): corrupted unsorted chunks")
+    that says neither where nor in which thread. In this process, and through ``PYTHONFAULTHANDLER`` in the
+    processes VISSL spawns for a box's other GPUs. Nothing is printed on a run that does not crash."""
+    faulthandler.enable(all_threads=True)
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+
 def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | None = None) -> int:
     """The trainer's command line; ``hook_generator`` (``cfg -> hooks``), if given, replaces ``swarm_hook_generator``
     (the GPU check's benchmarks/measured_trainer.py and the tests' tests/paced_trainer.py each add one hook to it)."""
@@ -382,6 +393,7 @@ def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | 
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    report_fatal_errors()
     vissl_compat.apply()
     import torch
     from vissl.utils.distributed_launcher import launch_distributed

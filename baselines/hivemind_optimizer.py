@@ -55,7 +55,9 @@ shutdown is waited for at most ``SHUTDOWN_DEADLINE_S`` (it waits up to the avera
 no group: the last box of a swarm); the averager process leaves as ours do (``averager_shutdown``) and waits for the
 DHT stores it sent (see ``_ObservedStateAverager._shutdown``); a round without a group, a departed groupmate and a
 state download that hivemind retries (hivemind#504) are one log line, not an ERROR with a traceback (as our
-averager's log filters). ``load_state_from_peers`` takes a peer's parameters and optimizer state through hivemind's
+averager's log filters). One departure is a crash fix: the state a peer downloads is served as copies, as ours
+is (``hivemind_fixes.served_as_copies``: hivemind's own serving moves the live CPU tensors into shared memory under
+the trainer's running step). ``load_state_from_peers`` takes a peer's parameters and optimizer state through hivemind's
 state averager and shares no VISSL progress (returns None), like ``--averager old``; with the swarm-wide schedule
 the box still follows the swarm's sample count from the DHT. One process per box: a multi-GPU box (VISSL DDP) is
 refused (its local ranks' optimizer state is not kept in step). No swarm secret (run_trainer.py refuses the
@@ -88,6 +90,7 @@ from decentralized_sgd.hivemind_fixes import (
     cancel_step_first,
     log_departures_in_one_line,
     rewrite_as_one_line,
+    served_as_copies,
 )
 
 logger = logging.getLogger(__name__)  # debug lines; what a user reads goes to the root logger, as VISSL's
@@ -210,7 +213,8 @@ class _PendingStores:
 class _ObservedStateAverager(TrainingStateAverager):
     """hivemind's TrainingStateAverager, observed: which round started, with which StepControl, and when its
     result was applied (:class:`_Rounds`); and an averager process that ends without tracebacks. Every override
-    calls hivemind's own method: behaviour unchanged."""
+    calls hivemind's own method: behaviour unchanged, except that the state is served as copies (a crash fix, see
+    ``get_current_state``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
@@ -266,6 +270,12 @@ class _ObservedStateAverager(TrainingStateAverager):
     def _apply_averaging_results_(self) -> None:
         super()._apply_averaging_results_()
         self._rounds.applied()
+
+    def get_current_state(self) -> tuple:
+        """Trainer's process, hivemind's state-serving thread: hivemind's state as copies, so that serving does not
+        move the trainer's live tensors into shared memory under its running step (see
+        ``hivemind_fixes.served_as_copies``: a crash fix, the only departure from hivemind's state sharing)."""
+        return served_as_copies(super().get_current_state())
 
     def run(self) -> None:
         """Averager process: a round without a group, and a groupmate that left, are one log line each (as for our

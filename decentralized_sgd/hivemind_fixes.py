@@ -11,6 +11,7 @@ process log a departure (a groupmate's, or of our p2p daemon that Ctrl-C ended) 
 (``_DepartureIsOneLine``).
 ``cancel_step_first`` cancels a round's step in the order that does not make hivemind log our cancellation as an
 error (``averager_shutdown.cancel_step`` is its counterpart inside the averager process).
+``served_as_copies`` is for hivemind's own averagers (the baselines), which serve their live tensors.
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
@@ -110,6 +111,27 @@ def unattached_step_controls_are_one_line() -> None:
 
     hook.unattached_step_controls_are_one_line = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+def served_as_copies(state: tuple) -> tuple:
+    """A ``get_current_state`` result whose tensors are copies, for an averager that would serve its live tensors.
+
+    hivemind hands the served tensors from the trainer's process to the averager process through a multiprocessing
+    pipe (``_background_thread_fetch_current_state``: ``.cpu().detach()``, a view, not a copy, of a tensor on the
+    CPU). Pickled that way, torch moves each CPU tensor's storage into shared memory *in place*
+    (``torch.multiprocessing.reductions.reduce_storage``: a new shared block, the data copied, the old block freed).
+    The first time a peer downloads the state, every parameter, buffer and momentum buffer of the trainer moves, from
+    hivemind's thread, while the trainer's thread may be running a kernel on it without the GIL: that kernel then
+    writes into freed memory, and the trainer dies of a corrupted heap (seen: "free(): corrupted unsorted chunks" in
+    a trainer with the old design, at its first step, as the other box downloaded its state). Tensors on a GPU are
+    copied by ``.cpu()`` and are safe; CPU training, and state kept on the CPU, are not. hivemind's
+    ``TrainingAverager`` and ``TrainingStateAverager`` both serve live tensors; our ``StateTransfer.serve`` already
+    serves copies. Any thread; the copies are taken without the trainer's lock, as hivemind reads the state.
+    Upstream: no hivemind issue found; still so on hivemind's master (averager.py, 4bd43b7)."""
+    metadata, tensors, *rest = state
+    with torch.no_grad():
+        copies = [tensor.detach().clone() for tensor in tensors]
+    return (metadata, copies, *rest)
 
 
 @contextlib.contextmanager

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
-from tests.conftest import run_trainer
+from tests.conftest import REPO, run_trainer, trainer_env
 
 
 def test_unknown_config_lists_the_available_ones() -> None:
@@ -49,3 +53,30 @@ def test_help_documents_every_flag() -> None:
     assert result.returncode == 0
     for flag in ("--config", "--data_path", "--checkpoint_dir"):
         assert flag in result.stdout
+
+
+def test_a_native_crash_prints_every_threads_python_stack_to_the_log() -> None:
+    """``run_trainer.report_fatal_errors`` (``main`` calls it before VISSL starts): a trainer that dies of SIGABRT, as
+    glibc kills a process whose heap is corrupted, leaves the Python stack of each of its threads in its log, and
+    the processes it spawns inherit that through PYTHONFAULTHANDLER."""
+    code = textwrap.dedent(
+        """
+        import os, threading, time
+        import run_trainer
+        run_trainer.report_fatal_errors()
+        print("spawned ranks get PYTHONFAULTHANDLER =", os.environ["PYTHONFAULTHANDLER"], flush=True)
+        def serving_the_state():
+            time.sleep(60)
+        threading.Thread(target=serving_the_state, daemon=True).start()
+        time.sleep(0.5)
+        os.abort()
+        """
+    )
+    env = {key: value for key, value in trainer_env().items() if key != "PYTHONFAULTHANDLER"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == -signal.SIGABRT, result.stderr[-3000:]
+    assert "spawned ranks get PYTHONFAULTHANDLER = 1" in result.stdout
+    assert "Fatal Python error: Aborted" in result.stderr, result.stderr[-3000:]
+    assert "in serving_the_state" in result.stderr, result.stderr[-3000:]  # the other thread's stack, too

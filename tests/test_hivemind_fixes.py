@@ -22,7 +22,7 @@ import time
 import hivemind
 import pytest
 import torch
-from dsgd_swarm import LOCAL, wait_until
+from dsgd_swarm import LOCAL, make_model, wait_until
 from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
 from hivemind.compression.quantization import Quantization
@@ -395,3 +395,79 @@ def test_a_step_control_collected_without_its_trigger_is_one_warning(caplog: pyt
         sys.unraisablehook = previous
     assert caplog.text.count("StepControl of a round that failed as it began was collected without a trigger") == 1
     assert [type(u.exc_value) for u in seen] == [ValueError]
+
+
+SMALL_GROUPS = dict(start=True, target_group_size=2, min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
+
+
+def float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [buffer for buffer in model.buffers() if buffer.is_floating_point()]
+
+
+def _old_design_averager(dht: hivemind.DHT, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    from baselines.old_design import _TrainingAverager
+
+    return _TrainingAverager(
+        optimizer,
+        average_parameters=True,
+        average_gradients=False,
+        extra_tensors=float_buffers(model),
+        initialize_optimizer=False,
+        dht=dht,
+        prefix="served_copies_old",
+        **SMALL_GROUPS,
+    )
+
+
+def _hivemind_optimizer_averager(dht: hivemind.DHT, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    from baselines.hivemind_optimizer import _ObservedStateAverager, _Rounds
+
+    return _ObservedStateAverager(
+        rounds=_Rounds(lambda: 0),
+        dht=dht,
+        optimizer=optimizer,
+        extra_tensors=float_buffers(model),
+        prefix="served_copies_hivemind",
+        **SMALL_GROUPS,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "make", [_old_design_averager, _hivemind_optimizer_averager], ids=["old", "hivemind_optimizer"]
+)
+def test_the_baselines_serve_their_state_as_copies_and_leave_the_donors_tensors_where_they_are(make) -> None:
+    """hivemind's own serving pickles the donor's live CPU tensors through a pipe, which moves each of them into shared
+    memory in place and frees its old memory under the trainer's running step (a trainer of the old design died of a
+    corrupted heap in the suite). Served as copies (``served_as_copies``), the donor's parameters, BatchNorm buffers
+    and momentum stay where they are, and the joiner still gets their values."""
+    first = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    second = hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=first.get_visible_maddrs())
+    models = {"donor": make_model(value=0.5), "joiner": make_model(value=0.0)}
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) for name, model in models.items()}
+    models["donor"](torch.randn(8, 4)).square().sum().backward()  # a step: momentum buffers, moved weights
+    optimizers["donor"].step()
+    donor_tensors = [
+        *models["donor"].parameters(),
+        *float_buffers(models["donor"]),
+        *(state["momentum_buffer"] for state in optimizers["donor"].state.values()),
+    ]
+    addresses = [tensor.data_ptr() for tensor in donor_tensors]
+    averagers = []
+    try:
+        averagers.append(make(first, models["donor"], optimizers["donor"]))
+        averagers.append(make(second, models["joiner"], optimizers["joiner"]))
+
+        def joiner_took_the_donors_parameters() -> bool:
+            averagers[1].load_state_from_peers(timeout=10)  # None until the donor is found in the DHT
+            pairs = zip(models["joiner"].parameters(), models["donor"].parameters(), strict=True)
+            return all(torch.equal(mine, theirs) for mine, theirs in pairs)
+
+        wait_until(joiner_took_the_donors_parameters, 60, "the joiner took the donor's parameters")
+        assert not any(tensor.is_shared() for tensor in donor_tensors)
+        assert [tensor.data_ptr() for tensor in donor_tensors] == addresses
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
