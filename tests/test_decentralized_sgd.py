@@ -137,8 +137,11 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
 def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule):
     filled = threading.Event()
     a_model, b_model = make_model(0.0), make_model(2.0)
-    a = swarm.peer(a_model, delta_rule=delta_rule, before_allreduce=filled.set)
-    b = swarm.peer(b_model, delta_rule=delta_rule)
+    # pipeline=False: a peer's next round starts only once it applied the one before. Pipelined, a slow B (a loaded
+    # machine) could finish a second round with A (A's snapshot then 1) before its trainer applied the first, and
+    # apply both at one step: B at 1.5, not the 1.0 this test is about
+    a = swarm.peer(a_model, delta_rule=delta_rule, pipeline=False, before_allreduce=filled.set)
+    b = swarm.peer(b_model, delta_rule=delta_rule, pipeline=False)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
 
     def filled_round() -> dict | None:  # the round that found B (a round before it may have found no group, B still
