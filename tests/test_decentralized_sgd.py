@@ -137,11 +137,13 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
 def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule):
     filled = threading.Event()
     a_model, b_model = make_model(0.0), make_model(2.0)
-    # pipeline=False: a peer's next round starts only once it applied the one before. Pipelined, a slow B (a loaded
-    # machine) could finish a second round with A (A's snapshot then 1) before its trainer applied the first, and
-    # apply both at one step: B at 1.5, not the 1.0 this test is about
-    a = swarm.peer(a_model, delta_rule=delta_rule, pipeline=False, before_allreduce=filled.set)
-    b = swarm.peer(b_model, delta_rule=delta_rule, pipeline=False)
+    # B must apply the very round A filled before its local step: a later round averages A's 1 with B's 2 (B at 1.5,
+    # seen twice on a loaded machine). So: no pipelining (a peer's next round starts only once it applied the one
+    # before, or a slow B applies two at one step), and chunk deadlines far above the load's delays (with the suite's
+    # 2 s, a chunk late on two busy cores ended the round on B's side only: "received 55.6% results")
+    patient = dict(pipeline=False, next_chunk_timeout=20.0, allreduce_timeout=40.0)
+    a = swarm.peer(a_model, delta_rule=delta_rule, before_allreduce=filled.set, **patient)
+    b = swarm.peer(b_model, delta_rule=delta_rule, **patient)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
 
     def filled_round() -> dict | None:  # the round that found B (a round before it may have found no group, B still
@@ -156,6 +158,8 @@ def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule
 
     record = filled_round()
     assert record["applied"] and record["group_size"] == 2, record
+    b_round = next((r for r in b.records if r["group_size"] == 2), None)
+    assert b_round is not None and b_round["applied"], b.records  # B's side of the same round
     assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, 1.0))  # B only averaged: (0 + 2) / 2
     assert torch.equal(a_model[0].bias, torch.full_like(a_model[0].bias, 1.0))
     expected = 2.0 if delta_rule else 1.0  # w + averaged - snapshot = 1 + 1 - 0; overwriting loses the +1
