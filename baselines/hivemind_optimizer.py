@@ -86,11 +86,11 @@ from hivemind.p2p import PeerID
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.averager_shutdown import shut_down_averager
 from decentralized_sgd.hivemind_fixes import (
+    ServesStateAsCopies,
     _NoGroupIsNoError,
     cancel_step_first,
     log_departures_in_one_line,
     rewrite_as_one_line,
-    served_as_copies,
 )
 
 logger = logging.getLogger(__name__)  # debug lines; what a user reads goes to the root logger, as VISSL's
@@ -210,11 +210,11 @@ class _PendingStores:
         return len(self._tasks())
 
 
-class _ObservedStateAverager(TrainingStateAverager):
+class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
     """hivemind's TrainingStateAverager, observed: which round started, with which StepControl, and when its
     result was applied (:class:`_Rounds`); and an averager process that ends without tracebacks. Every override
-    calls hivemind's own method: behaviour unchanged, except that the state is served as copies (a crash fix, see
-    ``get_current_state``)."""
+    calls hivemind's own method: behaviour unchanged, except that the state is served as copies (a crash fix,
+    ``ServesStateAsCopies``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
@@ -270,12 +270,6 @@ class _ObservedStateAverager(TrainingStateAverager):
     def _apply_averaging_results_(self) -> None:
         super()._apply_averaging_results_()
         self._rounds.applied()
-
-    def get_current_state(self) -> tuple:
-        """Trainer's process, hivemind's state-serving thread: hivemind's state as copies, so that serving does not
-        move the trainer's live tensors into shared memory under its running step (see
-        ``hivemind_fixes.served_as_copies``: a crash fix, the only departure from hivemind's state sharing)."""
-        return served_as_copies(super().get_current_state())
 
     def run(self) -> None:
         """Averager process: a round without a group, and a groupmate that left, are one log line each (as for our

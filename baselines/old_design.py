@@ -28,7 +28,7 @@ from hivemind.p2p import PeerID
 
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.averager_shutdown import shut_down_averager
-from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding, served_as_copies
+from decentralized_sgd.hivemind_fixes import ServesStateAsCopies, fixed_8bit_decoding
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ class _StampedLock:
         self.lock.release()
 
 
-class _TrainingAverager(TrainingAverager):
+class _TrainingAverager(ServesStateAsCopies, TrainingAverager):
     """hivemind's TrainingAverager with a shutdown that prints no traceback (see averager_shutdown), serving copies of
-    the state (see ``get_current_state``)."""
+    the state (``ServesStateAsCopies``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
@@ -65,12 +65,6 @@ class _TrainingAverager(TrainingAverager):
             await super()._step(step=step, **kwargs)
         finally:
             self._steps.discard(step)
-
-    def get_current_state(self) -> tuple:
-        """Trainer's process, hivemind's state-serving thread: the served state as copies, so that serving does not
-        move the trainer's live tensors into shared memory under its running step (see
-        ``hivemind_fixes.served_as_copies``)."""
-        return served_as_copies(super().get_current_state())
 
     def run(self) -> None:
         """Averager process: decode 8-bit parts with hivemind's NumPy 2 bug fixed (see hivemind_fixes)."""

@@ -11,7 +11,8 @@ process log a departure (a groupmate's, or of our p2p daemon that Ctrl-C ended) 
 (``_DepartureIsOneLine``).
 ``cancel_step_first`` cancels a round's step in the order that does not make hivemind log our cancellation as an
 error (``averager_shutdown.cancel_step`` is its counterpart inside the averager process).
-``served_as_copies`` is for hivemind's own averagers (the baselines), which serve their live tensors.
+``ServesStateAsCopies`` (``served_as_copies``) is for hivemind's own averagers (the baselines), which serve their live
+tensors.
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
 a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
@@ -132,6 +133,15 @@ def served_as_copies(state: tuple) -> tuple:
     with torch.no_grad():
         copies = [tensor.detach().clone() for tensor in tensors]
     return (metadata, copies, *rest)
+
+
+class ServesStateAsCopies:
+    """Mixin for hivemind's own averagers (the baselines' ``TrainingAverager`` and ``TrainingStateAverager``), put
+    before the hivemind class: their ``get_current_state`` returns copies (see ``served_as_copies``). Runs in the
+    trainer's process, in hivemind's state-serving thread."""
+
+    def get_current_state(self) -> tuple:
+        return served_as_copies(super().get_current_state())  # type: ignore[misc]
 
 
 @contextlib.contextmanager
