@@ -56,9 +56,10 @@ $(FASHION)/train/.complete: $(STAMP) scripts/export_fashion_mnist.py
 # two pytest-xdist workers: the scenarios of many processes on one, one after the other, the rest on the other
 # (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process. `make test` is the suite (CI's command);
 # the tests marked long (pyproject.toml: several trainers for minutes, benchmarks' smoke runs) are `make test-long`:
-# pytest-xdist's summary does not count them, so the target says so.
+# pytest-xdist's summary does not count them, so the target says so. The short summary (-rfEs) names each failed test,
+# error and skip just above the last line, where a log's tail shows them.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := $(PY) -m pytest -q -rfEs -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: test-long
 
@@ -70,7 +71,7 @@ test-long: venv data test-tools
 	$(PYTEST) -m long tests
 
 # The NAT tests build masquerading routers in network namespaces (tests/nat_testbed.py) and need iptables: installed
-# here if missing and we are root with apt-get; elsewhere they are skipped, and the summary (-rs) says why.
+# here if missing and we are root with apt-get; elsewhere they are skipped, and the short summary says why.
 .PHONY: test-tools
 
 test-tools:

@@ -22,7 +22,17 @@ import typing
 import hivemind
 import pytest
 import torch
-from dsgd_swarm import FAST, REPO, Trainer, all_equal_to, averaged_tensors, drive, make_model, wait_until
+from dsgd_swarm import (
+    FAST,
+    REPO,
+    WHOLE_ROUNDS,
+    Trainer,
+    all_equal_to,
+    averaged_tensors,
+    drive,
+    make_model,
+    wait_until,
+)
 from hivemind.compression import (
     CompressionInfo,
     Float16Compression,
@@ -106,7 +116,9 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
     for i, value in enumerate([0.0, 3.0, 6.0]):
         model = make_model(value)
         model[1].num_batches_tracked.fill_(i)
-        peer = swarm.peer(model, momentum=0.9, average_optimizer_state=True, records_path=str(tmp_path / f"{i}.jsonl"))
+        peer = swarm.peer(
+            model, momentum=0.9, average_optimizer_state=True, records_path=str(tmp_path / f"{i}.jsonl"), **WHOLE_ROUNDS
+        )
         for param in model.parameters():
             peer.state[param]["momentum_buffer"].fill_(value)
         peers.append(peer)
@@ -141,7 +153,7 @@ def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule
     # seen twice on a loaded machine). So: no pipelining (a peer's next round starts only once it applied the one
     # before, or a slow B applies two at one step), and chunk deadlines far above the load's delays (with the suite's
     # 2 s, a chunk late on two busy cores ended the round on B's side only: "received 55.6% results")
-    patient = dict(pipeline=False, next_chunk_timeout=20.0, allreduce_timeout=40.0)
+    patient = dict(pipeline=False, **WHOLE_ROUNDS)
     a = swarm.peer(a_model, delta_rule=delta_rule, before_allreduce=filled.set, **patient)
     b = swarm.peer(b_model, delta_rule=delta_rule, **patient)
     b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
@@ -204,7 +216,7 @@ def test_next_group_forms_while_the_previous_allreduce_runs(swarm, monkeypatch):
         return await original(self, *args, **kwargs)
 
     monkeypatch.setattr(hivemind.DecentralizedAverager, "_aggregate_with_group", slow_aggregate)  # forks inherit it
-    peers = [swarm.peer(make_model(0.0), next_chunk_timeout=5.0), swarm.peer(make_model(2.0), next_chunk_timeout=5.0)]
+    peers = [swarm.peer(make_model(0.0), **WHOLE_ROUNDS), swarm.peer(make_model(2.0), **WHOLE_ROUNDS)]
     for peer in peers:
         swarm.train(peer)
 
@@ -299,13 +311,14 @@ def test_survivors_keep_averaging_after_a_peer_is_sigkilled_mid_allreduce(swarm,
 
     def resolved_with_victim() -> list[dict]:
         """The survivors' round(s) with the victim ended: averaged without it, or failed (hivemind then drops the group
-        info, e.g. MatchmakingException('Unable to run All-Reduce: invalid state'))."""
+        info, e.g. MatchmakingException('Unable to run All-Reduce: invalid state')). A failed one is told by its times:
+        in flight when the victim froze. From its start, not its formation: the victim froze within milliseconds of
+        the formation, and a survivor's scheduler stamps the formation when its tick notices it, often after that."""
         return [
             r
             for p in peers
             for r in p.records
-            if (r["group"] and set(r["group"]) - ours)
-            or (r["error"] and r["t_group_formed"] and r["t_group_formed"] <= frozen_at <= r["t_applied"])
+            if (r["group"] and set(r["group"]) - ours) or (r["error"] and r["t_start"] <= frozen_at <= r["t_applied"])
         ]
 
     wait_until(
@@ -441,8 +454,8 @@ def test_ssp_wait_times_out_and_is_logged_when_alone(swarm, caplog):
 @pytest.mark.parametrize(("bad_value", "bad_peer_checks_itself"), [(math.nan, True), (math.nan, False), (1e30, False)])
 def test_a_nonfinite_peer_does_not_poison_the_others(swarm, monkeypatch, bad_value, bad_peer_checks_itself):
     """NaN, or absurdly large weights (1e30: their average is finite, but no model trains there)."""
-    good = [swarm.peer(make_model(0.0)), swarm.peer(make_model(2.0))]
-    bad = swarm.peer(make_model(bad_value))
+    good = [swarm.peer(make_model(0.0), **WHOLE_ROUNDS), swarm.peer(make_model(2.0), **WHOLE_ROUNDS)]
+    bad = swarm.peer(make_model(bad_value), **WHOLE_ROUNDS)
     if not bad_peer_checks_itself:  # a buggy peer that sends its values anyway: receivers must discard the round
         monkeypatch.setattr(bad.averaged_tensors, "all_finite", lambda tensors: True)
     for peer in good:

@@ -7,7 +7,7 @@ import logging
 import threading
 
 import pytest
-from dsgd_swarm import Swarm, all_equal_to, averaged_tensors, make_model, wait_until
+from dsgd_swarm import WHOLE_ROUNDS, Swarm, all_equal_to, averaged_tensors, make_model, wait_until
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
@@ -45,10 +45,10 @@ def sync(swarm: Swarm, peers: list[DecentralizedSGD], rounds: int = 1) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_diverged_peer_is_left_out_and_heals(swarm, caplog):
-    healthy = [swarm.peer(make_model(0.0)), swarm.peer(make_model(1.0))]
+    healthy = [swarm.peer(make_model(0.0), **WHOLE_ROUNDS), swarm.peer(make_model(1.0), **WHOLE_ROUNDS)]
     sync(swarm, healthy)  # both at 0.5 now
     with caplog.at_level(logging.WARNING, logger="decentralized_sgd"):
-        diverged = swarm.peer(make_model(1e4))  # finite, as after a loss blow-up
+        diverged = swarm.peer(make_model(1e4), **WHOLE_ROUNDS)  # finite, as after a loss blow-up
         swarm.train(diverged)
 
         def healed() -> bool:
@@ -132,7 +132,7 @@ class KnowsThePrefix(SwarmSecret):
 @pytest.mark.timeout(150)
 def test_only_peers_with_the_swarm_secret_average_together(swarm, caplog, monkeypatch):
     secret = SwarmSecret(b"right")
-    members = [swarm.peer(make_model(0.0), swarm_secret=secret), swarm.peer(make_model(2.0), swarm_secret=secret)]
+    members = [swarm.peer(make_model(v), swarm_secret=secret, **WHOLE_ROUNDS) for v in (0.0, 2.0)]
     wrong = swarm.peer(make_model(5.0), swarm_secret=SwarmSecret(b"wrong"), no_group_patience=2.0)
     thief_secret = KnowsThePrefix(b"guess")
     thief_secret.known = secret
