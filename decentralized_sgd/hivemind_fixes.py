@@ -15,7 +15,8 @@ error (``averager_shutdown.cancel_step`` is its counterpart inside the averager 
 tensors.
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
 averager does not need it. ``FixedDHT`` is for whoever creates the DHT: hivemind's dies when a process that sent it
-a request dies at the wrong moment, e.g. an averager we restart. Each work-around is tested on its own in
+a request dies at the wrong moment, e.g. an averager we restart; and it installs ``DeadHolderBreakingLock``, without
+which such a death can block every process of the peer for good. Each work-around is tested on its own in
 ``tests/test_hivemind_fixes.py``.
 
 Each docstring names the upstream hivemind issue or PR (hivemind#N: github.com/learning-at-home/hivemind, issues/N or
@@ -326,6 +327,81 @@ class LockedConnection:
         return getattr(self._connection, name)
 
 
+def _has_died(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (killed, not yet reaped by its parent)."""
+    if pid == os.getpid():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel (a zombie counts as alive there)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+class DeadHolderBreakingLock:
+    """hivemind's ``MPFuture._update_lock``, which a process that died holding it does not hold for ever.
+
+    Every MPFuture update (a result, an exception, a cancel) sent from a process other than the future's origin is
+    written under one ``multiprocessing.Lock``, created when hivemind is imported and shared by every process forked
+    after that: the trainer, its DHT process and its averager process. A process killed inside that write (SIGKILL,
+    the OOM killer, or our supervisor ending a wedged averager) leaves the lock taken, and every other process then
+    blocks at its next update, for ever: the restarted averager and the DHT never answer again. Seen in the test
+    suite on a loaded machine: after a test killed an averager, every later test of that pytest worker that started a
+    DHT hung in ``DHT.__init__`` (its process blocked in ``MPFuture._send_update``).
+
+    Still one lock for all, as hivemind means it; but a process that waits longer than ``poll_s`` looks at who holds
+    it (a shared pid, written right after acquiring), and if that process has died, releases the lock in its place
+    (one waiter at a time, under a second lock). A holder that is only stopped or slow is waited for: it may still be
+    in the middle of its write. Left open: a holder killed between acquiring and writing its pid (a few instructions).
+    Trainer's process, before the first hivemind process is forked (see ``dead_holders_release_mpfuture_locks``).
+    Upstream: none found; still so on hivemind's master (mpfuture.py, 4bd43b7)."""
+
+    def __init__(self, poll_s: float = 1.0):
+        self.poll_s = poll_s
+        self._lock, self._breaking = multiprocessing.Lock(), multiprocessing.Lock()
+        self._holder = multiprocessing.sharedctypes.RawValue("q", 0)  # the holder's pid, 0 when free or unknown
+
+    def __enter__(self) -> DeadHolderBreakingLock:
+        while not self._lock.acquire(timeout=self.poll_s):
+            self._release_if_its_holder_died()
+        self._holder.value = os.getpid()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._holder.value = 0
+        self._lock.release()
+
+    def _release_if_its_holder_died(self) -> None:
+        if not self._breaking.acquire(timeout=self.poll_s):
+            return
+        try:
+            holder = self._holder.value
+            if holder == 0 or not _has_died(holder):
+                return
+            self._holder.value = 0  # before the release: no other waiter can take a new holder's pid for this one's
+            self._lock.release()
+            logger.warning(
+                f"process {holder} died while sending a hivemind MPFuture update; released the lock it held "
+                f"(process {os.getpid()})"
+            )
+        finally:
+            self._breaking.release()
+
+
+def dead_holders_release_mpfuture_locks() -> None:
+    """Install ``DeadHolderBreakingLock`` as hivemind's ``MPFuture._update_lock``, once. It must come before the first
+    hivemind process is forked (the DHT's): a process forked earlier keeps the old lock, and its updates would not be
+    serialized with the others'. ``FixedDHT`` and ``DecentralizedSGD`` call it. Trainer's process."""
+    if not isinstance(MPFuture._update_lock, DeadHolderBreakingLock):
+        MPFuture._update_lock = DeadHolderBreakingLock()
+
+
 async def _remove_handlers_of(p2p: P2P, names: Sequence[str], address: Multiaddr) -> None:
     """Remove stream handlers that another client of this p2p daemon registered from `address` (p2pd matches a
     handler by protocol and the registering client's socket address), reusing hivemind's request code."""
@@ -366,6 +442,11 @@ class FixedDHT(hivemind.DHT):
     """``hivemind.DHT`` that survives the death of a process that sent it a request (see _RequestsOfTheDead) and
     keeps its requests alive until they end (see _run_coroutine). DHT owners create this instead (swarm.start_dht
     does); an averager restart on a plain hivemind.DHT can kill it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        """Trainer's process: installs ``DeadHolderBreakingLock`` before hivemind forks the DHT process."""
+        dead_holders_release_mpfuture_locks()
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         """DHT process. Departures are one log line here too (see _DepartureIsOneLine); it ends with its p2p daemon

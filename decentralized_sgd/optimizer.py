@@ -29,7 +29,11 @@ from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import rejoin_count
 from .exchange import RoundExchange
-from .hivemind_fixes import fewer_shared_memory_requests, unattached_step_controls_are_one_line
+from .hivemind_fixes import (
+    dead_holders_release_mpfuture_locks,
+    fewer_shared_memory_requests,
+    unattached_step_controls_are_one_line,
+)
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .rounds import RoundBook
 from .scheduler import RoundScheduler
@@ -233,6 +237,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         )
         fewer_shared_memory_requests()
         unattached_step_controls_are_one_line()
+        dead_holders_release_mpfuture_locks()  # FixedDHT did, if the caller's DHT is one
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
         )

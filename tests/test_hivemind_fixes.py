@@ -33,6 +33,7 @@ from decentralized_sgd.averager import Averager, handler_address_slot
 from decentralized_sgd.dht_rejoin import rejoin_if_alone
 from decentralized_sgd.hivemind_fixes import (
     AveragerUnresponsive,
+    DeadHolderBreakingLock,
     FixedDHT,
     LockedConnection,
     _AbandonedDepartureIsOneLine,
@@ -310,6 +311,51 @@ def test_a_dht_survives_a_sender_that_dies_before_its_request_was_read(dht_type)
             assert dht.run_coroutine(_known_peers, return_future=True).result(timeout=30) == 0
     finally:
         dht.shutdown()
+
+
+def _take_the_update_lock_and_die() -> None:
+    MPFuture._update_lock.__enter__()  # as MPFuture._send_update does, and killed inside
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _send_a_result(future: MPFuture) -> None:
+    future.set_result("sent")
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_process_killed_holding_hiveminds_future_lock_blocks_the_others_only_without_the_fix(monkeypatch, fixed):
+    """A process killed inside an MPFuture update (here: a zombie, not reaped yet, as our supervisor's kill leaves
+    the averager for a moment) and another one that then sends a result to this process."""
+    monkeypatch.setattr(MPFuture, "_update_lock", DeadHolderBreakingLock(poll_s=0.2) if fixed else mp.Lock())
+    fork = mp.get_context("fork")
+    holder = fork.Process(target=_take_the_update_lock_and_die)
+    holder.start()
+    future = MPFuture()
+    sender = fork.Process(target=_send_a_result, args=(future,), daemon=True)
+    try:
+        wait_until(lambda: _zombie(holder.pid), 30, "the holder's death")
+        sender.start()
+        if fixed:
+            assert future.result(timeout=30) == "sent"
+            sender.join(30)
+            assert sender.exitcode == 0
+        else:  # hivemind's lock: the sender waits for ever (when it does not, drop DeadHolderBreakingLock)
+            with pytest.raises(TimeoutError):
+                future.result(timeout=5)
+            assert sender.is_alive()
+    finally:
+        if sender.is_alive():
+            sender.kill()
+        for process in (holder, sender):
+            if process.pid is not None:
+                process.join(10)
+    assert holder.exitcode == -signal.SIGKILL
 
 
 def _stopped(pid: int) -> bool:
