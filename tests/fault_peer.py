@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dsgd_swarm import FAST, make_model  # noqa: E402
+from dsgd_swarm import FAST, JOIN_TIMEOUT_S, make_model  # noqa: E402
 
-from decentralized_sgd import DecentralizedSGD, keep_dht_connected  # noqa: E402
-from decentralized_sgd.hivemind_fixes import FixedDHT  # noqa: E402
+from decentralized_sgd import DecentralizedSGD  # noqa: E402
+from vissl_swarm.swarm import SwarmSettings, start_dht  # noqa: E402
 
 
 def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) -> list[str]:
@@ -56,8 +56,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    dht = FixedDHT(start=True, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers)
-    keep_dht_connected(dht)  # as swarm.start_dht does: the network-cut scenario needs the rejoin
+    # as a box starts it: it dials the initial peers again (hivemind's bootstrap pings once, and a busy first peer
+    # missed that ping with two busy processes beside the suite), and keeps connected (the network-cut scenario)
+    settings = SwarmSettings(
+        host_maddrs=args.host_maddrs, initial_peers=args.initial_peers, join_timeout=JOIN_TIMEOUT_S
+    )
+    dht = start_dht(settings, startup_timeout=60)
     model = make_model(args.value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     peer = DecentralizedSGD(
