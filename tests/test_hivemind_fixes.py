@@ -322,11 +322,6 @@ def _send_a_result(future: MPFuture) -> None:
     future.set_result("sent")
 
 
-def _zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fixed", [False, True])
 def test_a_process_killed_holding_hiveminds_future_lock_blocks_the_others_only_without_the_fix(monkeypatch, fixed):
@@ -339,7 +334,7 @@ def test_a_process_killed_holding_hiveminds_future_lock_blocks_the_others_only_w
     future = MPFuture()
     sender = fork.Process(target=_send_a_result, args=(future,), daemon=True)
     try:
-        wait_until(lambda: _zombie(holder.pid), 30, "the holder's death")
+        wait_until(lambda: _state(holder.pid) == "Z", 30, "the holder's death")
         sender.start()
         if fixed:
             assert future.result(timeout=30) == "sent"
@@ -358,9 +353,14 @@ def test_a_process_killed_holding_hiveminds_future_lock_blocks_the_others_only_w
     assert holder.exitcode == -signal.SIGKILL
 
 
-def _stopped(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped, Z: zombie)."""
     with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) == "T"
 
 
 def _step_seen_when_its_futures_end(cancel) -> tuple[bool, bool]:
