@@ -109,9 +109,12 @@ class Swarm:
         self.dhts.append(start_dht(settings, startup_timeout=60))  # 16 p2p daemons at once on 2 loaded cores
         return self.dhts[-1]
 
-    def peer(self, model: torch.nn.Module, lr: float = 0.0, momentum: float = 0.0, **kwargs) -> DecentralizedSGD:
+    def peer(
+        self, model: torch.nn.Module, lr: float = 0.0, momentum: float = 0.0, prefix: str = "test", **kwargs
+    ) -> DecentralizedSGD:
+        """A peer on a new DHT; peers of one ``prefix`` average together."""
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        peer = DecentralizedSGD(optimizer, self.dht(), prefix="test", model=model, **{**FAST, **kwargs})
+        peer = DecentralizedSGD(optimizer, self.dht(), prefix=prefix, model=model, **{**FAST, **kwargs})
         self.peers.append(peer)
         return peer
 

@@ -144,38 +144,57 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
             assert [json.loads(line) for line in f] == peer.records
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("delta_rule", [True, False])
-def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule):
+def _local_step_during_the_first_round(swarm, delta_rule: bool, prefix: str) -> tuple[dict, dict, dict[str, list]]:
+    """Peers A (all 0) and B (all 2); A makes a local step (+1 to its weight) while its first round with B runs. Returns
+    A's and B's records of their first filled round, and the distinct values of their tensors once both resolved it."""
     filled = threading.Event()
     a_model, b_model = make_model(0.0), make_model(2.0)
-    # B must apply the very round A filled before its local step: a later round averages A's 1 with B's 2 (B at 1.5,
-    # seen twice on a loaded machine). So: no pipelining (a peer's next round starts only once it applied the one
-    # before, or a slow B applies two at one step), and chunk deadlines far above the load's delays (with the suite's
-    # 2 s, a chunk late on two busy cores ended the round on B's side only: "received 55.6% results")
-    patient = dict(pipeline=False, **WHOLE_ROUNDS)
+    # no pipelining (a peer's next round starts only once it applied the one before, or a slow B applies two at one
+    # step), and chunk deadlines far above the load's delays (with the suite's 2 s, a chunk late on two busy cores
+    # ended the round on B's side only: "received 55.6% results")
+    patient = dict(pipeline=False, prefix=prefix, **WHOLE_ROUNDS)
     a = swarm.peer(a_model, delta_rule=delta_rule, before_allreduce=filled.set, **patient)
     b = swarm.peer(b_model, delta_rule=delta_rule, **patient)
-    b_trainer = swarm.train(b, until=lambda: b.counters["rounds_applied"] >= 1)
 
-    def filled_round() -> dict | None:  # the round that found B (a round before it may have found no group, B still
-        # starting: such a round has a snapshot too, so the first round with a snapshot may not be this one)
-        return next((r for r in a.records if r["group_size"] == 2), None)
+    def first_filled(peer: DecentralizedSGD) -> dict | None:  # resolved, with a snapshot: rounds before it may have
+        # found no group (B still starting); a round that failed has no group size, so it takes the snapshot to find it
+        return next((r for r in peer.records if r["t_snapshot"] is not None), None)
 
-    drive(a, until=filled.is_set)  # A's first filled round is being filled with A's params (all zeros)
+    b_trainer = swarm.train(b, until=lambda: first_filled(b) is not None)
+    drive(a, until=filled.is_set)  # A's first round with B is being filled with A's params (all zeros)
     with a.lock, torch.no_grad():  # (waits for the fill) a local step while the round runs
         a_model[0].weight.add_(1.0)
-    drive(a, until=lambda: filled_round() is not None)
-    b_trainer.join(timeout=60)
+    drive(a, until=lambda: first_filled(a) is not None)
+    wait_until(lambda: not b_trainer.is_alive(), 60, lambda: b.records)
+    models = {"a": a_model[0], "b": b_model[0]}
+    values = {f"{n}.{t}": getattr(m, t).unique().tolist() for n, m in models.items() for t in ("weight", "bias")}
+    rounds = first_filled(a), first_filled(b)
+    for peer in (a, b):  # a try that failed leaves no peers behind to load the next one
+        peer.shutdown()
+    return *rounds, values
 
-    record = filled_round()
-    assert record["applied"] and record["group_size"] == 2, record
-    b_round = next((r for r in b.records if r["group_size"] == 2), None)
-    assert b_round is not None and b_round["applied"], b.records  # B's side of the same round
-    assert torch.equal(b_model[0].weight, torch.full_like(b_model[0].weight, 1.0))  # B only averaged: (0 + 2) / 2
-    assert torch.equal(a_model[0].bias, torch.full_like(a_model[0].bias, 1.0))
-    expected = 2.0 if delta_rule else 1.0  # w + averaged - snapshot = 1 + 1 - 0; overwriting loses the +1
-    assert torch.equal(a_model[0].weight, torch.full_like(a_model[0].weight, expected))
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("delta_rule", [True, False])
+def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule):
+    """Only a round that both peers averaged whole shows the rule. On a loaded machine the first one can fail (a
+    groupmate's trigger later than next_chunk_timeout; the next round then averages A's 1 with B's 2) or average only a
+    part (hivemind goes on without a late sender's part): B's tensors and A's bias, which only average, tell. Such a
+    try is made again with two new peers, at most three times; the rule is checked on the first whole round."""
+    tries = []
+    for attempt in range(3):
+        a_round, b_round, values = _local_step_during_the_first_round(swarm, delta_rule, f"try{attempt}")
+        averaged_only = [values[name] for name in ("a.bias", "b.weight", "b.bias")]
+        if a_round["applied"] and b_round["applied"] and averaged_only == [[1.0]] * 3:  # (0 + 2) / 2
+            break
+        tries.append(dict(a_error=a_round["error"], b_error=b_round["error"], **values))
+        logging.getLogger(__name__).warning("the first round was not whole under load: %s; trying again", tries[-1])
+    else:
+        pytest.fail(f"the first round of A and B was not whole in any of three tries: {tries}")
+
+    assert a_round["group"] == b_round["group"] and a_round["group_size"] == 2, (a_round, b_round)  # with each other
+    # w + averaged - snapshot = 1 + 1 - 0 with the rule; overwriting loses the +1
+    assert values["a.weight"] == [2.0 if delta_rule else 1.0], (values, a_round, tries)
 
 
 @pytest.mark.timeout(120)
