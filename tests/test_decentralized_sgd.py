@@ -201,8 +201,8 @@ def test_delta_rule_keeps_a_local_update_made_during_the_round(swarm, delta_rule
 @pytest.mark.parametrize("refresh", [True, False])
 def test_snapshot_is_taken_after_the_group_formed(swarm, refresh):
     a_model, b_model = make_model(0.0), make_model(0.0)
-    a = swarm.peer(a_model, refresh_before_allreduce=refresh, pipeline=False)
-    b = swarm.peer(b_model, refresh_before_allreduce=refresh, pipeline=False)
+    a = swarm.peer(a_model, refresh_before_allreduce=refresh, pipeline=False, **WHOLE_ROUNDS)  # B's mean is exact
+    b = swarm.peer(b_model, refresh_before_allreduce=refresh, pipeline=False, **WHOLE_ROUNDS)
 
     def filled_round() -> dict | None:  # the first round A applied with B (a round before it may have found no group,
         # B still starting: such a round has a snapshot too, and B did not apply it)
