@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from .outer import OuterOptimizer
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
 from .settings import RoundSettings
@@ -48,7 +49,9 @@ def fail_from_control(r: Round, book: RoundBook) -> None:
 
 class RoundExchange:
     """Moves one peer's tensors in and out of its rounds. ``before_allreduce``: the caller's hook, run under
-    ``dsgd.lock`` right before a fill reads the tensors (hivemind has no such hook)."""
+    ``dsgd.lock`` right before a fill reads the tensors (hivemind has no such hook). ``outer``: the peer's outer
+    optimizer (``outer``), which turns an accepted round's plain update into its outer step; None: the plain
+    delta rule."""
 
     def __init__(
         self,
@@ -60,10 +63,12 @@ class RoundExchange:
         vetting: RoundVetting,
         counters: dict[str, float],
         before_allreduce: Callable[[], None] | None = None,
+        outer: OuterOptimizer | None = None,
     ):
         self.settings, self.trainer, self.tensors, self.book = settings, trainer, tensors, book
         self.supervisor, self.vetting, self.counters = supervisor, vetting, counters
         self.before_allreduce = before_allreduce
+        self.outer = outer
 
     # --- scheduler thread ---
     def fill_and_trigger(self, r: Round) -> bool:
@@ -188,6 +193,7 @@ class RoundExchange:
             if finite and delta_rule:  # weighted by samples, the AllReduce is not the summaries' plain mean
                 refusal = vetting.check_update(r, judgement, norm, None if self.settings.weight_by_samples else r.slot)
             if finite and refusal is None:  # before DONE: the trainer may apply it right after
+                self._outer_step(r, buffers)  # the check above vetted the plain average, not the outer step
                 vetting.accepted(r, reference, norm)
             with self.book.lock:
                 if not finite:
@@ -198,6 +204,18 @@ class RoundExchange:
                     r.finish(group)
         if not finite:
             logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
+
+    def _outer_step(self, r: Round, averaged: list[torch.Tensor]) -> None:
+        """Holding the averager's buffers (``averaged``): the slot's plain update ``m − snapshot`` → the outer
+        optimizer's ``x_new − snapshot`` (a stale round, whose snapshot predates a state download, is left alone: it
+        is discarded when it ends). Its norm and cost go into the round's record."""
+        if self.outer is None:
+            return
+        started = time.perf_counter()
+        step_norm = self.outer.step_(r.slot, averaged, skip=lambda: r.stale)
+        if step_norm is not None:
+            r.extra["outer_step_norm"] = step_norm
+            r.extra["outer_ms"] = 1000 * (time.perf_counter() - started)
 
     # --- trainer thread ---
     def apply_finished(self) -> list[Round]:

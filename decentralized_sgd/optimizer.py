@@ -35,6 +35,7 @@ from .hivemind_fixes import (
     unattached_step_controls_are_one_line,
 )
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
+from .outer import OuterOptimizer, OuterSettings
 from .rounds import RoundBook
 from .scheduler import RoundScheduler
 from .secret import MembershipCheck, SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
@@ -124,6 +125,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
     far from the group's median is left out of the AllReduce (every member reaches the same verdict), and heals by
     taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
     (``secret``); one whose secret matches nobody's logs so after ``no_group_patience`` seconds without a group.
+
+    Outer optimizer (``outer_momentum`` b, ``outer_lr`` a, ``outer_nesterov``; off at b = 0, a = 1): each accepted
+    round's average moves this peer's anchor by an outer step on the progress the group made from it (SlowMo,
+    DiLoCo's Nesterov; see ``outer``), with the delta rule kept. It costs two fp32 host copies of the parameters;
+    ``outer_state_dict`` / ``load_outer_state_dict`` carry them through checkpoints, a state download resets them.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -161,9 +167,18 @@ class DecentralizedSGD(TorchOptimizerFacade):
         verbose: bool = False,
         swarm_secret: SwarmSecret | None = None,
         no_group_patience: float = 60.0,
+        outer_momentum: float = 0.0,
+        outer_lr: float = 1.0,
+        outer_nesterov: bool = False,
         start: bool = True,
     ):
         assert "." not in prefix, "prefix may not contain '.'"
+        outer_settings = OuterSettings(outer_momentum, outer_lr, outer_nesterov)
+        if outer_settings.enabled and not delta_rule:
+            raise ValueError(
+                "outer_momentum / outer_lr need delta_rule=True: the outer step is taken from the anchor the delta "
+                "rule keeps (set outer_momentum=0 and outer_lr=1 to overwrite with the plain average)"
+            )
         self.optimizer, self.dht, self.model = optimizer, dht, model
         self.settings = RoundSettings(
             min_matchmaking_time=min_matchmaking_time,
@@ -192,6 +207,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self.averaged_tensors = AveragedTensors(
             optimizer, model, average_buffers=average_buffers, average_optimizer_state=average_optimizer_state
         )
+        self.outer = OuterOptimizer(outer_settings, self.averaged_tensors.params) if outer_settings.enabled else None
         run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
         self.prefix = keyed_prefix(run, swarm_secret)  # with a secret, its keyed hash: see secret
         if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
@@ -209,6 +225,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.boundary_marks,
             self.round_book,
             get_extra_state,
+            self.outer,
         )
 
         # the averager process, and the parts that drive it
@@ -263,6 +280,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.vetting,
             self.counters,
             before_allreduce,
+            self.outer,
         )
         # the starvation monitor samples from start() on; the scheduler asks it before it starts a round
         self.starvation = StarvationMonitor(start=False) if slow_peer_fixes else None
@@ -417,6 +435,27 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return self.state_transfer.load(
             self.averager, self.settings.allreduce_timeout if timeout is None else timeout, accept
         )
+
+    # --- checkpoints ---
+    def outer_state_dict(self) -> dict | None:
+        """The outer optimizer's anchor and momentum buffer, for a checkpoint (None: it is off)."""
+        if self.outer is None:
+            return None
+        with self.lock:
+            return self.outer.state_dict()
+
+    def load_outer_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's outer state, after its weights were loaded. None (a checkpoint from a run without it, or
+        saved before it was turned on): the current weights are the anchor, the buffer starts at zero."""
+        if self.outer is None:
+            if state is not None:
+                logger.info("The checkpoint holds an outer optimizer's state, but outer momentum is off: ignoring it")
+            return
+        with self.lock:
+            if state is None:
+                self.outer.reset(self.averaged_tensors.params)
+            else:
+                self.outer.load_state_dict(state)
 
     # --- lifecycle ---
     def shutdown(self) -> None:

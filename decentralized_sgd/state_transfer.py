@@ -30,6 +30,7 @@ from hivemind.utils import nested_flatten
 
 from .averager import Averager
 from .hivemind_fixes import shared_memory_manager_timed_out
+from .outer import OuterOptimizer
 from .rounds import RoundBook
 from .staging import StagingCache, StepBoundaryMarks
 from .tensors import AveragedTensors
@@ -56,9 +57,11 @@ class StateTransfer:
         marks: StepBoundaryMarks,
         book: RoundBook,
         get_extra_state: Callable[[], dict] | None,
+        outer: OuterOptimizer | None = None,
     ):
         self.optimizer, self.model, self.tensors, self.trainer = optimizer, model, tensors, trainer
         self.staging, self.marks, self.book, self.get_extra_state = staging, marks, book, get_extra_state
+        self.outer = outer  # reset when a donor's weights replace ours (a joiner's download, a heal)
 
     def model_buffers(self) -> list[torch.Tensor]:
         return list(self.model.buffers()) if self.model is not None else []
@@ -122,7 +125,9 @@ class StateTransfer:
                 logger.warning("load_state_from_peers: optimizer state layout differs, keeping local optimizer state")
             self._take_over_model_tensors([*own_params, *own_buffers], [*params, *buffers])
             self.trainer.took_over(int(metadata["local_step"]), int(metadata["samples"]))
-            self.book.state_reloaded(self.trainer.local_step)
+            self.book.state_reloaded(self.trainer.local_step)  # before the outer reset: see OuterOptimizer.step_
+            if self.outer is not None:  # the donor's weights are our anchor; its buffer is not ours (see outer)
+                self.outer.reset(self.tensors.params)
         return extra_state
 
     def _download_whole(self, averager: Averager, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:

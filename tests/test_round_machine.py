@@ -27,6 +27,7 @@ from hivemind.utils import MPFuture, get_dht_time
 
 from decentralized_sgd.exchange import RoundExchange
 from decentralized_sgd.optimizer import COUNTERS
+from decentralized_sgd.outer import OuterOptimizer, OuterSettings
 from decentralized_sgd.outliers import Summary, WeightSketch
 from decentralized_sgd.rounds import Round, RoundBook
 from decentralized_sgd.rounds import RoundState as S
@@ -138,7 +139,7 @@ class HivemindsSide:
 class Peer:
     """The parts of one DecentralizedSGD, wired as its constructor wires them, around one parameter vector."""
 
-    def __init__(self, settings: RoundSettings, size: int = 64):
+    def __init__(self, settings: RoundSettings, size: int = 64, outer: OuterSettings | None = None):
         self.param = torch.nn.Parameter(torch.ones(size))
         self.optimizer = torch.optim.SGD([self.param], lr=0.1)
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -149,6 +150,7 @@ class Peer:
         marks = StepBoundaryMarks(self.tensors.local())
         slots = ResultSlots(lambda: FlatStaging(self.tensors.local(), marks, torch.float32))
         self.book = RoundBook(self.counters, slots, records_path=None, verbose=False, peer=str(OWN))
+        self.outer = OuterOptimizer(outer, self.tensors.params) if outer is not None else None
         self.state = state = StateTransfer(
             self.optimizer,
             None,
@@ -158,6 +160,7 @@ class Peer:
             marks,
             self.book,
             get_extra_state=None,
+            outer=self.outer,
         )
         checks = GroupChecks.for_tensors(self.tensors, seed="unit")
         self.hivemind = HivemindsSide(size, checks.sketch)
@@ -177,7 +180,15 @@ class Peer:
             heal_timeout=1.0,
         )
         self.exchange = RoundExchange(
-            settings, self.trainer, self.tensors, self.book, self.supervisor, self.vetting, self.counters
+            settings,
+            self.trainer,
+            self.tensors,
+            self.book,
+            self.supervisor,
+            self.vetting,
+            self.counters,
+            None,
+            self.outer,
         )
         self.scheduler = RoundScheduler(
             settings, self.trainer, self.book, self.supervisor, self.exchange, self.vetting, self.counters
@@ -215,12 +226,12 @@ class Peer:
 
 
 @pytest.fixture
-def make_peer() -> Iterator[Callable[[RoundSettings], Peer]]:
+def make_peer() -> Iterator[Callable[..., Peer]]:
     """Peers whose rounds still in flight are closed at the end (as shutdown does: hivemind is told of each)."""
     peers: list[Peer] = []
 
-    def make(settings: RoundSettings) -> Peer:
-        peers.append(Peer(settings))
+    def make(settings: RoundSettings, outer: OuterSettings | None = None) -> Peer:
+        peers.append(Peer(settings, outer=outer))
         return peers[-1]
 
     yield make
@@ -515,3 +526,149 @@ def test_the_scheduler_logs_a_timed_out_shared_memory_manager_as_overload_and_ot
     bugs = [r for r in caplog.records if "please report" in r.getMessage()]
     assert [r.levelno for r in overload] == [logging.WARNING] * 2 and not any(r.exc_info for r in overload)
     assert len(bugs) == 1 and bugs[0].levelno == logging.ERROR and "ValueError('a bug')" in bugs[0].getMessage()
+
+
+# --- the outer optimizer (outer.py) on the rounds' averages ---
+
+NESTEROV = OuterSettings(momentum=0.5, lr=0.8, nesterov=True)
+
+
+def averaged_round(peer: Peer, index: int, mate_offset: float, change: float = -0.1) -> float:
+    """Round ``index`` as a swarm runs it: a step boundary and a fill (snapshot s), one local step during the
+    AllReduce, a groupmate at ``s + mate_offset``, the update applied at the next boundary (after one more local
+    step); every local step moves the weights by ``change``. Returns the snapshot's value (every parameter holds
+    the same one)."""
+    peer.train_step(change)
+    peer.scheduler.tick()
+    peer.hivemind.form(index)
+    peer.scheduler.tick()
+    r = peer.round(index)
+    assert r.state is S.TRIGGERED, r.error
+    snapshot = float(peer.param[0])
+    peer.train_step(change)  # during the AllReduce: rides on top of the new anchor
+    peer.hivemind.finish(index, [torch.full((64,), snapshot + mate_offset)])
+    peer.scheduler.tick()
+    assert peer.state_of(index) == "DONE", r.error
+    assert peer.train_step(change) == 1
+    return snapshot
+
+
+def test_the_outer_step_moves_the_anchor_by_nesterov_momentum_and_keeps_the_local_steps_over_two_rounds(make_peer):
+    peer = make_peer(FAST, NESTEROV)
+    b, a = 0.5, 0.8
+    s0 = averaged_round(peer, 0, 0.002)  # local steps of -0.1: s0 = 0.9
+    m0 = s0 + 0.001  # the group's mean
+    d0 = 1.0 - m0  # the progress from the first anchor (the initial weights)
+    u0 = d0
+    x1 = 1.0 - a * (d0 + b * u0)
+    assert np.isclose(s0, 0.9)
+    assert torch.allclose(peer.outer.anchor[0], torch.full((64,), x1))
+    assert torch.allclose(peer.outer.buffer[0], torch.full((64,), u0))
+    # the delta rule: the two local steps since the snapshot ride on top of the new anchor
+    assert torch.allclose(peer.param.detach(), torch.full((64,), x1 - 0.2)), (peer.param[0], x1 - 0.2)
+
+    s1 = averaged_round(peer, 1, 0.004)
+    assert np.isclose(s1, x1 - 0.3)  # one more local step before round 1's fill
+    m1 = s1 + 0.002
+    d1 = x1 - m1  # counts the local steps made during round 0 and since: each enters one pseudo-gradient
+    u1 = b * u0 + d1
+    x2 = x1 - a * (d1 + b * u1)
+    assert torch.allclose(peer.outer.anchor[0], torch.full((64,), x2))
+    assert torch.allclose(peer.outer.buffer[0], torch.full((64,), u1))
+    assert torch.allclose(peer.param.detach(), torch.full((64,), x2 - 0.2))
+    peer.scheduler.tick()
+    records = peer.book.records
+    assert [record["state"] for record in records] == ["APPLIED", "APPLIED"] and peer.outer.steps == 2
+    assert np.isclose(records[1]["outer_step_norm"], 8 * a * abs(d1 + b * u1), rtol=1e-4)  # sqrt(64) = 8
+
+
+def test_slowmo_without_momentum_at_lr_1_is_the_plain_delta_rule(make_peer):
+    plain, outer = make_peer(FAST), make_peer(FAST, OuterSettings(momentum=0.0, lr=1.0000001))
+    for index, offset in enumerate((0.002, -0.004, 0.006)):
+        averaged_round(plain, index, offset, change=-0.01)
+        averaged_round(outer, index, offset, change=-0.01)
+    assert torch.allclose(plain.param.detach(), outer.param.detach(), atol=1e-5)
+
+
+def test_the_update_check_vets_the_plain_average_before_the_outer_step(make_peer):
+    """An outer step far larger than the plain update passes (the check vets the group's average, which the
+    summaries predict); an average far from what the summaries predict is still refused with the outer step on."""
+    peer = make_peer(FAST, OuterSettings(momentum=0.9, lr=3.0, nesterov=True))
+    for index in range(3):  # outer steps over 10x the plain updates: all accepted
+        averaged_round(peer, index, 0.0002, change=-0.01)
+    assert peer.counters["rounds_applied"] == 3 and peer.counters["rounds_rejected_large_update"] == 0
+    last = peer.book.records[-1] if peer.book.records else peer.round(2).extra
+    assert last["outer_step_norm"] > 10 * last["update_norm"]
+    anchor = peer.outer.anchor[0].clone()
+    r = peer.start_and_trigger(3)
+    step, gathered = peer.hivemind.steps[3]
+    with peer.hivemind.buffers(10.0) as buffers:  # the mate's summary says it is where we are; its values are not
+        step.began_allreduce = True
+        buffers[0].add_(100.0)
+    step.set_result({OWN: gathered, MATE: gathered})
+    peer.scheduler.tick()
+    assert peer.state_of(3) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1, r.error
+    assert torch.equal(peer.outer.anchor[0], anchor) and peer.outer.steps == 3  # a refused round moves no anchor
+
+
+def test_the_outer_state_survives_a_checkpoint_and_a_resumed_peer_steps_as_the_uninterrupted_one(make_peer, tmp_path):
+    running = make_peer(FAST, NESTEROV)
+    averaged_round(running, 0, 0.0002, change=-0.01)
+    averaged_round(running, 1, -0.0004, change=-0.01)
+    path = tmp_path / "checkpoint.torch"
+    torch.save({"param": running.param.detach().clone(), "outer": running.outer.state_dict()}, path)
+    checkpoint = torch.load(path)
+
+    resumed, forgetful = make_peer(FAST, NESTEROV), make_peer(FAST, NESTEROV)
+    for peer in (resumed, forgetful):
+        with torch.no_grad():
+            peer.param.copy_(checkpoint["param"])
+    resumed.outer.load_state_dict(checkpoint["outer"])
+    forgetful.outer.reset(forgetful.tensors.params)  # what a checkpoint without outer state gives
+    assert resumed.outer.steps == 2 and torch.equal(resumed.outer.buffer[0], running.outer.buffer[0])
+    for peer in (running, resumed, forgetful):
+        averaged_round(peer, 2 if peer is running else 0, 0.0006, change=-0.01)
+    assert torch.allclose(resumed.param.detach(), running.param.detach())
+    assert not torch.allclose(forgetful.param.detach(), running.param.detach(), atol=1e-3)  # the buffer mattered
+
+    other_model = OuterOptimizer(NESTEROV, [torch.zeros(3)])
+    with pytest.raises(ValueError, match="does not match this model"):
+        other_model.load_state_dict(checkpoint["outer"])
+
+
+def test_a_state_download_makes_the_donors_weights_the_anchor_and_restarts_the_buffer(make_peer):
+    """Reset, not the donor's buffer: that buffer is the progress from the donor's anchor, which is not ours, and
+    serving it would add two copies of the parameters to every download; at b = 0.5 a buffer fades in ~3 rounds."""
+    donor, peer = make_peer(FAST), make_peer(FAST, NESTEROV)
+    averaged_round(peer, 0, 0.0002, change=-0.01)
+    r = peer.start_and_trigger(1)  # in flight while the download replaces our weights
+    assert peer.outer.buffer[0].abs().sum() > 0
+    donated = float(peer.param[0]) - 0.02
+    with torch.no_grad():
+        donor.param.fill_(donated)
+    metadata, tensors, _ = donor.state.serve()
+    peer.hivemind.load_state_from_peers = lambda timeout: (metadata, tensors)
+    assert peer.state.load(peer.hivemind, timeout=5.0, accept=None) is not None
+    assert torch.equal(peer.outer.anchor[0], torch.full((64,), donated)) and peer.outer.buffer[0].abs().sum() == 0
+    assert r.stale
+    peer.hivemind.finish(1, [torch.full((64,), 0.5)])  # the round whose snapshot predates the download
+    peer.scheduler.tick()
+    assert peer.state_of(1) == "DISCARDED"
+    assert torch.equal(peer.outer.anchor[0], torch.full((64,), donated)) and peer.outer.steps == 1  # left alone
+
+    # the next round's outer step starts from the donor's weights with a fresh buffer (u = d)
+    snapshot, mean = donated - 0.03, donated - 0.025
+    update = [torch.full((64,), mean - snapshot)]
+    peer.outer.step_(update, [torch.full((64,), mean)])
+    d = donated - mean
+    expected = donated - 0.8 * (d + 0.5 * d)
+    assert torch.allclose(peer.outer.anchor[0], torch.full((64,), expected), atol=1e-6)
+    assert torch.allclose(update[0], torch.full((64,), expected - snapshot), atol=1e-6)
+
+
+def test_outer_settings_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"outer_momentum must be in \[0, 1\)"):
+        OuterSettings(momentum=1.0)
+    with pytest.raises(ValueError, match="outer_lr must be > 0"):
+        OuterSettings(lr=0.0)
+    assert not OuterSettings().enabled and OuterSettings(lr=0.7).enabled
