@@ -34,6 +34,11 @@ Modes:
                       into a staircase of ~a dozen steps and make this mode's schedule differ from the others'.
   ddp                 torch.distributed over gloo, 3 local processes on 127.0.0.1: synchronous, global batch 3B,
                       S/3 samples per process, the LR scaled linearly for the global batch (x3): the reference.
+  ideal               the swarm's 3 peers as replicas in one process (``ideal_swarm``), averaged exactly and all
+                      together every H local steps (``--ideal_period``, ``--slowed_ideal_period``: the swarm's
+                      measured median steps per round in each regime), no hivemind: swarm − ideal at the same H is
+                      what the system costs, ideal − ddp what periodic averaging costs (the table "Where the gap to
+                      ddp goes").
 
 Paced steps: an averaging peer's step lasts at least ``--min_step_s`` (15 ms; the rest of the step is a sleep), as
 a box whose accelerator takes a fixed time per step. Why: unpaced, on a 2-core machine shared with other work, the
@@ -56,7 +61,7 @@ batch B (``--lr``) and a box's own LR ``lr·b/B`` for its batch b (linear per bo
   linear  lr · total batch / B, as DDP does for the global batch.
 
 Experiments (``--experiments``):
-  main       the five modes at ``--swarm_lr`` (>= 5 seeds).
+  main       the modes (``--modes``; default all) at ``--swarm_lr`` (>= 5 seeds).
   lr         swarm at every rule of ``--lr_rules`` (the main rule's runs are shared with main).
   weighting  the unequal swarm: peer 2 at batch 2B, peers 0 and 1 at B and twice as slow per sample (each of their
              steps is followed by a sleep as long as the step: all three step at about the same rate, as boxes of
@@ -69,6 +74,9 @@ Experiments (``--experiments``):
              steps per round on this machine, the ratio real ResNet-50 boxes at 100 Mbit/s see; at every rule of
              ``--slowed_lr_rules``: does the LR result carry over? (A larger min_matchmaking_time alone would change
              nothing: the groups are full.)
+  ideal      the ideal swarm in both regimes (``--seeds`` seeds).
+  outer      DecentralizedSGD's outer optimizer (``--outer_momentum``, ``--outer_lr``, ``--outer_nesterov``: Nesterov
+             b 0.5, a 0.7 by default), swarm and ideal, main and slowed regimes, each beside the same without it.
 
 Recorded: test accuracy at ``--curve_points`` points along each peer's run (and its initial model) against the
 samples the whole swarm processed and against steps per peer; per peer the local steps per applied averaging round
@@ -137,16 +145,23 @@ IDX_FILES = {
     "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
 PIXEL_MEAN, PIXEL_STD = 0.2860, 0.3530  # Fashion-MNIST's training-set statistics
-MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
+MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp", "ideal")
 SWARM_MODES = ("swarm", "old", "hivemind_optimizer")  # averaging peers: steps per round and the swarm_lr rule apply
 LR_RULES = ("box", "sqrt", "linear")
-EXPERIMENTS = ("main", "lr", "weighting", "slowed")
+EXPERIMENTS = ("main", "lr", "weighting", "slowed", "ideal", "outer")
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 EVAL_CHUNK = 2000
 # rough costs on the 2-core machine when quiet, for the estimate printed at start and each run's deadline: start-up
 # and shutdown of a run's processes, and CPU seconds per training sample of the whole run (3 peers share 2 cores)
-STARTUP_S = {"alone": 6.0, "ddp": 10.0, "swarm": 25.0, "old": 20.0, "hivemind_optimizer": 25.0}
-CPU_S_PER_SAMPLE = {"alone": 70e-6, "ddp": 60e-6, "swarm": 60e-6, "old": 60e-6, "hivemind_optimizer": 70e-6}
+STARTUP_S = {"alone": 6.0, "ddp": 10.0, "swarm": 25.0, "old": 20.0, "hivemind_optimizer": 25.0, "ideal": 5.0}
+CPU_S_PER_SAMPLE = {
+    "alone": 70e-6,
+    "ddp": 60e-6,
+    "swarm": 60e-6,
+    "old": 60e-6,
+    "hivemind_optimizer": 70e-6,
+    "ideal": 180e-6,  # 3 replicas in one thread
+}
 MODE_SETTINGS = {"hivemind_target_batch_size": "hivemind_optimizer", "hivemind_averaging_timeout": "hivemind_optimizer"}
 SETUP_TIMEOUT_S = 180.0  # processes started, DHTs joined, optimizers built (a loaded machine is slow at this)
 JOIN_TIMEOUT_S = 60.0  # how long a peer dials peer 0 (our peers: swarm.start_dht)
@@ -268,6 +283,10 @@ class RunSpec:
     min_matchmaking_time: float = 1.0
     target_group_size: int = 3  # slowed: 4 > 3 peers, so that a group forms only after min_matchmaking_time
     regime: str = "loopback"  # "slowed": rounds far apart
+    period: int = 0  # ideal: local steps between its exact rounds (the swarm's measured steps per round)
+    outer_momentum: float = 0.0  # DecentralizedSGD's outer optimizer (swarm and ideal); 0 and 1: off
+    outer_lr: float = 1.0
+    outer_nesterov: bool = False
 
     @property
     def variant(self) -> str:
@@ -275,6 +294,11 @@ class RunSpec:
         if self.mode in ("alone", "ddp"):
             return self.mode
         name = f"{self.mode} [{self.swarm_lr}]"
+        if self.mode == "ideal":
+            name += f" H={self.period}"
+        if self.outer_momentum or self.outer_lr != 1.0:
+            kind = "nesterov" if self.outer_nesterov else "slowmo"
+            name += f" outer {kind} b={self.outer_momentum:g} a={self.outer_lr:g}"
         if self.unequal:
             name += " unequal, " + ("weight_by_samples" if self.weight_by_samples else "equal weights")
         if self.regime != "loopback":
@@ -282,11 +306,11 @@ class RunSpec:
         return name
 
     def processes(self, settings: Settings) -> int:
-        return 1 if self.mode == "alone" else settings.peers
+        return 1 if self.mode in ("alone", "ideal") else settings.peers
 
     def batches(self, settings: Settings) -> list[int]:
-        """Each process's batch; unequal: the last peer at 2B."""
-        count = self.processes(settings)
+        """Each peer's batch; unequal: the last peer at 2B."""
+        count = 1 if self.mode == "alone" else settings.peers
         return [settings.batch * (2 if self.unequal and rank == count - 1 else 1) for rank in range(count)]
 
     def total_batch(self, settings: Settings) -> int:
@@ -339,7 +363,8 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
     if "main" in args.experiments:
         for mode in args.modes:
             for seed in seeds:
-                add(RunSpec(mode, seed, swarm_lr=args.swarm_lr, **loopback))
+                period = args.ideal_period if mode == "ideal" else 0
+                add(RunSpec(mode, seed, swarm_lr=args.swarm_lr, period=period, **loopback))
     if "lr" in args.experiments:
         for rule in args.lr_rules:
             for seed in seeds:
@@ -352,6 +377,23 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
                         "swarm", seed, swarm_lr=args.swarm_lr, unequal=True, weight_by_samples=by_samples, **loopback
                     )
                 )
+    slowed = dict(
+        regime="slowed",
+        target_group_size=settings.peers + 1,
+        min_matchmaking_time=settings.slowed_min_matchmaking_time,
+    )
+    periods = {"loopback": args.ideal_period, "slowed": args.slowed_ideal_period}
+    outer = dict(outer_momentum=args.outer_momentum, outer_lr=args.outer_lr, outer_nesterov=args.outer_nesterov)
+    for seed in seeds if "ideal" in args.experiments or "outer" in args.experiments else ():
+        for regime, period in periods.items():
+            with_outer = [{}, outer] if "outer" in args.experiments else [{}]
+            for options in with_outer:
+                add(RunSpec("ideal", seed, swarm_lr=args.swarm_lr, regime=regime, period=period, **options))
+        if "outer" in args.experiments:
+            add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **loopback, **outer))
+            add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **loopback))
+            add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **slowed, **outer))
+            add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **slowed))
     if "slowed" in args.experiments:
         for rule in args.slowed_lr_rules:
             for seed in range(args.slowed_seeds):
@@ -377,6 +419,8 @@ def estimated_seconds(spec: RunSpec, settings: Settings) -> float:
         cpu *= 1.5
     evals = 0.25 * (settings.curve_points + 1) * (1 if spec.mode == "ddp" else processes) / min(2, processes)
     paced = spec.steps(settings) * settings.min_step_s if spec.mode in SWARM_MODES else 0.0
+    if spec.mode == "ideal":
+        evals *= settings.peers
     return STARTUP_S[spec.mode] + max(cpu, paced) + evals
 
 
@@ -528,6 +572,9 @@ class SwarmDriver(Driver):
             min_matchmaking_time=spec.min_matchmaking_time,
             weight_by_samples=spec.weight_by_samples,
             compression="none",
+            outer_momentum=spec.outer_momentum,
+            outer_lr=spec.outer_lr,
+            outer_nesterov=spec.outer_nesterov,
         )
         self.lock = self.dsgd.lock  # rounds are applied at step boundaries, in this thread: only the copy needs it
 
@@ -677,6 +724,8 @@ def make_driver(model: nn.Module, config: PeerConfig, spec: RunSpec, settings: S
 def train(config: PeerConfig, data: FashionMNIST) -> dict:
     """The plain PyTorch loop every mode shares; returns this peer's result (curve, rounds, pace)."""
     settings, spec = Settings(**config.settings), RunSpec(**config.spec)
+    if spec.mode == "ideal":
+        return train_ideal_replicas(config, spec, settings, data)
     batch = spec.batches(settings)[config.rank]
     steps, total_batch = spec.steps(settings), spec.total_batch(settings)
     peak, slowdown = spec.peak_lr(settings, config.rank), spec.slowdown(settings, config.rank)
@@ -745,6 +794,25 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
         return result
     finally:
         driver.shutdown()
+
+
+def train_ideal_replicas(config: PeerConfig, spec: RunSpec, settings: Settings, data: FashionMNIST) -> dict:
+    """Mode ideal: every peer as a replica in this one process (``ideal_swarm``); the result holds each replica's
+    result in a peer's shape (``replicas``), which the orchestrator unpacks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ideal_swarm import IdealOptions, train_ideal
+
+    from decentralized_sgd.outer import OuterSettings
+
+    outer = OuterSettings(spec.outer_momentum, spec.outer_lr, spec.outer_nesterov)
+    paths = config.paths()
+    write_json(paths["ready"], {"rank": config.rank, "t": time.time()})
+    wait_for_file(paths["go"], config.deadline, "go from the orchestrator")
+    t0 = time.time()
+    replicas = train_ideal(spec, settings, data, IdealOptions(period=spec.period, outer=outer), sys.modules[__name__])
+    result = {"replicas": [{**replica, "wall_s": time.time() - t0} for replica in replicas]}
+    write_json(paths["result"], result)
+    return result
 
 
 def peer_main(config_path: Path) -> int:
@@ -826,6 +894,8 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
         record["setup_s"] = time.time() - started
         write_json(run_dir / "go.json", {"start_at": time.time() + 0.5})
         results = wait_for_all(processes, [run_dir / f"result{rank}.json" for rank in range(count)], deadline, "result")
+        if spec.mode == "ideal":
+            results = results[0]["replicas"]
         exit_by = time.time() + SHUTDOWN_GRACE_S
         for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -938,6 +1008,9 @@ def summarize(runs: list[dict]) -> list[dict]:
             "unequal": group[0]["unequal"],
             "regime": group[0]["regime"],
             "weight_by_samples": group[0]["weight_by_samples"],
+            "period": group[0].get("period", 0),
+            "outer": [group[0].get("outer_momentum", 0.0), group[0].get("outer_lr", 1.0)]
+            + [group[0].get("outer_nesterov", False)],
             "runs": len(group),
             "seeds": [run["seed"] for run in done],
             "errors": len(group) - len(done),
@@ -1060,9 +1133,11 @@ HEADER = [
 
 def markdown(result: dict) -> str:
     summaries, settings = result["summary"], result["settings"]
-    by_exp: dict[str, list[dict]] = {"main": [], "lr": [], "weighting": [], "slowed": []}
+    by_exp: dict[str, list[dict]] = {"main": [], "lr": [], "weighting": [], "slowed": [], "gap": []}
     for entry in summaries:
-        if entry["unequal"]:
+        if entry["mode"] == "ideal" or entry["outer"][:2] != [0.0, 1.0]:
+            by_exp["gap"].append(entry)
+        elif entry["unequal"]:
             by_exp["weighting"].append(entry)
         elif entry["regime"] != "loopback":
             by_exp["slowed"].append(entry)
@@ -1087,6 +1162,7 @@ def markdown(result: dict) -> str:
         (f"LR scaling of the swarm (swarm_lr; main rule: {result['swarm_lr']})", by_exp["lr"], reference + main_swarm),
         ("Unequal peers: one at 2B; equal weights vs weight_by_samples", by_exp["weighting"], reference),
         ("Averaging frequency: slowed rounds", by_exp["slowed"], reference + main_swarm),
+        ("The ideal swarm and the outer optimizer", by_exp["gap"], reference + main_swarm + by_exp["slowed"]),
     ]
     for title, own, context in sections:
         if own:
@@ -1101,6 +1177,8 @@ def markdown(result: dict) -> str:
             ),
             "",
         ]
+    if by_exp["gap"]:
+        parts += gap_decomposition(summaries)
     parts += ["Per seed (final test accuracy, mean of the run's peers):", ""]
     parts += [
         f"- {e['variant']}: " + ", ".join(f"seed {seed} {acc:.4f}" for seed, acc in e.get("per_seed", {}).items())
@@ -1127,6 +1205,88 @@ def markdown(result: dict) -> str:
             *(f"- {run['variant']} seed {run['seed']}: {run['error'][:300]}" for run in errors),
         ]
     return "\n".join(parts) + "\n"
+
+
+def paired(a: dict, b: dict) -> str:
+    """a − b over the seeds both have: mean ± std of the per-seed differences (n)."""
+    seeds = sorted(set(a.get("per_seed", {})) & set(b.get("per_seed", {})), key=int)
+    diffs = [a["per_seed"][seed] - b["per_seed"][seed] for seed in seeds]
+    if not diffs:
+        return "—"
+    mean_diff, std = spread(diffs)
+    return f"{mean_diff:+.4f}" + (f" ± {std:.4f}" if std is not None else "") + f" (n={len(diffs)})"
+
+
+def gap_decomposition(summaries: list[dict]) -> list[str]:
+    """Per swarm variant with an ideal of the same regime, LR rule and outer optimizer: what the system costs
+    (swarm − ideal, per seed) and what periodic averaging costs (ideal − ddp); and what the outer step adds."""
+    ddp = next((e for e in summaries if e["variant"] == "ddp"), None)
+    swarms = [e for e in summaries if e["mode"] == "swarm" and not e["unequal"] and e.get("final_mean") is not None]
+    rows = []
+    for swarm in swarms:
+        ideal = next(
+            (
+                e
+                for e in summaries
+                if e["mode"] == "ideal"
+                and (e["regime"], e["swarm_lr"], e["outer"]) == (swarm["regime"], swarm["swarm_lr"], swarm["outer"])
+            ),
+            None,
+        )
+        plain = next(
+            (
+                e
+                for e in swarms
+                if e is not swarm
+                and e["outer"][:2] == [0.0, 1.0]
+                and (e["regime"], e["swarm_lr"]) == (swarm["regime"], swarm["swarm_lr"])
+            ),
+            None,
+        )
+        if ideal is None:
+            continue
+        rows.append(
+            [
+                swarm["variant"],
+                mean_std(swarm),
+                f"{ideal['variant']}: {mean_std(ideal)}",
+                paired(swarm, ideal),
+                fmt(ideal["final_mean"] - ddp["final_mean"], signed=True) if ddp is not None else "—",
+                paired(swarm, plain) if plain is not None and swarm["outer"][:2] != [0.0, 1.0] else "—",
+            ]
+        )
+    ideals = [e for e in summaries if e["mode"] == "ideal" and e["outer"][:2] != [0.0, 1.0]]
+    for ideal in ideals:
+        plain = next(
+            (
+                e
+                for e in summaries
+                if e["mode"] == "ideal" and e["outer"][:2] == [0.0, 1.0] and e["period"] == ideal["period"]
+            ),
+            None,
+        )
+        if plain is not None:
+            rows.append(
+                [
+                    ideal["variant"],
+                    mean_std(ideal),
+                    "—",
+                    "—",
+                    fmt(ideal["final_mean"] - ddp["final_mean"], signed=True) if ddp is not None else "—",
+                    paired(ideal, plain),
+                ]
+            )
+    if not rows:
+        return []
+    header = [
+        "variant",
+        "final test acc",
+        "the ideal at its period (same LR rule, same outer step)",
+        "system gap: swarm − ideal (per seed)",
+        "algorithm gap: ideal − ddp",
+        "outer step: variant − the same without it (per seed)",
+    ]
+    return ["### Where the gap to ddp goes", "", table(header, rows), ""]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -1241,6 +1401,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the main regime's (hivemind_optimizer: its matchmaking_time)",
     )
     parser.add_argument("--slowed_min_matchmaking_time", type=float, default=defaults.slowed_min_matchmaking_time)
+    parser.add_argument(
+        "--ideal_period",
+        type=int,
+        default=25,
+        help="experiments ideal, outer: the ideal's local steps per round in the main regime (the swarm's median)",
+    )
+    parser.add_argument(
+        "--slowed_ideal_period", type=int, default=179, help="the same for the slowed regime (the swarm's median)"
+    )
+    parser.add_argument("--outer_momentum", type=float, default=0.5, help="experiment outer: the variant's b")
+    parser.add_argument("--outer_lr", type=float, default=0.7, help="experiment outer: the variant's a")
+    parser.add_argument(
+        "--outer_nesterov", action=argparse.BooleanOptionalAction, default=True, help="experiment outer: its form"
+    )
     parser.add_argument("--hivemind_target_batch_size", type=int, default=defaults.hivemind_target_batch_size)
     parser.add_argument(
         "--min_step_s",

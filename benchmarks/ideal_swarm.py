@@ -1,0 +1,151 @@
+"""The ideal swarm of ``bench_optimizer.py`` (mode ``ideal``): the swarm's peers as replicas in one process, averaged
+exactly, in lock-step, every ``period`` local steps: no hivemind, no timing, no lost rounds.
+
+Why: the swarm's gap to DDP has two parts. ``swarm − ideal`` at the same period is what the system costs
+(staleness, groups of 2, failed or partial rounds, peers out of step); ``ideal − ddp`` is what periodic averaging
+itself costs at that period. The ideal's knobs put the system's factors back one at a time (``group``:
+groups of 2; ``staleness``: the snapshot taken k steps before the average is applied with the delta rule) and try
+the algorithm's levers (the outer optimizer of ``decentralized_sgd.outer``, the very class the product uses;
+averaging or resetting the momentum buffers). Everything else is ``bench_optimizer``'s: the model, the data order
+of each peer (``1000·seed + rank``), the initial model, the swarm-wide LR schedule, the evaluation.
+
+The run is deterministic for a seed (one thread, fixed data orders and pair draws): its result does not depend on
+the machine's load, unlike the swarm's.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from decentralized_sgd.outer import OuterOptimizer, OuterSettings
+
+GROUPS = ("all", "pairs")  # pairs: each round averages one random pair of peers (the third trains on alone)
+
+
+@dataclass(frozen=True)
+class IdealOptions:
+    period: int  # H: local steps between rounds
+    group: str = "all"
+    staleness: int = 0  # the round's snapshot is taken this many steps before its update is applied (< period)
+    momentum_buffers: str = "local"  # local | average (as --average_optimizer_state) | reset (zeroed after a round)
+    outer: OuterSettings = OuterSettings()
+
+    def __post_init__(self) -> None:
+        if self.period < 1 or not 0 <= self.staleness < self.period:
+            raise ValueError(f"need period >= 1 and 0 <= staleness < period, got {self.period}, {self.staleness}")
+        if self.group not in GROUPS or self.momentum_buffers not in ("local", "average", "reset"):
+            raise ValueError(f"unknown group {self.group!r} or momentum_buffers {self.momentum_buffers!r}")
+
+
+class Replica:
+    """One peer: its model, optimizer, data order and outer optimizer; ``snapshot``: its values at the fill."""
+
+    def __init__(self, model: nn.Module, lr: float, momentum: float, batches, outer: OuterSettings):
+        self.model, self.batches = model, batches
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        self.params = list(model.parameters())
+        self.outer = OuterOptimizer(outer, self.params) if outer.enabled else None
+        self.snapshot: list[torch.Tensor] | None = None
+
+    def momenta(self) -> list[torch.Tensor]:
+        return [self.optimizer.state[p]["momentum_buffer"] for p in self.params if p in self.optimizer.state]
+
+    def tensors(self, with_momenta: bool) -> list[torch.Tensor]:
+        return self.params + (self.momenta() if with_momenta else [])
+
+
+@torch.no_grad()
+def average_round(members: list[Replica], options: IdealOptions) -> None:
+    """Exact average of the members' snapshots, applied with the delta rule (and the outer step), now."""
+    with_momenta = options.momentum_buffers == "average" and all(r.momenta() for r in members)
+    snapshots = [r.snapshot or [t.clone() for t in r.tensors(with_momenta)] for r in members]
+    mean = [torch.stack(parts).mean(0) for parts in zip(*snapshots, strict=True)]
+    for replica, snapshot in zip(members, snapshots, strict=True):
+        update = torch._foreach_sub(mean, snapshot)  # m − s
+        if replica.outer is not None:
+            replica.outer.step_(update, mean)
+        torch._foreach_add_(replica.tensors(with_momenta), update)
+        if options.momentum_buffers == "reset":
+            torch._foreach_zero_(replica.momenta())
+        replica.snapshot = None
+
+
+def train_ideal(spec, settings, data, options: IdealOptions, helpers) -> list[dict]:
+    """Every replica's result, in the shape of a ``bench_optimizer`` peer's (curve, rounds, steps per round).
+    ``helpers``: bench_optimizer's module (make_model, Batches, lr_at, test_accuracy, checkpoint_steps)."""
+    peers = settings.peers
+    steps, total_batch = spec.steps(settings), spec.total_batch(settings)
+    initial = helpers.make_model(spec.seed)
+    replicas = [
+        Replica(
+            copy.deepcopy(initial),
+            spec.peak_lr(settings, rank),
+            settings.momentum,
+            helpers.Batches(data, 1000 * spec.seed + rank),
+            options.outer,
+        )
+        for rank in range(peers)
+    ]
+    pairs = random.Random(spec.seed)
+    evaluates = set(helpers.checkpoint_steps(steps, settings.curve_points))
+    curves: list[list[dict]] = [[] for _ in replicas]
+    rounds = [0] * peers
+    with_momenta = options.momentum_buffers == "average"
+
+    def evaluate(step: int) -> None:
+        for replica, curve in zip(replicas, curves, strict=True):
+            curve.append(
+                {
+                    "step": step,
+                    "swarm_samples": step * total_batch,
+                    "local_samples": step * settings.batch,
+                    "accuracy": helpers.test_accuracy(replica.model, data),
+                }
+            )
+
+    if 0 in evaluates:
+        evaluate(0)
+    for step in range(steps):
+        lr = None
+        for rank, replica in enumerate(replicas):
+            images, labels = replica.batches.next(settings.batch)
+            lr = helpers.lr_at(step * total_batch, settings, spec.peak_lr(settings, rank))
+            for group in replica.optimizer.param_groups:
+                group["lr"] = lr
+            loss = nn.functional.cross_entropy(replica.model(images), labels)
+            replica.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            replica.optimizer.step()
+        done = step + 1
+        if options.staleness and (done + options.staleness) % options.period == 0:
+            for replica in replicas:  # the fill, k steps before the apply
+                replica.snapshot = [t.detach().clone() for t in replica.tensors(with_momenta)]
+        if done % options.period == 0 and done < steps:
+            members = replicas if options.group == "all" else pairs.sample(replicas, 2)
+            average_round(members, options)
+            for replica in members:
+                rounds[replicas.index(replica)] += 1
+            for replica in replicas:
+                replica.snapshot = None
+        if done in evaluates:
+            evaluate(done)
+    return [
+        {
+            "rank": rank,
+            "batch": settings.batch,
+            "steps": steps,
+            "local_samples": steps * settings.batch,
+            "peak_lr": spec.peak_lr(settings, rank),
+            "curve": curve,
+            "final_accuracy": curve[-1]["accuracy"],
+            "rounds_applied": rounds[rank],
+            "steps_per_round": steps / rounds[rank] if rounds[rank] else None,
+            "outer_steps": replicas[rank].outer.steps if replicas[rank].outer is not None else 0,
+        }
+        for rank, curve in enumerate(curves)
+    ]
