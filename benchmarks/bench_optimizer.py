@@ -136,6 +136,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from optimizer_churn import (  # noqa: E402 (benchmarks/ is not a package)
+    CHECKPOINT_EVERY,
+    PROGRESS_EVERY,
+    ChurnPlan,
+    ProgressFiles,
+    crash,
+    load_checkpoint,
+    save_checkpoint,
+)
+
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {
@@ -148,7 +159,7 @@ PIXEL_MEAN, PIXEL_STD = 0.2860, 0.3530  # Fashion-MNIST's training-set statistic
 MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp", "ideal")
 SWARM_MODES = ("swarm", "old", "hivemind_optimizer")  # averaging peers: steps per round and the swarm_lr rule apply
 LR_RULES = ("box", "sqrt", "linear")
-EXPERIMENTS = ("main", "lr", "weighting", "slowed", "ideal", "outer")
+EXPERIMENTS = ("main", "lr", "weighting", "slowed", "ideal", "outer", "churn")
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 EVAL_CHUNK = 2000
 # rough costs on the 2-core machine when quiet, for the estimate printed at start and each run's deadline: start-up
@@ -287,6 +298,8 @@ class RunSpec:
     outer_momentum: float = 0.0  # DecentralizedSGD's outer optimizer (swarm and ideal); 0 and 1: off
     outer_lr: float = 1.0
     outer_nesterov: bool = False
+    churn: str = ""  # "kill" | "pause": the last peer is away for the middle third of the run (optimizer_churn)
+    pace_s: float = 0.0  # > 0: this run's min_step_s (churn: long enough for a restarted process to come back)
 
     @property
     def variant(self) -> str:
@@ -299,6 +312,10 @@ class RunSpec:
         if self.outer_momentum or self.outer_lr != 1.0:
             kind = "nesterov" if self.outer_nesterov else "slowmo"
             name += f" outer {kind} b={self.outer_momentum:g} a={self.outer_lr:g}"
+        if self.churn:
+            name += f" churn {self.churn}"
+        if self.pace_s:
+            name += f" paced {1000 * self.pace_s:g} ms"
         if self.unequal:
             name += " unequal, " + ("weight_by_samples" if self.weight_by_samples else "equal weights")
         if self.regime != "loopback":
@@ -394,6 +411,12 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
             add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **loopback))
             add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **slowed, **outer))
             add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **slowed))
+    if "churn" in args.experiments:
+        paced = dict(pace_s=args.churn_pace_s, **loopback)
+        for seed in seeds:
+            for churn in ("kill", "pause"):
+                add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, churn=churn, **paced))
+            add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **paced))
     if "slowed" in args.experiments:
         for rule in args.slowed_lr_rules:
             for seed in range(args.slowed_seeds):
@@ -418,7 +441,7 @@ def estimated_seconds(spec: RunSpec, settings: Settings) -> float:
     if spec.unequal:
         cpu *= 1.5
     evals = 0.25 * (settings.curve_points + 1) * (1 if spec.mode == "ddp" else processes) / min(2, processes)
-    paced = spec.steps(settings) * settings.min_step_s if spec.mode in SWARM_MODES else 0.0
+    paced = spec.steps(settings) * (spec.pace_s or settings.min_step_s) if spec.mode in SWARM_MODES else 0.0
     if spec.mode == "ideal":
         evals *= settings.peers
     return STARTUP_S[spec.mode] + max(cpu, paced) + evals
@@ -438,6 +461,7 @@ class PeerConfig:
     deadline: float  # time.time() after which the process kills its own session
     orchestrator_pid: int
     ddp_port: int = 0
+    restarted: bool = False  # churn kill: the churned peer started again (optimizer_churn)
 
     def paths(self) -> dict[str, Path]:
         run = Path(self.run_dir)
@@ -729,10 +753,18 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
     batch = spec.batches(settings)[config.rank]
     steps, total_batch = spec.steps(settings), spec.total_batch(settings)
     peak, slowdown = spec.peak_lr(settings, config.rank), spec.slowdown(settings, config.rank)
-    min_step_s = settings.min_step_s if spec.mode in SWARM_MODES else 0.0  # only averaging needs the time
+    min_step_s = (spec.pace_s or settings.min_step_s) if spec.mode in SWARM_MODES else 0.0  # only averaging needs it
     model = make_model(spec.seed)
     evaluated = copy.deepcopy(model)
-    batches = Batches(data, 1000 * spec.seed + config.rank)
+    batches = Batches(data, 1000 * spec.seed + config.rank + (100 if config.restarted else 0))
+    run_dir = Path(config.run_dir)
+    churn = ChurnPlan.of(spec.churn, settings.peers, steps)
+    churned = churn is not None and config.rank == churn.rank
+    progress = ProgressFiles(run_dir)
+    others = [rank for rank in range(settings.peers) if rank != config.rank]
+    saved = load_checkpoint(run_dir, config.rank) if config.restarted else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])  # the box's last checkpoint, before it joins again
     driver = make_driver(model, config, spec, settings)
     paths = config.paths()
     write_json(paths["ready"], {"rank": config.rank, "t": time.time()})
@@ -740,6 +772,19 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
     time.sleep(max(0.0, go["start_at"] - time.time()))
 
     curve: list[dict] = []
+    first = 0
+    if saved is not None:  # the README's restart: resume the checkpoint, then take the swarm's state if it is ahead
+        driver.optimizer.load_state_dict(saved["optimizer"])
+        curve = saved["curve"]
+        progress.wait_for(others, churn.resume_at, config.deadline, lambda: None)  # started early: see optimizer_churn
+        taken = driver.dsgd.load_state_from_peers(timeout=60, accept=None)
+        first = driver.dsgd.local_step if taken is not None else saved["step"]
+        print(f"[bench peer] restarted: checkpoint of step {saved['step']}, continuing at {first}", flush=True)
+        if first >= steps - (steps - churn.resume_at) // 2:  # it would miss most of the last third: not a churn run
+            raise RuntimeError(
+                f"the restarted peer came back at step {first} of {steps}, after most of the run: this machine "
+                "started it too slowly for the pace (raise --churn_pace_s, or run on a quieter machine)"
+            )
     evaluates = set(checkpoint_steps(steps, settings.curve_points)) if config.rank == 0 or spec.mode != "ddp" else set()
 
     def evaluate(step: int) -> None:
@@ -757,9 +802,22 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
     losses: list[float] = []
     t_train, train_s = time.time(), 0.0
     try:
-        if 0 in evaluates:
+        if 0 in evaluates and saved is None:
             evaluate(0)
-        for step in range(steps):
+        step = first - 1
+        while step + 1 < steps:
+            step += 1
+            if step % PROGRESS_EVERY == 0:
+                progress.write(config.rank, step)
+            if churned and not config.restarted:
+                if spec.churn == "kill" and step % CHECKPOINT_EVERY == 0:
+                    save_checkpoint(run_dir, config.rank, model, driver.optimizer, step, curve)
+                if step == churn.stop_at and spec.churn == "kill":
+                    crash()
+                if step == churn.stop_at:  # pause: in the swarm, training nothing, until the others are at 2/3,
+                    progress.wait_for(others, churn.resume_at, config.deadline, lambda: None)
+                    taken = driver.dsgd.load_state_from_peers(timeout=60, accept=None)  # then as the restart does
+                    step = driver.dsgd.local_step if taken is not None else churn.resume_at
             t_step = time.perf_counter()
             images, labels = batches.next(batch)
             driver.set_lr(lr_at(step * total_batch, settings, peak))
@@ -775,10 +833,13 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
             time.sleep(max(0.0, pause))  # also lets the old design's averaging thread take its lock
             if step + 1 in evaluates:
                 evaluate(step + 1)
+        progress.write(config.rank, steps)
         result = {
             "rank": config.rank,
             "batch": batch,
             "steps": steps,
+            "restarted": config.restarted,
+            "resumed_at": first,
             "local_samples": steps * batch,
             "peak_lr": peak,
             "curve": curve,
@@ -893,6 +954,8 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
         )
         record["setup_s"] = time.time() - started
         write_json(run_dir / "go.json", {"start_at": time.time() + 0.5})
+        if spec.churn == "kill":
+            restart_churned_peer(spec, settings, run_dir, processes, logs, deadline, port)
         results = wait_for_all(processes, [run_dir / f"result{rank}.json" for rank in range(count)], deadline, "result")
         if spec.mode == "ideal":
             results = results[0]["replicas"]
@@ -910,13 +973,54 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
             kill_session(process)
         for log in logs:
             log.close()
-    record["pids"] = [process.pid for process in processes]  # each led its own session: see leftovers()
+    record["pids"] = [
+        process.pid for process in processes
+    ]  # (churn kill: the restarted process's)  # each led its own session: see leftovers()
     record["leftover_processes"] = leftovers(record["pids"])
     record["wall_s"] = time.time() - started
     record["loadavg_after"] = os.getloadavg()[0]
     if record["error"] is None:
         record.update(summarize_run(record["peers"]))
     return record
+
+
+def restart_churned_peer(
+    spec: RunSpec,
+    settings: Settings,
+    run_dir: Path,
+    processes: list[subprocess.Popen],
+    logs: list,
+    deadline: float,
+    port: int,
+) -> None:
+    """Churn kill: wait for the churned peer's crash and start it again at once with its own command
+    (``restarted``: it waits for the others to reach two thirds of the run before it takes the swarm's state and
+    trains); its new process replaces the old one in ``processes``."""
+    churn = ChurnPlan.of(spec.churn, settings.peers, spec.steps(settings))
+    crashed = processes[churn.rank]
+    while crashed.poll() is None:
+        if time.time() > deadline:
+            raise TimeoutError(f"peer {churn.rank} did not crash at step {churn.stop_at} before the deadline")
+        time.sleep(0.1)
+    kill_session(crashed)  # whatever of its session survived the SIGKILL
+    others = [rank for rank in range(settings.peers) if rank != churn.rank]
+    for rank in others:
+        if processes[rank].poll() is not None:
+            raise RuntimeError(f"peer {rank} exited ({processes[rank].returncode}) while peer {churn.rank} was away")
+    config = PeerConfig(
+        asdict(settings), asdict(spec), churn.rank, str(run_dir), deadline, os.getpid(), port, restarted=True
+    )
+    config_path = run_dir / f"peer{churn.rank}_restarted.json"
+    config_path.write_text(json.dumps(asdict(config)))
+    logs.append(open(run_dir / f"peer{churn.rank}_restarted.log", "w"))  # noqa: SIM115 (closed by run_one)
+    processes[churn.rank] = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--peer", str(config_path)],
+        cwd=REPO,
+        env=peer_env(),
+        stdout=logs[-1],
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def leftovers(sessions: list[int]) -> list[str]:
@@ -954,9 +1058,10 @@ def tail_of(path: Path, lines: int = 25) -> str:
 def summarize_run(peers: list[dict]) -> dict:
     """A run's curve: at each checkpoint the mean accuracy over the peers that evaluated (ddp: rank 0)."""
     evaluated = [peer for peer in peers if peer["curve"]]
+    by_step = [{point["step"]: point for point in peer["curve"]} for peer in evaluated]
     points = []
-    for at, first in enumerate(evaluated[0]["curve"]):
-        accuracies = [peer["curve"][at]["accuracy"] for peer in evaluated]
+    for first in evaluated[0]["curve"]:  # churn: a peer away at a checkpoint has no point there
+        accuracies = [curve[first["step"]]["accuracy"] for curve in by_step if first["step"] in curve]
         points.append({"step": first["step"], "swarm_samples": first["swarm_samples"], "accuracy": mean(accuracies)})
     per_round = [peer["steps_per_round"] for peer in peers if peer.get("steps_per_round")]
     return {
@@ -1009,6 +1114,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "regime": group[0]["regime"],
             "weight_by_samples": group[0]["weight_by_samples"],
             "period": group[0].get("period", 0),
+            "churn": group[0].get("churn", ""),
+            "pace_s": group[0].get("pace_s", 0.0),
             "outer": [group[0].get("outer_momentum", 0.0), group[0].get("outer_lr", 1.0)]
             + [group[0].get("outer_nesterov", False)],
             "runs": len(group),
@@ -1133,9 +1240,11 @@ HEADER = [
 
 def markdown(result: dict) -> str:
     summaries, settings = result["summary"], result["settings"]
-    by_exp: dict[str, list[dict]] = {"main": [], "lr": [], "weighting": [], "slowed": [], "gap": []}
+    by_exp: dict[str, list[dict]] = {"main": [], "lr": [], "weighting": [], "slowed": [], "gap": [], "churn": []}
     for entry in summaries:
-        if entry["mode"] == "ideal" or entry["outer"][:2] != [0.0, 1.0]:
+        if entry["churn"] or entry["pace_s"]:
+            by_exp["churn"].append(entry)
+        elif entry["mode"] == "ideal" or entry["outer"][:2] != [0.0, 1.0]:
             by_exp["gap"].append(entry)
         elif entry["unequal"]:
             by_exp["weighting"].append(entry)
@@ -1163,6 +1272,7 @@ def markdown(result: dict) -> str:
         ("Unequal peers: one at 2B; equal weights vs weight_by_samples", by_exp["weighting"], reference),
         ("Averaging frequency: slowed rounds", by_exp["slowed"], reference + main_swarm),
         ("The ideal swarm and the outer optimizer", by_exp["gap"], reference + main_swarm + by_exp["slowed"]),
+        ("Churn: peer 2 away for the middle third of the run", by_exp["churn"], reference + main_swarm),
     ]
     for title, own, context in sections:
         if own:
@@ -1179,6 +1289,20 @@ def markdown(result: dict) -> str:
         ]
     if by_exp["gap"]:
         parts += gap_decomposition(summaries)
+    if by_exp["churn"]:
+        by_churn = {e["churn"]: e for e in by_exp["churn"] if e["mode"] == "swarm"}
+        whole = by_churn.get("")
+        if "kill" in by_churn and "pause" in by_churn:
+            parts += [
+                "Churn, per seed: kill − pause (what the crash costs beyond its lost samples) "
+                f"{paired(by_churn['kill'], by_churn['pause'])}"
+                + (
+                    f"; pause − uninterrupted (what the lost samples cost) {paired(by_churn['pause'], whole)}"
+                    if whole is not None
+                    else ""
+                ),
+                "",
+            ]
     parts += ["Per seed (final test accuracy, mean of the run's peers):", ""]
     parts += [
         f"- {e['variant']}: " + ", ".join(f"seed {seed} {acc:.4f}" for seed, acc in e.get("per_seed", {}).items())
@@ -1324,6 +1448,49 @@ def plot(result: dict, path: Path) -> None:
     plt.close(figure)
 
 
+HEADLINE = ("alone", "swarm [sqrt]", "ddp", "hivemind_optimizer [sqrt]")  # what a user compares first
+
+
+def plot_headline(result: dict, path: Path, variants: tuple[str, ...] = HEADLINE) -> None:
+    """The README's picture: test accuracy against steps per box for one box, the swarm, DDP and hivemind.Optimizer
+    (mean over seeds, ± 1 std shaded); a box of the swarm takes a third of one box's steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_name = {entry["variant"]: entry for entry in result["summary"] if "curve" in entry}
+    labels = {
+        "alone": "one box alone",
+        "swarm [sqrt]": "3 boxes: this DecentralizedSGD",
+        "ddp": "3 boxes: DDP (a cluster)",
+        "hivemind_optimizer [sqrt]": "3 boxes: hivemind.Optimizer(use_local_updates=True)",
+    }
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name in variants:
+        entry = by_name.get(name)
+        if entry is None:
+            continue
+        steps = [point["step"] for point in entry["curve"]]
+        accuracy = [point["accuracy"] for point in entry["curve"]]
+        std = [point.get("std") or 0.0 for point in entry["curve"]]
+        line = axis.plot(steps, accuracy, marker=".", label=f"{labels.get(name, name)} (n={len(entry['seeds'])})")
+        low = [a - s for a, s in zip(accuracy, std, strict=True)]
+        high = [a + s for a, s in zip(accuracy, std, strict=True)]
+        axis.fill_between(steps, low, high, color=line[0].get_color(), alpha=0.15)
+    axis.set_xlabel("steps per box (batch 32 each)")
+    axis.set_ylabel("Fashion-MNIST test accuracy")
+    axis.set_ylim(0.8, None)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower right")
+    axis.set_title(
+        f"Same total samples ({result['settings']['samples']}): plain PyTorch, bench_optimizer.py", fontsize=9
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def git_commit() -> dict:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
@@ -1344,6 +1511,9 @@ def write_outputs(args: argparse.Namespace, result: dict, final: bool = True) ->
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(result, args.plot)
+    if args.headline_plot:
+        args.headline_plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_headline(result, args.headline_plot)
     if final:
         print(text)
 
@@ -1410,6 +1580,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--slowed_ideal_period", type=int, default=179, help="the same for the slowed regime (the swarm's median)"
     )
+    parser.add_argument(
+        "--churn_pace_s",
+        type=float,
+        default=0.05,
+        help="experiment churn: every step of its runs lasts at least this long (a restarted peer needs ~20 s)",
+    )
     parser.add_argument("--outer_momentum", type=float, default=0.5, help="experiment outer: the variant's b")
     parser.add_argument("--outer_lr", type=float, default=0.7, help="experiment outer: the variant's a")
     parser.add_argument(
@@ -1429,6 +1605,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--headline_plot", type=Path, default=None, help="the README's plot: alone, swarm, ddp, hivemind_optimizer"
+    )
     parser.add_argument("--peer", type=Path, default=None, help=argparse.SUPPRESS)  # internal: run one process
     return parser
 

@@ -34,10 +34,13 @@ class IdealOptions:
     staleness: int = 0  # the round's snapshot is taken this many steps before its update is applied (< period)
     momentum_buffers: str = "local"  # local | average (as --average_optimizer_state) | reset (zeroed after a round)
     outer: OuterSettings = OuterSettings()
+    spacing: float = 1.0  # the rounds of a run at steps T·(k/K)^spacing (K = T / period): > 1 denser early (post-local)
 
     def __post_init__(self) -> None:
         if self.period < 1 or not 0 <= self.staleness < self.period:
             raise ValueError(f"need period >= 1 and 0 <= staleness < period, got {self.period}, {self.staleness}")
+        if self.spacing <= 0:
+            raise ValueError(f"spacing must be > 0, got {self.spacing}")
         if self.group not in GROUPS or self.momentum_buffers not in ("local", "average", "reset"):
             raise ValueError(f"unknown group {self.group!r} or momentum_buffers {self.momentum_buffers!r}")
 
@@ -75,6 +78,15 @@ def average_round(members: list[Replica], options: IdealOptions) -> None:
         replica.snapshot = None
 
 
+def round_steps(steps: int, options: IdealOptions) -> set[int]:
+    """After which local steps a round averages: every ``period`` steps, or as many rounds spaced by ``spacing``
+    (the same number of rounds: the same bytes on the wire)."""
+    if options.spacing == 1.0:
+        return set(range(options.period, steps, options.period))
+    count = (steps - 1) // options.period
+    return {max(1, round(steps * (k / (count + 1)) ** options.spacing)) for k in range(1, count + 1)}
+
+
 def train_ideal(spec, settings, data, options: IdealOptions, helpers) -> list[dict]:
     """Every replica's result, in the shape of a ``bench_optimizer`` peer's (curve, rounds, steps per round).
     ``helpers``: bench_optimizer's module (make_model, Batches, lr_at, test_accuracy, checkpoint_steps)."""
@@ -96,6 +108,8 @@ def train_ideal(spec, settings, data, options: IdealOptions, helpers) -> list[di
     curves: list[list[dict]] = [[] for _ in replicas]
     rounds = [0] * peers
     with_momenta = options.momentum_buffers == "average"
+    averages_after = round_steps(steps, options)
+    fills_after = {step - options.staleness for step in averages_after}
 
     def evaluate(step: int) -> None:
         for replica, curve in zip(replicas, curves, strict=True):
@@ -122,10 +136,10 @@ def train_ideal(spec, settings, data, options: IdealOptions, helpers) -> list[di
             loss.backward()
             replica.optimizer.step()
         done = step + 1
-        if options.staleness and (done + options.staleness) % options.period == 0:
+        if options.staleness and done in fills_after:
             for replica in replicas:  # the fill, k steps before the apply
                 replica.snapshot = [t.detach().clone() for t in replica.tensors(with_momenta)]
-        if done % options.period == 0 and done < steps:
+        if done in averages_after:
             members = replicas if options.group == "all" else pairs.sample(replicas, 2)
             average_round(members, options)
             for replica in members:
