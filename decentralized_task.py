@@ -97,6 +97,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         self.swarm_batch = 0  # the summed batch of the boxes training now (0 until the first step)
         self.swarm_progress: SwarmProgress | None = None
         self._checkpoint_progress: dict | None = None  # the counts a resumed checkpoint held
+        self._checkpoint_outer: dict | None = None  # the outer optimizer's anchor and buffer a checkpoint held
 
     @property
     def run_prefix(self) -> str:
@@ -141,11 +142,15 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                 "budget": self.schedule.budget,
                 "done": self.schedule.done(self.schedule_position),
             }
+        outer_state = getattr(self.decentralized_sgd, "outer_state_dict", None)  # the old design has none
+        if outer_state is not None and (outer := outer_state()) is not None:
+            state["outer_optimizer"] = outer
         return state
 
     def _set_classy_state(self, state: dict) -> None:
         super()._set_classy_state(state)
         self._checkpoint_progress = state.get("swarm_progress")
+        self._checkpoint_outer = state.get("outer_optimizer")
 
     @property
     def joins_swarm(self) -> bool:
@@ -216,6 +221,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
             self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
         _averaging_tasks.append(self)
+        if hasattr(self.decentralized_sgd, "load_outer_state_dict"):  # the checkpoint's weights are loaded by now
+            self.decentralized_sgd.load_outer_state_dict(self._checkpoint_outer)
         if self.schedule is not None:
             self.swarm_progress = SwarmProgress(self.dht, self.run_prefix, self.schedule.box_batch)
             restored = self.swarm_progress.load_state_dict(self._checkpoint_progress)
@@ -237,6 +244,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             self.dht,
             swarm_secret=settings.secret(),
             weight_by_samples=settings.weight_by_samples,
+            **settings.outer_options(),
             **self._averager_options(settings, records_path),
         )
 

@@ -150,6 +150,22 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
         "--average_optimizer_state", action="store_true", help="average momentum buffers too (more traffic)"
     )
     group.add_argument(
+        "--outer_momentum",
+        type=float,
+        default=defaults.outer_momentum,
+        help="momentum b of the outer step each peer takes on a round's average (SlowMo; with "
+        "--outer_nesterov DiLoCo's form); 0 with --outer_lr 1: the plain average. README: Tips",
+    )
+    group.add_argument(
+        "--outer_lr", type=float, default=defaults.outer_lr, help="the outer step's LR a (1: the whole average)"
+    )
+    group.add_argument(
+        "--outer_nesterov",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.outer_nesterov,
+        help="the outer step in Nesterov's form: a·(d + b·u) instead of a·u",
+    )
+    group.add_argument(
         "--load_state_timeout",
         type=float,
         default=defaults.load_state_timeout,
@@ -261,6 +277,9 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         max_staleness=args.max_staleness,
         compression=args.compression,
         average_optimizer_state=args.average_optimizer_state,
+        outer_momentum=args.outer_momentum,
+        outer_lr=args.outer_lr,
+        outer_nesterov=args.outer_nesterov,
         load_state_timeout=args.load_state_timeout,
         averager=args.averager,
         schedule=args.schedule,
@@ -276,6 +295,12 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         raise swarm.SwarmError(
             f"--swarm_secret / --swarm_secret_file need the improved averager (--averager "
             f"{args.averager} has no swarm secret)"
+        )
+    settings.outer_options()  # a bad --outer_momentum / --outer_lr fails now, with what to pass
+    if args.averager != "improved" and (settings.outer_momentum != 0.0 or settings.outer_lr != 1.0):
+        raise swarm.SwarmError(
+            f"--outer_momentum / --outer_lr need the improved averager (--averager {args.averager} has no "
+            "outer step): drop them, or drop --averager"
         )
     if args.averager != "improved" and settings.max_staleness >= 0:
         raise swarm.SwarmError(

@@ -202,3 +202,19 @@ def test_two_boxes_average_with_hivemind_optimizer_and_exit_cleanly(digits_dir: 
         last = peer.progress()[-1]
         assert last["rounds_ok"] >= 1 and last["swarm_samples"] > 0, last
         assert list(peer.checkpoint_dir.glob("model_final_checkpoint_phase*.torch")), peer.name
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--outer_momentum", "1.2"], r"--outer_momentum must be in \[0, 1\)"),
+        (["--outer_lr", "0"], "--outer_lr must be > 0"),
+        (["--averager", "old", "--outer_momentum", "0.5"], "--outer_momentum / --outer_lr need the improved averager"),
+    ],
+)
+def test_bad_outer_optimizer_flags_say_what_to_pass(flags: list[str], message: str) -> None:
+    import run_trainer
+    from vissl_swarm import swarm
+
+    with pytest.raises(swarm.SwarmError, match=message):
+        run_trainer.swarm_settings(run_trainer.parse_args(["--config", "swav_tiny", *flags]))

@@ -45,12 +45,16 @@ def logged_iterations(checkpoint_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+OUTER = ("--outer_momentum", "0.5", "--outer_lr", "0.7", "--outer_nesterov")
+
+
 def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> None:
+    """With the outer optimizer on: its anchor and buffer go into the checkpoints and come back on resume."""
     checkpoint_dir = tmp_path / "peer"
     # first run: killed (SIGKILL, as a crash would) right after its first iteration checkpoint is on disk (with 16
     # iterations to go: a fast machine must not finish the run before the kill)
     process = subprocess.Popen(
-        trainer_command(digits_dir, checkpoint_dir),
+        trainer_command(digits_dir, checkpoint_dir, *OUTER),
         cwd=REPO,
         env=trainer_env(),
         stdout=subprocess.DEVNULL,
@@ -73,10 +77,17 @@ def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> 
     # checkpoints load with torch's default weights_only=True: nothing in them needs unpickling of code
     state = torch.load(checkpoint_dir / "model_iteration8.torch", map_location="cpu")
     assert state["iteration"] == 8
+    saved_outer = state["classy_state_dict"]["outer_optimizer"]
+    trunk_at_8 = state["classy_state_dict"]["base_model"]["model"]["trunk"]
+    assert saved_outer["settings"] == {"momentum": 0.5, "lr": 0.7, "nesterov": True}
+    # alone, no round moved the anchor: it is still the initial model, which 8 local steps have left
+    assert len(saved_outer["anchor"]) == len(saved_outer["buffer"]) > len(trunk_at_8) / 2
+    weights_at_8 = [weight for weight in trunk_at_8.values() if weight.is_floating_point()]
+    assert not any(torch.equal(a, w) for a in saved_outer["anchor"] for w in weights_at_8 if a.shape == w.shape)
 
     # resumed alone, and told to say so after half a second (default: a minute) without an averaging round
     resumed = subprocess.run(
-        trainer_command(digits_dir, checkpoint_dir, "--alone_warning_after", "0.5"),
+        trainer_command(digits_dir, checkpoint_dir, "--alone_warning_after", "0.5", *OUTER),
         cwd=REPO,
         env=trainer_env(),
         capture_output=True,
@@ -100,3 +111,6 @@ def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> 
     final = torch.load(checkpoint_dir / "model_final_checkpoint_phase0.torch", map_location="cpu")
     trunk = final["classy_state_dict"]["base_model"]["model"]["trunk"]
     assert all(torch.isfinite(tensor).all() for tensor in trunk.values() if tensor.is_floating_point())
+    # the resumed run restored the checkpoint's anchor (reset, it would be the weights at the resumed iteration)
+    final_outer = final["classy_state_dict"]["outer_optimizer"]
+    assert all(torch.equal(a, b) for a, b in zip(final_outer["anchor"], saved_outer["anchor"], strict=True))

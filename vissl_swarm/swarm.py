@@ -52,6 +52,9 @@ class SwarmSettings:
     max_staleness: int = -1  # -1: asynchronous (ASP); s >= 0: wait when more than s steps pass without a round
     compression: str = "fp16"
     average_optimizer_state: bool = False
+    outer_momentum: float = 0.0  # the outer optimizer on each round's average (decentralized_sgd.outer); 0, 1: off
+    outer_lr: float = 1.0
+    outer_nesterov: bool = False
     load_state_timeout: float = 60.0
     weight_by_samples: bool = True  # a box's weight in a round: its samples since its last round (as FedAvg)
     join_timeout: float = 30.0  # seconds a joiner keeps dialing --initial_peers at start before it gives up
@@ -85,6 +88,17 @@ class SwarmSettings:
             allreduce_timeout=self.averaging_timeout,
             next_chunk_timeout=self.next_chunk_timeout,
         )
+
+    def outer_options(self) -> dict[str, Any]:
+        """The outer optimizer's settings as DecentralizedSGD's keyword arguments, checked (a SwarmError says what
+        was wrong)."""
+        from decentralized_sgd.outer import OuterSettings
+
+        try:
+            OuterSettings(self.outer_momentum, self.outer_lr, self.outer_nesterov)
+        except ValueError as error:
+            raise SwarmError(f"--{error}") from None
+        return dict(outer_momentum=self.outer_momentum, outer_lr=self.outer_lr, outer_nesterov=self.outer_nesterov)
 
     def secret(self) -> Any:
         """The swarm secret (a ``decentralized_sgd.secret.SwarmSecret``) from --swarm_secret, --swarm_secret_file or
