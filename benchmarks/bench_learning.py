@@ -14,6 +14,8 @@ Modes, all from the same initial model per seed and at the same recipe (``config
   alone               one box training alone: ``run_trainer.py --isolated`` (VISSL's stock task), the reference
   swarm               3 boxes, this example's DecentralizedSGD, the swarm-wide schedule: each box stops by itself when
                       the swarm has trained on the budget
+  swarm_outer         swarm with the outer step of bench_optimizer's experiment outer (``OUTER_FLAGS``: Nesterov b 0.5,
+                      a 0.7; off by default in run_trainer.py)
   old                 3 boxes, ``--averager old`` (hivemind's TrainingAverager one round at a time), same schedule
   hivemind_optimizer  3 boxes, ``--averager hivemind_optimizer`` (hivemind.Optimizer(use_local_updates=True) inside
                       VISSL's LARC), same schedule; its global epoch (one averaging round) every boxes x batch x R
@@ -85,9 +87,10 @@ from demo import markdown_table  # noqa: E402
 from run_eval import IMAGE_SUFFIXES, knn_top1  # noqa: E402
 from vissl_swarm.local_swarm import LocalPeer, read_jsonl, start_swarm_together, stop_all  # noqa: E402
 
-MODES = ("alone", "swarm", "old", "hivemind_optimizer", "ddp", "random_init", "raw_pixels")
+MODES = ("alone", "swarm", "swarm_outer", "old", "hivemind_optimizer", "ddp", "random_init", "raw_pixels")
 TRAINED = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
-SWARM_MODES = {"swarm": "improved", "old": "old", "hivemind_optimizer": "hivemind_optimizer"}
+SWARM_MODES = {"swarm": "improved", "swarm_outer": "improved", "old": "old", "hivemind_optimizer": "hivemind_optimizer"}
+OUTER_FLAGS = ["--outer_momentum", "0.5", "--outer_lr", "0.7", "--outer_nesterov"]  # swarm_outer: bench_optimizer's
 FLOOR_ROWS = {"random_init": "--", "raw_pixels": ":"}  # kNN rows drawn as horizontal lines
 HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # baselines.hivemind_optimizer.TARGET_BATCH_ENV
 DEFAULTS = {
@@ -625,6 +628,7 @@ def trainer_arguments(
             "5",
             "--load_state_timeout",
             "0",
+            *(OUTER_FLAGS if mode == "swarm_outer" else []),
         ]
     else:  # VISSL's stock self_supervision_task, from the seed's initial model
         flags.append("--isolated")
