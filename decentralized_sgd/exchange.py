@@ -6,7 +6,9 @@ Who runs what, holding which lock (lock order: the averager's buffer lock, then 
 - ``fill_and_trigger``: scheduler thread; the averager's buffers, then ``dsgd.lock`` (tried for ``LOCK_POLL_S``)
   while it reads the trainer's tensors only, ``RoundBook.lock`` around each state change (FORMED → FILLED →
   TRIGGERED); the snapshot goes into the buffers after the trigger, before their lock is released;
-- ``finish``: scheduler thread; the averager's buffers while it reads them (TRIGGERED → DONE or discarded);
+- ``finish``: scheduler thread; the averager's buffers while it reads them (TRIGGERED → DONE or discarded), and
+  inside them the outer optimizer's lock for its step (``outer``; taken last everywhere: a state download's reset
+  holds ``dsgd.lock`` and then it);
 - ``apply_finished``: trainer thread, holding ``dsgd.lock``, at a step boundary (DONE → applied).
 The values travel through ``staging`` (flat host buffers; from a GPU one non-blocking copy, one wait in the
 scheduler thread and none in the trainer's).

@@ -69,6 +69,7 @@ def test_quick_alone_and_swarm(tmp_path: Path) -> None:
         "--modes",
         "alone",
         "swarm",
+        "ideal",
         "--data_dir",
         str(digits_idx(tmp_path / "idx")),
         "--out",
@@ -90,7 +91,8 @@ def test_quick_alone_and_swarm(tmp_path: Path) -> None:
     settings = result["settings"]
     assert settings["samples"] > 0 and settings["batch"] > 0 and settings["peers"] == 3
     runs = {run["variant"]: run for run in result["runs"]}
-    assert sorted(runs) == ["alone", f"swarm [{result['swarm_lr']}]"]
+    ideal_name = f"ideal [{result['swarm_lr']}] H=25"
+    assert sorted(runs) == ["alone", ideal_name, f"swarm [{result['swarm_lr']}]"]
     for run in runs.values():
         assert run["error"] is None, run["error"]
         assert RUN_FIELDS <= set(run), sorted(RUN_FIELDS - set(run))
@@ -117,8 +119,12 @@ def test_quick_alone_and_swarm(tmp_path: Path) -> None:
         log = (Path(swarm["run_dir"]) / f"peer{peer['rank']}.log").read_text()
         assert peer in averaged or "starved of CPU" in log, (peer, log[-2000:])
     assert all(peer["steps_per_round"] is not None and peer["steps_per_round"] > 0 for peer in averaged)
+    # the ideal swarm: 3 replicas in one process, an exact round every 25 local steps (none at the very end)
+    ideal = runs[ideal_name]
+    assert len(ideal["peers"]) == 3 and ideal["steps_per_peer"] == swarm["steps_per_peer"]
+    assert all(peer["rounds_applied"] == (ideal["steps_per_peer"] - 1) // 25 for peer in ideal["peers"])
     summary = {entry["variant"]: entry for entry in result["summary"]}
     assert summary["alone"]["speedup_final"] == 1.0 and "speedup_half" in summary[swarm["variant"]]
     assert "| alone |" in reports["md"].read_text() and reports["png"].stat().st_size > 0
     sessions = [pid for run in result["runs"] for pid in run["pids"]]
-    assert len(sessions) == 4 and not alive_in_sessions(sessions), "peer processes outlived the benchmark"
+    assert len(sessions) == 5 and not alive_in_sessions(sessions), "peer processes outlived the benchmark"
