@@ -161,9 +161,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--outer_nesterov",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.outer_nesterov,
-        help="the outer step in Nesterov's form: a·(d + b·u) instead of a·u",
+        action="store_true",
+        help="the outer step in Nesterov's form: a·(d + b·u) instead of a·u (DiLoCo's)",
     )
     group.add_argument(
         "--load_state_timeout",

@@ -1345,7 +1345,11 @@ def gap_decomposition(summaries: list[dict]) -> list[str]:
     """Per swarm variant with an ideal of the same regime, LR rule and outer optimizer: what the system costs
     (swarm − ideal, per seed) and what periodic averaging costs (ideal − ddp); and what the outer step adds."""
     ddp = next((e for e in summaries if e["variant"] == "ddp"), None)
-    swarms = [e for e in summaries if e["mode"] == "swarm" and not e["unequal"] and e.get("final_mean") is not None]
+    swarms = [  # not the churn runs: paced, they average at another period than their regime's ideal
+        e
+        for e in summaries
+        if e["mode"] == "swarm" and not (e["unequal"] or e["churn"] or e["pace_s"]) and e.get("final_mean") is not None
+    ]
     rows = []
     for swarm in swarms:
         ideal = next(
