@@ -10,7 +10,9 @@ Why apart from bench_optimizer: these runs need no hivemind and no pacing, take 
 the machine's load, and are exact for a seed, so dozens of variants can be screened before the few that look
 useful are run against the real swarm (``bench_optimizer.py --experiments outer``). A job's keys: ``rule`` (the
 swarm_lr rule), ``seed``, ``period`` and the ``IdealOptions`` fields (``group``, ``staleness``,
-``momentum_buffers``, ``spacing``), and the outer step's ``b`` (momentum), ``a`` (lr), ``nesterov``.
+``momentum_buffers``, ``spacing``), the outer step's ``b`` (momentum), ``a`` (lr), ``nesterov``, and ``samples``
+(the swarm's budget S, default bench_optimizer's 120k: plan ``budget`` asks how the gap to DDP's math and the outer
+step's gain change when a run holds more rounds at the same period).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 OUTER_KEYS = ("b", "a", "nesterov")
+BASE_KEYS = ("rule", "period", "samples")  # a variant's plain ideal: the same of these, no lever
 
 PLANS = {
     "screening": [
@@ -66,6 +69,17 @@ PLANS = {
         dict(rule="sqrt", period=179, spacing=1.5),
         dict(rule="sqrt", period=179, spacing=0.7),
     ],
+    **{
+        name: [  # the real boxes' period in runs 3x and 9x as long (20 and 60 rounds), against DDP's update
+            dict(job, samples=samples)
+            for job in (
+                dict(rule="sqrt", period=179),
+                dict(rule="sqrt", period=179, b=0.5, a=0.7, nesterov=True),
+                dict(rule="linear", period=1, momentum_buffers="average"),  # every step, momentum too: DDP's math
+            )
+        ]
+        for name, samples in (("budget", 360_000), ("budget_long", 1_080_000))
+    },
 }
 
 
@@ -79,12 +93,12 @@ def run_job(job: dict) -> dict:
 
     from decentralized_sgd.outer import OuterSettings
 
-    options = {key: value for key, value in job.items() if key not in ("rule", "seed", "period", *OUTER_KEYS)}
+    options = {key: value for key, value in job.items() if key not in ("seed", *BASE_KEYS, *OUTER_KEYS)}
     outer = OuterSettings(job.get("b", 0.0), job.get("a", 1.0), job.get("nesterov", False))
     started = time.time()
     peers = train_ideal(
         bench.RunSpec("swarm", job["seed"], swarm_lr=job["rule"]),
-        bench.Settings(),
+        bench.Settings(samples=job.get("samples", bench.Settings().samples)),
         bench.FashionMNIST.load(bench.DATA_DIR),
         IdealOptions(period=job["period"], outer=outer, **options),
         bench,
@@ -96,6 +110,11 @@ def variant_of(job: dict) -> str:
     return json.dumps({key: value for key, value in sorted(job.items()) if key not in ("seed", "acc", "s", "commit")})
 
 
+def short(commit: str) -> str:
+    """A hash's first 10 digits; anything else (a note written with the commit) as it is."""
+    return commit[:10] if len(commit) == 40 and all(c in "0123456789abcdef" for c in commit) else commit
+
+
 def table(rows: list[dict]) -> str:
     """Per variant: mean ± std over seeds, and the per-seed difference to the plain ideal (same rule, period)."""
     by_variant: dict[str, dict[int, float]] = defaultdict(dict)
@@ -105,16 +124,21 @@ def table(rows: list[dict]) -> str:
         "| variant | seeds | final test acc | − plain ideal, same rule and period (per seed) |",
         "|---|---|---|---|",
     ]
-    for name, accs in sorted(by_variant.items(), key=lambda item: (json.loads(item[0])["period"], item[0])):
+
+    def order(item: tuple[str, dict]) -> tuple:
+        job = json.loads(item[0])
+        return job.get("samples", 0), job["period"], item[0]
+
+    for name, accs in sorted(by_variant.items(), key=order):
         job = json.loads(name)
-        plain = by_variant.get(variant_of({"rule": job["rule"], "period": job["period"]}), {})
+        plain = by_variant.get(variant_of({key: job[key] for key in BASE_KEYS if key in job}), {})
         diffs = [accs[seed] - plain[seed] for seed in accs if seed in plain]
         spread = f" ± {stdev(accs.values()):.4f}" if len(accs) > 1 else ""
         gain = "—" if plain is accs or not diffs else f"{mean(diffs):+.4f}"
         if len(diffs) > 1 and plain is not accs:
             gain += f" ± {stdev(diffs):.4f}"
         lines.append(f"| {name} | {len(accs)} | {mean(accs.values()):.4f}{spread} | {gain} |")
-    commits = sorted({row.get("commit", "?")[:10] for row in rows})
+    commits = sorted({short(row.get("commit", "?")) for row in rows})
     return "\n".join(lines) + f"\n\nMeasured at commit(s) {', '.join(commits)}.\n"
 
 
