@@ -14,11 +14,15 @@ Metrics per mode: consensus_s (from the moment every trainer runs; None: not wit
 rounds_applied / rounds_failed (a group formed, the AllReduce failed) / rounds_no_group (no group found) as
 min / median / max and the swarm's total, rounds_per_min (applied per peer per minute until consensus), DHT bans of
 late-answering nodes (every peer's DHT; peer 0's alone), leader time-outs and skipped join requests, starvation
-episodes, and the machine's load average.
+episodes, and the machine's load average. The failure share (``failed_share``: failed rounds among the rounds that
+ended, every peer's, until consensus or the deadline; ``no_group_share`` likewise) and each failed round
+(``failures``: which peer, its how-many-th round, when, hivemind's error) say which rounds fail and why (they were
+rounds without a group that hivemind reported as formed, throughout the run: results/consensus16.md).
+``--repeat`` runs each mode that many times (a failure share of one run of ~140 rounds is a handful of rounds).
 
 Usage:
     python benchmarks/bench_consensus.py [--peers 16] [--group 4] [--deadline 120] [--modes fixes no_slow_peer_fixes]
-        [--tolerance 0.01] [--json PATH] [--markdown PATH]
+        [--tolerance 0.01] [--repeat 1] [--json PATH] [--markdown PATH]
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwarg
         elapsed = time.monotonic() - started
         swarm.stop_training()
         counters = [dict(p.counters) for p in members]
-        reasons = Counter(str(r.get("error"))[:80] for p in members for r in p.records if r.get("error"))
+        records = [list(p.records) for p in members]
+        reasons = Counter(str(r.get("error"))[:80] for rs in records for r in rs if r.get("error"))
         final_spread = spread(members)
     finally:
         swarm.close()
@@ -98,6 +103,22 @@ def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwarg
     result["slow_dht_node_bans"]["peer0"] = counters[0].get("slow_dht_node_bans", 0)
     result["failure_reasons"] = dict(reasons.most_common(5))
     result["rounds_per_min"] = round(result["rounds_applied"]["median"] * 60 / elapsed, 2)
+    result["rounds_ended"] = sum(len(rs) for rs in records)
+    result["failed_share"] = result["rounds_failed"]["total"] / max(1, result["rounds_ended"])
+    result["no_group_share"] = result["rounds_no_group"]["total"] / max(1, result["rounds_ended"])
+    wall_start = time.time() - (time.monotonic() - started)  # records carry wall-clock times
+    result["failures"] = [
+        dict(
+            peer=index,
+            nth=nth,
+            t_start_s=round(r["t_start"] - wall_start, 2),
+            group_size=r.get("group_size"),
+            error=str(r.get("error"))[:300],
+        )
+        for index, rs in enumerate(records)
+        for nth, r in enumerate(rs)
+        if r["state"] == "FAILED" and r.get("t_group_formed") is not None
+    ]
     return result
 
 
@@ -113,25 +134,40 @@ def markdown(report: dict[str, Any]) -> str:
     def mmm(stat: dict) -> str:
         return f"{stat['min']:g} / {stat['median']:g} / {stat['max']:g} ({stat['total']:g})"
 
+    def share(run: dict, counter: str) -> str:
+        total = run[counter]["total"]
+        return f"{total:g} of {run['rounds_ended']} ({total / max(1, run['rounds_ended']):.1%})"
+
     lines = [
         f"# Consensus of {report['runs'][0]['peers']} peers (`benchmarks/bench_consensus.py`)",
         "",
         f"commit `{report['commit']}`, {report['started']}, {os.cpu_count()} CPUs; per peer: min / median / "
         "max (swarm total)",
         "",
-        "| mode | consensus s | rounds/min | applied | failed | no group | DHT bans (peer 0) | leader time-outs | "
-        "joins skipped | starved | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | consensus s | rounds/min | applied | failed | failed share | no group | no group share | "
+        "DHT bans (peer 0) | leader time-outs | joins skipped | starved | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         consensus = "—" if run["consensus_s"] is None else f"{run['consensus_s']:.1f}"
         lines.append(
             f"| {run['mode']} | {consensus} (of {run['deadline_s']:g}) | {run['rounds_per_min']} | "
-            f"{mmm(run['rounds_applied'])} | {mmm(run['rounds_failed'])} | {mmm(run['rounds_no_group'])} | "
+            f"{mmm(run['rounds_applied'])} | {mmm(run['rounds_failed'])} | {share(run, 'rounds_failed')} | "
+            f"{mmm(run['rounds_no_group'])} | {share(run, 'rounds_no_group')} | "
             f"{run['slow_dht_node_bans']['total']:g} ({run['slow_dht_node_bans']['peer0']:g}) | "
             f"{mmm(run['slow_leader_timeouts'])} | {mmm(run['slow_leader_requests_skipped'])} | "
             f"{run['starvation_episodes']['total']:g} | {run['load_1min']:.1f} |"
         )
+    failures = [failure for run in report["runs"] for failure in run.get("failures", [])]
+    if failures:
+        firsts = sum(failure["nth"] == 0 for failure in failures)
+        lines += [
+            "",
+            f"Rounds counted as failed (a group formed, then the AllReduce failed): {len(failures)}, of them {firsts} "
+            "a peer's first round. Errors:",
+            "",
+            *(f"- {count} × `{error}`" for error, count in Counter(f["error"][:160] for f in failures).most_common(5)),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -142,14 +178,16 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds to wait for consensus")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each mode")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     report: dict[str, Any] = dict(commit=git_commit(), started=time.strftime("%F %T %Z"), argv=sys.argv[1:], runs=[])
     for mode in args.modes:
-        run = run_swarm(args.peers, args.group, args.deadline, args.tolerance, **MODES[mode])
-        report["runs"].append({"mode": mode, **run})
-        print(json.dumps(report["runs"][-1]), flush=True)
+        for _ in range(args.repeat):
+            run = run_swarm(args.peers, args.group, args.deadline, args.tolerance, **MODES[mode])
+            report["runs"].append({"mode": mode, **run})
+            print(json.dumps(report["runs"][-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.markdown:

@@ -9,7 +9,8 @@ alone) and the swarm's boxes may be restarted in any order.
 
 The book is a small JSON file (``known_peers.json``): peer id -> its multiaddrs and when it was last seen, the most
 recently seen ``keep`` peers. It is written by the thread that keeps the DHT connected (``dht_rejoin``), never by
-two processes at once (one DHT owner per box), atomically (a crash leaves the old file).
+two processes at once (one DHT owner per box), atomically (a crash leaves the old file): as soon as our DHT or a
+round's group first shows a peer, and when its addresses change.
 """
 
 from __future__ import annotations
@@ -102,4 +103,15 @@ async def dht_neighbours(_dht: hivemind.DHT, node: DHTNode) -> dict[str, list[st
         str(info.peer_id): [str(address) for address in info.addrs]
         for info in await node.p2p.list_peers()
         if str(info.peer_id) in in_table
+    }
+
+
+async def peer_addresses(_dht: hivemind.DHT, node: DHTNode, peer_ids: list[str]) -> dict[str, list[str]]:
+    """Runs in the DHT process: the addresses libp2p knows for these peers among those we are connected to (the
+    averager shares the DHT's p2p daemon: groupmates too), as {peer id: [multiaddr without /p2p]}."""
+    wanted = set(peer_ids)
+    return {
+        str(info.peer_id): [str(address) for address in info.addrs]
+        for info in await node.p2p.list_peers()
+        if str(info.peer_id) in wanted
     }

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from .hivemind_fixes import release_ended_step
 from .outer import OuterOptimizer
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
@@ -45,6 +46,7 @@ def fail_from_control(r: Round, book: RoundBook) -> None:
         error = repr(r.control.exception())
     except (Exception, asyncio.CancelledError) as e:  # cancelled by hivemind
         error = repr(e)
+    release_ended_step(r.control)
     with book.lock:
         r.fail(error)
 

@@ -6,11 +6,13 @@ own averager only, in the trainer's process or in the forked averager process (e
 process (``HivemindFixes.run``): hivemind decodes every received part through a global registry keyed by the wire
 type (``compression/serialization.py``), not through the averager's compression object, and creates its part
 reducers inside ``AllReduceRunner``, so no narrower scope exists.
-The averager process also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``); it and the DHT
+The averager process ends a round that found no group at once (``no_group_fails_at_once``) instead of reporting it
+as formed; it also filters one misleading ERROR out of hivemind's log (``_NoGroupIsNoError``); it and the DHT
 process log a departure (a groupmate's, or of our p2p daemon that Ctrl-C ended) in one line instead of a traceback
 (``_DepartureIsOneLine``).
 ``cancel_step_first`` cancels a round's step in the order that does not make hivemind log our cancellation as an
-error (``averager_shutdown.cancel_step`` is its counterpart inside the averager process).
+error (``averager_shutdown.cancel_step`` is its counterpart inside the averager process); ``release_ended_step``
+keeps a step that ended untriggered from a misleading warning.
 ``ServesStateAsCopies`` (``served_as_copies``) is for hivemind's own averagers (the baselines), which serve their live
 tensors.
 ``keep_ctrl_c`` is for callers of hivemind's own ``run_in_background`` (the old design's TrainingAverager); our
@@ -205,6 +207,31 @@ def fixed_part_reducer() -> Iterator[None]:
         TensorPartReducer.check_current_part_finished = original
 
 
+def no_group_fails_at_once(matchmaking: Any) -> None:
+    """Averager process, on its ``Matchmaking`` object: a matchmaking that found no group by the round's deadline
+    ends the round at once, with hivemind's own error.
+
+    hivemind's ``_step`` (averager.py, ``find_peers_or_notify_cancel``) sets the stage to AWAITING_TRIGGER and
+    awaits the trigger after *every* matchmaking, also one that found no group (``look_for_group`` returned None),
+    and raises "could not find a group" only once triggered. The stage is all the trainer's process sees of a
+    round, so a round without a group looked formed: the scheduler filled and triggered it, and it ended as a failed
+    round (``rounds_failed``, a group formed and the AllReduce failed) instead of ``rounds_no_group``. Measured with
+    ``benchmarks/bench_consensus.py`` at 16 peers: 38-54% of the rounds "failed" (999 of 2200 in five runs), every
+    one of them this way (``benchmarks/results/consensus16.md``); a box alone counted all its rounds as failed. Each
+    such round also took a snapshot under the trainer's lock and kept the next matchmaking waiting for its trigger.
+    Upstream: none found; the wait came with hivemind#403 (before it, ``_step`` raised before awaiting the trigger);
+    still so on hivemind's master (averager.py, 4bd43b7)."""
+    look_for_group = matchmaking.look_for_group
+
+    async def look_for_group_or_fail(step: StepControl) -> Any:
+        group_info = await look_for_group(step)
+        if group_info is None:
+            raise AllreduceException("Averaging step failed: could not find a group")  # hivemind's words
+        return group_info
+
+    matchmaking.look_for_group = look_for_group_or_fail
+
+
 class _NoGroupIsNoError(logging.Filter):
     """hivemind logs a round that found no group as an ERROR with a traceback (averager.py, _step). With a
     matchmaking deadline (see start_step) that is an expected outcome, counted as ``rounds_no_group``.
@@ -281,6 +308,18 @@ class _AbandonedDepartureIsOneLine(logging.Filter):
             message = f"{task} task ended on a departure while its round was cancelled: {error!r}"
             rewrite_as_one_line(record, message, level=logging.WARNING)
         return True
+
+
+def release_ended_step(control: StepControl) -> None:
+    """Trainer's process: a round whose hivemind step ended before we triggered it (it found no group, see
+    ``no_group_fails_at_once``, or its group broke up first) has nothing left to trigger: cancel its trigger.
+    Otherwise hivemind's ``StepControl.__del__`` warns, when the control is collected, that the untriggered step "may
+    cause other peers to fail an averaging round" (control.py): every round without a group logged that once the
+    fix above let such rounds end untriggered (1083 lines in three runs of 16 peers), and no peer waits for a step
+    that ended. Upstream: none found; still so on hivemind's master (control.py, 4bd43b7)."""
+    trigger = control._trigger
+    if control.done() and trigger is not None and not trigger.done():
+        trigger.cancel()
 
 
 def cancel_step_first(control: StepControl) -> bool:
@@ -500,6 +539,7 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         self.trigger_grace = trigger_grace
         self._handler_address = handler_address  # shared by every averager this peer starts, see add_p2p_handlers
         self._live_steps: set[asyncio.Task] = set()
+        self._no_group_fails_at_once = False  # installed by the first _step (averager process)
         super().__init__(*args, start=False, **kwargs)
 
     # --- in the averager process ---
@@ -543,6 +583,9 @@ class HivemindFixes(hivemind.DecentralizedAverager):
         MPFuture's ``concurrent.futures.InvalidStateError``."""
         task = asyncio.current_task()
         self._live_steps.add(task)
+        if not self._no_group_fails_at_once:  # hivemind's _run created _matchmaking before it serves any request
+            no_group_fails_at_once(self._matchmaking)
+            self._no_group_fails_at_once = True
         try:
             await super()._step(**kwargs)
         except concurrent.futures.InvalidStateError:

@@ -27,7 +27,7 @@ from hivemind.p2p import PeerID
 from . import vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
-from .dht_rejoin import rejoin_count
+from .dht_rejoin import note_groupmates, rejoin_count
 from .exchange import RoundExchange
 from .hivemind_fixes import (
     dead_holders_release_mpfuture_locks,
@@ -299,6 +299,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.counters,
             starvation=self.starvation,
             counts=counts,
+            on_group=lambda group: note_groupmates(dht, group),
         )
         if start:
             self.start()

@@ -75,7 +75,8 @@ _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLRED
 class RoundScheduler(threading.Thread):
     """Runs one peer's rounds in a daemon thread. It is handed the parts it drives: the round book, the averager's
     supervisor, the exchange (the rounds' tensor work), the vetting (payloads and verdicts), the trainer's counts,
-    the starvation monitor (None: never starved), and ``counts``: sources of counters it copies every tick."""
+    the starvation monitor (None: never starved), ``counts``: sources of counters it copies every tick, and
+    ``on_group``: told the peer ids of every group a round ended with (the address book notes new ones at once)."""
 
     def __init__(
         self,
@@ -89,11 +90,12 @@ class RoundScheduler(threading.Thread):
         *,
         starvation: StarvationMonitor | None = None,
         counts: Sequence[Callable[[], Mapping[str, float]]] = (),
+        on_group: Callable[[list[str]], None] | None = None,
     ):
         super().__init__(name="dsgd-scheduler", daemon=True)
         self.settings, self.trainer, self.book, self.supervisor = settings, trainer, book, supervisor
         self.exchange, self.vetting, self.counters = exchange, vetting, counters
-        self.starvation, self.counts = starvation, counts
+        self.starvation, self.counts, self.on_group = starvation, counts, on_group
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._boundary_at_last_start = self._failures_seen = 0
         self._allreduce_ema: float | None = None
@@ -251,6 +253,8 @@ class RoundScheduler(threading.Thread):
 
     def _finish(self, r: Round) -> None:
         self.exchange.finish(r)
+        if r.group and self.on_group is not None:
+            self.on_group(r.group)
         if r.allreduce_s is not None:  # the records' measure, so that a wait budget matches what they show
             ema = self._allreduce_ema
             self._allreduce_ema = r.allreduce_s if ema is None else 0.7 * ema + 0.3 * r.allreduce_s

@@ -40,9 +40,10 @@ def prototypes_norm_error(task) -> float | None:
 
 
 class LogProgressOnStepHook(ClassyHook):
-    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds), rounds ok/failed and how
-    often the averager was found dead or unresponsive, and appends the same as a JSON line to
-    CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it live).
+    """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds), rounds ok / failed (a group
+    formed, the AllReduce did not finish) / without a group, and how often the averager was found dead or
+    unresponsive, and appends the same as a JSON line to CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it
+    live).
 
     On a box with several GPUs, every local rank also records checksums of its parameters, buffers and optimizer
     state (``progress_rank<r>.jsonl`` for ranks > 0), which show that the replicas stay identical.
@@ -119,6 +120,7 @@ class LogProgressOnStepHook(ClassyHook):
                     "peer_id": str(optimizer.peer_id),
                     "rounds_ok": int(optimizer.counters["rounds_applied"]),
                     "rounds_failed": int(optimizer.counters["rounds_failed"]),
+                    "rounds_no_group": int(optimizer.counters.get("rounds_no_group", 0)),
                     "averager_failures": int(optimizer.counters.get("averager_failures", 0)),
                     "group_size": last.get("group_size"),
                     "staleness_steps": last.get("staleness_steps"),
@@ -139,7 +141,8 @@ class LogProgressOnStepHook(ClassyHook):
         if "rounds_ok" in entry:
             line += (
                 f" | last round: group {entry['group_size']}, staleness {entry['staleness_steps']}, "
-                f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} | "
+                f"{entry['round_s']} s | rounds ok {entry['rounds_ok']} failed {entry['rounds_failed']} "
+                f"no group {entry.get('rounds_no_group', 0)} | "
                 f"averager failures {entry['averager_failures']}"
             )
         return line

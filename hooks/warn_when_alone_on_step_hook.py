@@ -91,7 +91,8 @@ class WarnWhenAloneOnStepHook(ClassyHook):
         logging.warning(
             alone_message(
                 now - self._since,
-                int(optimizer.counters["rounds_failed"]),
+                # ours counts a round without a group apart; hivemind's baselines count it among the failed ones
+                int(optimizer.counters.get("rounds_no_group", optimizer.counters.get("rounds_failed", 0))),
                 dht_peer_count(getattr(task, "dht", None)),
                 settings.run_id,
                 settings.config_name,

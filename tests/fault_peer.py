@@ -3,6 +3,8 @@
 It trains a tiny model (a local step adds a small constant to the weights, so every round has local steps to keep),
 writes its peer id and its round records to files, and touches a marker file at the moment the test waits for:
 ``looking`` (its only round is in matchmaking, after one applied round) or ``applied`` (it just applied a round).
+Without ``--initial_peers``, and with ``--identity_path``, a fixed port and ``--address_book``, it is a swarm's first
+box as the README starts one (``swarm.start_dht`` with the settings run_trainer.py gives it).
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) 
     return [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--initial_peers",
-        *initial_peers,
+        *(["--initial_peers", *initial_peers] if initial_peers else []),
         "--out",
         str(out),
         "--marker",
@@ -42,8 +43,12 @@ def command(out: Path, initial_peers: list[str], marker_when: str, *extra: str) 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--initial_peers", nargs="+", required=True)
+    parser.add_argument("--initial_peers", nargs="+", default=[], help="none: the swarm's first box")
     parser.add_argument("--host_maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"])
+    parser.add_argument("--identity_path", default="")
+    parser.add_argument(
+        "--address_book", default="", help="the box's known_peers.json (run_trainer.py's is in its checkpoint folder)"
+    )
     parser.add_argument("--value", type=float, default=0.0, help="initial value of every weight and float buffer")
     parser.add_argument("--step_s", type=float, default=0.01)
     parser.add_argument("--marker", type=Path, default=None)
@@ -59,7 +64,11 @@ def main() -> None:
     # as a box starts it: it dials the initial peers again (hivemind's bootstrap pings once, and a busy first peer
     # missed that ping with two busy processes beside the suite), and keeps connected (the network-cut scenario)
     settings = SwarmSettings(
-        host_maddrs=args.host_maddrs, initial_peers=args.initial_peers, join_timeout=JOIN_TIMEOUT_S
+        host_maddrs=args.host_maddrs,
+        initial_peers=args.initial_peers,
+        join_timeout=JOIN_TIMEOUT_S,
+        identity_path=args.identity_path,
+        address_book=args.address_book,
     )
     dht = start_dht(settings, startup_timeout=60)
     model = make_model(args.value)

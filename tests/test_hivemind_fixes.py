@@ -44,6 +44,7 @@ from decentralized_sgd.hivemind_fixes import (
     fixed_8bit_decoding,
     fixed_part_reducer,
     keep_ctrl_c,
+    release_ended_step,
 )
 
 HIVEMIND_EXTRACT = Quantization.extract  # importing decentralized_sgd (above) must not have patched it
@@ -235,6 +236,26 @@ def test_waits_on_a_stopped_averager_have_deadlines(dht):
     finally:
         if averager.is_alive():
             averager.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_round_that_found_no_group_ends_at_its_deadline_without_a_trigger(dht):
+    """Alone on its DHT, a round finds no group. hivemind would then report AWAITING_TRIGGER (what a formed group
+    shows) and wait for our trigger forever; with the fix the round ends at its deadline, untriggered, with
+    hivemind's "could not find a group" (counted as a round without a group, never filled). Released, the ended
+    step counts as triggered: collected, hivemind's StepControl would warn that an untriggered step may make other
+    peers fail."""
+    averager = make_averager(dht)
+    averager.start_in_background(timeout=30)
+    try:
+        now = get_dht_time()
+        control = averager.start_step(scheduled_time=now + 0.5, deadline=now + 1.5, gather=None, timeout=30)
+        wait_until(control.done, 30, lambda: f"the round ending (stage {control.stage.name})")
+        assert not control.triggered and "could not find a group" in repr(control.exception())
+        release_ended_step(control)
+        assert control.triggered  # what StepControl.__del__ checks before it warns
+    finally:
+        averager.shutdown()
 
 
 @pytest.mark.timeout(60)

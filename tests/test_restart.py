@@ -1,30 +1,39 @@
 """A box comes back after a crash with the command it was started with, at the DHT level:
 
-1. the address book keeps the peers a box met (newest first, at most ``keep``), in a file that survives it;
+1. the address book keeps the peers a box met (newest first, at most ``keep``), in a file that survives it, and
+   learns a peer at first sight: as soon as our DHT or a round's group shows it;
 2. a first box (no --initial_peers) started again dials the peers of its book and is back in their DHT;
-3. a SIGKILLed DHT owner leaves neither its DHT process nor its p2p daemon behind holding its port.
+3. a SIGKILLed DHT owner leaves neither its DHT process nor its p2p daemon behind holding its port;
+4. a first box killed seconds after the others joined comes back with its own command and averages again.
 The whole scenarios with run_trainer.py processes are in test_swarm_training: the first box killed and restarted,
 then the whole swarm stopped with Ctrl-C and started again in another order.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import fault_peer
+import hivemind
 import pytest
-from dsgd_swarm import port_is_free
+import torch
+from dsgd_swarm import FAST, Swarm, make_model, port_is_free
+from hivemind.p2p import P2P, PeerID
 
+from decentralized_sgd import DecentralizedSGD
 from decentralized_sgd.address_book import AddressBook
-from decentralized_sgd.dht_rejoin import dht_peer_count, rejoiner_of
+from decentralized_sgd.dht_rejoin import dht_peer_count, keep_dht_connected, note_groupmates, rejoiner_of
 from decentralized_sgd.end_with_parent import child_pids, is_running
 from tests.conftest import REPO
 from vissl_swarm import swarm
-from vissl_swarm.local_swarm import wait_until
+from vissl_swarm.local_swarm import free_port, wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -48,6 +57,35 @@ def test_address_book_keeps_the_newest_peers_in_a_file(tmp_path: Path, caplog: p
     memory_only = AddressBook(None)  # no checkpoint folder: remembers for this run only, writes nothing
     memory_only.remember({"QmA": ["/ip4/10.0.0.1/tcp/1"]})
     assert memory_only.addresses() == ["/ip4/10.0.0.1/tcp/1/p2p/QmA"]
+
+
+def book_ids(path: Path) -> set[str]:
+    """The peer ids in the address book at ``path``, as a restarted box would read it."""
+    return {address.rsplit("/p2p/", 1)[1] for address in AddressBook(path).addresses()}
+
+
+@pytest.mark.timeout(120)
+def test_the_address_book_notes_a_peer_at_first_sight(tmp_path: Path) -> None:
+    """The book's thread checks every 600 s here (a box's: 10 s), so only first sight can write the book: a joiner
+    our DHT shows, and a groupmate a round reported (a client-mode DHT, which never enters our routing table)."""
+    book_path = tmp_path / "known_peers.json"
+    first = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    others: list[hivemind.DHT] = []
+    try:
+        keep_dht_connected(first, period=600, book=AddressBook(book_path))
+        addresses = [str(address) for address in first.get_visible_maddrs()]
+        others.append(swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, initial_peers=addresses)))
+        joiner = str(others[0].peer_id)
+        wait_until(lambda: joiner in book_ids(book_path), 60, "the joiner in the first box's address book")
+        assert all("/p2p/" in address for address in AddressBook(book_path).addresses())
+        others.append(hivemind.DHT(start=True, client_mode=True, host_maddrs=LOOPBACK, initial_peers=addresses))
+        groupmate = str(others[1].peer_id)
+        note_groupmates(first, [groupmate, str(first.peer_id)])  # a round's group: ourselves included
+        wait_until(lambda: groupmate in book_ids(book_path), 60, "the groupmate in the first box's address book")
+        assert book_ids(book_path) == {joiner, groupmate}  # never our own id
+    finally:
+        for dht in [*others, first]:
+            dht.shutdown()
 
 
 @pytest.mark.timeout(180)
@@ -192,3 +230,86 @@ def test_a_killed_dht_owner_leaves_no_daemon_holding_its_port(tmp_path: Path) ->
             os.killpg(owner.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class FirstBox:
+    """tests/fault_peer.py as a swarm's first box (no --initial_peers, an identity file, a fixed port, an address book
+    in its folder: ``swarm.start_dht`` as run_trainer.py calls it, without VISSL's start-up), in its own process group
+    (the box and its DHT, averager and p2p daemon die together); started again with the same command."""
+
+    def __init__(self, out: Path):
+        self.out, self.port = out, free_port()
+        out.mkdir(parents=True)
+        identity = out / "box.key"
+        P2P.generate_identity(str(identity))
+        self.peer_id = str(PeerID.from_identity(identity.read_bytes()))
+        self.address = f"/ip4/127.0.0.1/tcp/{self.port}/p2p/{self.peer_id}"
+        self.book = out / "known_peers.json"
+        self.command = fault_peer.command(
+            out,
+            [],
+            "applied",
+            *("--host_maddrs", f"/ip4/127.0.0.1/tcp/{self.port}", "--identity_path", str(identity)),
+            *("--address_book", str(self.book), "--value", "4", "--step_s", "0.05"),
+        )
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        with open(self.out / "log.txt", "a") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return time.time()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def running(self) -> bool:
+        assert self.process is not None and self.process.poll() is None, self.log_tail()
+        return True
+
+    def log_tail(self) -> str:
+        return (self.out / "log.txt").read_text()[-3000:]
+
+    def rounds(self) -> list[dict]:
+        """Its round records so far; a last line still being written is left for the next look."""
+        path = self.out / "rounds.jsonl"
+        return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+
+@pytest.mark.timeout(300)
+def test_a_first_box_killed_seconds_after_the_others_joined_comes_back(tmp_path: Path) -> None:
+    """The README's first box, two others joined through it, killed as soon as its address book lists them (a
+    second or so after they joined: first sight, not the check 10 s after its start), then started again with its
+    own command: it dials the peers it met and averages with them again. Before first sight, such a box had no
+    address book yet and came back alone for good. The two others are DecentralizedSGD peers in this process."""
+    first, others = FirstBox(tmp_path / "first"), Swarm()
+    try:
+        first.start()
+        wait_until(lambda: first.running() and (first.out / "peer_id.txt").exists(), 120, first.log_tail)
+        for value in (0.0, 2.0):
+            settings = swarm.SwarmSettings(host_maddrs=LOOPBACK, initial_peers=[first.address], join_timeout=60)
+            others.dhts.append(swarm.start_dht(settings, startup_timeout=60))
+            model = make_model(value)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            others.peers.append(DecentralizedSGD(optimizer, others.dhts[-1], prefix="test", model=model, **FAST))
+        joiners = {str(peer.peer_id) for peer in others.peers}
+        wait_until(lambda: first.running() and joiners <= book_ids(first.book), 60, "the joiners in the book")
+        first.kill()
+        for peer in others.peers:
+            others.train(peer, update=lambda peer=peer: peer.model[0].weight.add_(1e-3), period=0.05)
+        wait_until(lambda: port_is_free(first.port), 60, "the killed first box's port free again")
+
+        restarted_at = first.start()  # the same command: no --initial_peers
+
+        def averaged_again() -> bool:
+            return first.running() and any(
+                r["applied"] and r["t_start"] > restarted_at and joiners & set(r["group"] or []) for r in first.rounds()
+            )
+
+        wait_until(averaged_again, 180, lambda: (first.rounds()[-3:], first.log_tail()))
+        assert "peers this box met before" in first.log_tail()  # it dialed its address book at start
+        others.stop_training()
+    finally:
+        first.kill()
+        others.close()
