@@ -16,6 +16,9 @@ Modes, all from the same initial model per seed and at the same recipe (``config
                       the swarm has trained on the budget
   swarm_outer         swarm with the outer step of bench_optimizer's experiment outer (``OUTER_FLAGS``: Nesterov b 0.5,
                       a 0.7; off by default in run_trainer.py)
+  swarm_churn         swarm whose last box crashes at a third of its steps and comes back as the README's restart
+                      (``Churn``, below): the users' normal case; paced (``--churn_pace_s``)
+  swarm_paced         swarm paced as swarm_churn, without the kill: the same samples, no kill
   old                 3 boxes, ``--averager old`` (hivemind's TrainingAverager one round at a time), same schedule
   hivemind_optimizer  3 boxes, ``--averager hivemind_optimizer`` (hivemind.Optimizer(use_local_updates=True) inside
                       VISSL's LARC), same schedule; its global epoch (one averaging round) every boxes x batch x R
@@ -52,6 +55,36 @@ table. It needs thousands of steps per box to give more than a round or two: ``-
 (~350 steps per box) measured 347 local steps per round for swarm, one round per box, and hivemind_optimizer, given
 that ratio, none.
 
+Churn (``swarm_churn``), bench_optimizer's experiment churn on SwAV: box 2's whole session (trainer, DHT, averager,
+p2pd) is SIGKILLed once it has logged a third of its share of the steps, and started again with its own command
+(the README's restart: VISSL resumes its last checkpoint, every ``checkpoint_every`` steps, the box rejoins through
+the initial peers and, the swarm being ahead, takes the swarm's weights, optimizer state and sample counts) so that
+it is back when the swarm has trained on two thirds of the budget: a restart takes its seconds (imports, VISSL's
+start, the join, the download; its first start's seconds serve as the estimate), so it is started that much early,
+at once after the kill if the middle third is shorter than that. Its restart command is its first one without
+``--load_state_timeout 0`` (the benchmark's first start: every box builds the seed's initial model instead of
+downloading a neighbour's), as in tests/test_swarm_training.py: run_trainer.py's default is what takes the state.
+Its steps are logged every step (LOG_FREQUENCY 1) so that the kill lands on its step. As in bench_optimizer, the run
+is paced (``--churn_pace_s``, 0.3 s: every step of every box lasts at least that long, tests/paced_trainer.py): on
+the recipe of benchmarks/results/learning.md (1 epoch of 12,000 images, ~125 steps per box) the 2-core machine
+trains a swarm's box in ~0.2 s a step, and unpaced, box 2, started again at once after the kill, came back after
+the others had finished the budget in 2 of 3 seeds (the rest of the run lasted 12-16 s; a restart takes 10-17 s),
+and at 82% of the budget in the third.
+Pacing changes the local steps per round (rounds come by the clock, and the averager has the cores to itself while
+the trainers sleep: 0.3 s measured 2.2 local steps per round, swarm unpaced 4-10), hence ``swarm_paced``, the same
+swarm at the same pace without the kill.
+
+What the comparison means: the swarm-wide schedule fixes the swarm's samples, so boxes 0 and 1 train on while box 2
+is away and every mode ends at the same samples of the swarm. ``swarm_churn − swarm_paced`` (per seed) is what the
+kill costs at the same samples and pace; ``swarm_paced − swarm`` what the pace alone changes. ``swarm_paced`` is also
+the reference of "what the lost samples alone explain": no sample of the budget is skipped (the others train it), so
+the samples a kill loses are only box 2's steps whose update never reached the swarm (since the snapshot of its last
+applied round: the swarm counted them, nobody kept them), and, for box 2 itself, the steps since its checkpoint
+(replaced by the swarm's state anyway). Both are reported per seed as numbers, with where in the budget box 2 left
+and came back and its share of the swarm's steps. bench_optimizer's ``pause`` (the box up but idle) has no
+counterpart with run_trainer.py's processes, and a box that leaves for good would measure a swarm of 2, not the
+kill. A restart that comes back after the others finished, or without the swarm's state, fails the run (its log).
+
 A seed is a run id (``learn<seed>``): its boxes share the initial model in every mode (the swarm boxes build it from
 the run id, alone and ddp load it with VISSL's ``MODEL.WEIGHTS_INIT``; each run checks its logs for it), box i of
 seed s has SEED_VALUE 1000·s + i. The swarm modes train with run_trainer.py's defaults otherwise (``--swarm_lr``:
@@ -64,6 +97,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import itertools
 import json
 import math
@@ -72,6 +106,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import mean, stdev
@@ -85,11 +120,44 @@ sys.path.insert(0, str(REPO))
 
 from demo import markdown_table  # noqa: E402
 from run_eval import IMAGE_SUFFIXES, knn_top1  # noqa: E402
-from vissl_swarm.local_swarm import LocalPeer, read_jsonl, start_swarm_together, stop_all  # noqa: E402
+from vissl_swarm.local_swarm import (  # noqa: E402
+    LocalPeer,
+    read_jsonl,
+    start_swarm_together,
+    stop_all,
+    wait_until,
+)
 
-MODES = ("alone", "swarm", "swarm_outer", "old", "hivemind_optimizer", "ddp", "random_init", "raw_pixels")
-TRAINED = ("alone", "swarm", "old", "hivemind_optimizer", "ddp")
-SWARM_MODES = {"swarm": "improved", "swarm_outer": "improved", "old": "old", "hivemind_optimizer": "hivemind_optimizer"}
+MODES = (
+    "alone",
+    "swarm",
+    "swarm_outer",
+    "swarm_churn",
+    "swarm_paced",
+    "old",
+    "hivemind_optimizer",
+    "ddp",
+    "random_init",
+    "raw_pixels",
+)
+TRAINED = ("alone", "swarm", "swarm_outer", "swarm_churn", "swarm_paced", "old", "hivemind_optimizer", "ddp")
+SWARM_MODES = {
+    "swarm": "improved",
+    "swarm_outer": "improved",
+    "swarm_churn": "improved",
+    "swarm_paced": "improved",
+    "old": "old",
+    "hivemind_optimizer": "hivemind_optimizer",
+}
+PAIRED = (  # per-seed differences the report gives
+    ("swarm_outer", "swarm"),
+    ("swarm_churn", "swarm_paced"),
+    ("swarm_churn", "swarm"),
+    ("swarm_paced", "swarm"),
+)
+PACED_MODES = ("swarm_churn", "swarm_paced")  # their steps last at least --churn_pace_s
+CHURN_PACE_S = 0.3  # unpaced, the restarted box came back after the others finished (see Churn in the docstring)
+NO_STATE_DOWNLOAD = ["--load_state_timeout", "0"]  # a first start: every box builds the seed's initial model
 OUTER_FLAGS = ["--outer_momentum", "0.5", "--outer_lr", "0.7", "--outer_nesterov"]  # swarm_outer: bench_optimizer's
 FLOOR_ROWS = {"random_init": "--", "raw_pixels": ":"}  # kNN rows drawn as horizontal lines
 HIVEMIND_TARGET_ENV = "SWAV_HIVEMIND_TARGET_BATCH_SIZE"  # baselines.hivemind_optimizer.TARGET_BATCH_ENV
@@ -117,8 +185,27 @@ NORMAL_HIVEMIND_STEPS, SLOW_HIVEMIND_STEPS = 20, 200
 # the --quick run (swav_tiny; swav_fashion's steps cost about the same): a box alone ~0.2 s per step, 3 processes
 # sharing the cores ~0.5 s each; the trunk's forward pass ~1 ms per image on one thread, decoding a PNG ~1.7 ms. Only
 # for the estimate printed at start and each run's deadline (4x it + 10 min)
-STARTUP_S = {"alone": 25.0, "swarm": 40.0, "old": 40.0, "hivemind_optimizer": 40.0, "ddp": 30.0}
-SECONDS_PER_STEP = {"alone": 0.2, "swarm": 0.5, "old": 0.55, "hivemind_optimizer": 0.55, "ddp": 0.5}
+# (swarm_churn: box 2's second start, with its wait for the swarm's state)
+STARTUP_S = {
+    "alone": 25.0,
+    "swarm": 40.0,
+    "swarm_outer": 40.0,
+    "swarm_churn": 100.0,
+    "swarm_paced": 40.0,
+    "old": 40.0,
+    "hivemind_optimizer": 40.0,
+    "ddp": 30.0,
+}
+SECONDS_PER_STEP = {
+    "alone": 0.2,
+    "swarm": 0.5,
+    "swarm_outer": 0.5,
+    "swarm_churn": 0.5,
+    "swarm_paced": 0.5,
+    "old": 0.55,
+    "hivemind_optimizer": 0.55,
+    "ddp": 0.5,
+}
 EVAL_S_PER_IMAGE = 1.0e-3  # trunk forward per image on one thread (bank + val per checkpoint)
 DECODE_S_PER_IMAGE = 1.7e-3
 
@@ -183,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{QUICK['heldout_batch']})",
     )
     parser.add_argument(
+        "--churn_pace_s",
+        type=float,
+        default=CHURN_PACE_S,
+        help="swarm_churn and swarm_paced: each step of their boxes lasts at least this long, so that a restarted "
+        "box (12-45 s to start on 2 cores) is back before the others finish the budget; 0: unpaced, as swarm",
+    )
+    parser.add_argument(
         "--slow_averaging",
         action="store_true",
         help="swarm/old/hivemind_optimizer at ~100-400 local steps per round, as ResNet-50 boxes",
@@ -237,6 +331,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise BenchError(f"--boxes must be at least 2, got {args.boxes}")
     if args.min_matchmaking_time <= 0 or args.hivemind_steps_per_round <= 0:
         raise BenchError("--min_matchmaking_time and --hivemind_steps_per_round must be positive")
+    if args.churn_pace_s < 0:
+        raise BenchError(f"--churn_pace_s must be 0 or more, got {args.churn_pace_s}")
     return args
 
 
@@ -329,21 +425,23 @@ def fresh_out_dir(out: Path | None) -> Path:
     return out
 
 
-def estimated_seconds(mode: str, plan: Plan, eval_images: int) -> float:
-    """Rough: start-up, steps, and the kNN/held-out evaluation of every box's checkpoints."""
+def estimated_seconds(mode: str, plan: Plan, eval_images: int, pace_s: float = 0.0) -> float:
+    """Rough: start-up, steps (at least ``pace_s`` each), and the kNN/held-out evaluation of every box's
+    checkpoints."""
     if mode in FLOOR_ROWS:
         return 2 * eval_images * EVAL_S_PER_IMAGE
     trunks = 1 if mode in ("alone", "ddp") else plan.boxes
     evaluations = trunks * (plan.curve_points + 2)
     return (
         STARTUP_S[mode]
-        + plan.expected_steps(mode) * SECONDS_PER_STEP[mode]
+        + plan.expected_steps(mode) * max(SECONDS_PER_STEP[mode], pace_s)
         + evaluations * eval_images * EVAL_S_PER_IMAGE
     )
 
 
 def git_state() -> dict:
-    """The commit the numbers come from, and whether the working tree differed from it."""
+    """The commit the numbers come from, whether the working tree differed from it, and in which files (several
+    people work in one checkout: the files say whose changes the trainers ran with)."""
 
     def git(*words: str) -> str:
         try:
@@ -351,7 +449,8 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+    changed = git("status", "--porcelain").splitlines()
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changed), "changed": changed}
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
@@ -580,9 +679,10 @@ def write_initial_model(
 def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bool:
     """Whether every process logged starting from the seed's initial model (a swarm box logs its trunk's fingerprint,
     VISSL logs loading the weights file)."""
-    if mode in SWARM_MODES:
+    if mode in SWARM_MODES:  # (a restarted box builds it again before it loads its checkpoint: logged twice)
         return all(
-            re.findall(r"trunk fingerprint (\w+)", peer.log_text()) == [initial.trunk_fingerprint] for peer in peers
+            set(re.findall(r"trunk fingerprint (\w+)", peer.log_text())) == {initial.trunk_fingerprint}
+            for peer in peers
         )
     return all(f"Initializing model from: {initial.path}" in peer.log_text() for peer in peers)
 
@@ -590,13 +690,27 @@ def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bo
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def make_peers(mode: str, seed: int, out: Path, plan: Plan, env: dict[str, str]) -> list[LocalPeer]:
+def make_peers(mode: str, seed: int, out: Path, plan: Plan, env: dict[str, str], pace_s: float) -> list[LocalPeer]:
+    """The run's processes; ``pace_s`` > 0: swarm boxes whose steps last at least that long (tests/paced_trainer.py:
+    run_trainer.py's main with one hook that sleeps the rest of the step)."""
     run_dir = out / mode / f"seed{seed}"
     if mode == "ddp":  # gloo on the loopback only (it would pick the host name's interface otherwise)
         return [LocalPeer("ddp", run_dir, config=plan.config, env={"GLOO_SOCKET_IFNAME": "lo"})]
     if mode == "alone":
         return [LocalPeer("box0", run_dir, config=plan.config)]
-    return [LocalPeer(f"box{index}", run_dir, config=plan.config, env=dict(env)) for index in range(plan.boxes)]
+    script = LocalPeer.script
+    if pace_s > 0:
+        from tests.paced_trainer import MIN_STEP_ENV, SCRIPT
+
+        env, script = {**env, MIN_STEP_ENV: f"{pace_s:g}"}, SCRIPT
+    return [
+        LocalPeer(f"box{index}", run_dir, config=plan.config, env=dict(env), script=script)
+        for index in range(plan.boxes)
+    ]
+
+
+def pace_of(mode: str, args: argparse.Namespace) -> float:
+    return args.churn_pace_s if mode in PACED_MODES else 0.0
 
 
 def trainer_arguments(
@@ -611,7 +725,7 @@ def trainer_arguments(
         f"config.DATA.TRAIN.DATA_LIMIT={plan.data_limit}",
         f"config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY={plan.checkpoint_every(mode)}",
         "config.CHECKPOINT.CHECKPOINT_FREQUENCY=1000000",
-        "config.LOG_FREQUENCY=20",
+        f"config.LOG_FREQUENCY={1 if mode in PACED_MODES else 20}",  # churn: the kill lands on box 2's step
     ]
     if mode in SWARM_MODES:
         group = plan.boxes + 1 if args.slow_averaging else plan.boxes  # slow: no group fills before the deadline
@@ -626,8 +740,7 @@ def trainer_arguments(
             "30",
             "--next_chunk_timeout",
             "5",
-            "--load_state_timeout",
-            "0",
+            *NO_STATE_DOWNLOAD,
             *(OUTER_FLAGS if mode == "swarm_outer" else []),
         ]
     else:  # VISSL's stock self_supervision_task, from the seed's initial model
@@ -650,14 +763,17 @@ def train(
     plan: Plan,
     initial: InitialModel,
     deadline_s: float,
-) -> float:
-    """Start the run's processes, wait until all exited, return the wall-clock seconds (reported, never plotted);
-    BenchError if one failed or the run passed its deadline (every process is stopped then)."""
+) -> tuple[float, dict | None]:
+    """Start the run's processes (swarm_churn: crash and restart its box, ``run_churn``), wait until all exited;
+    return the wall-clock seconds (reported, never plotted) and the churn's record (None in other modes). BenchError
+    if one failed or the run passed its deadline (every process is stopped then)."""
     flags, overrides = trainer_arguments(mode, seed, plan, initial, args)
     started = time.monotonic()
+    watch = Watch(mode, seed, peers, started + deadline_s)
+    churned = None
     try:
         if mode in SWARM_MODES:
-            start_swarm_together(
+            addresses = start_swarm_together(
                 peers,
                 args.data_path,
                 flags,
@@ -666,19 +782,187 @@ def train(
             )
         else:
             peers[0].start(args.data_path, [], flags, overrides + box_seed(seed, 0))
-        while any(peer.is_running() for peer in peers):
-            check_exits(mode, seed, peers)  # one crashed: stop the others rather than wait for them
-            if time.monotonic() - started > deadline_s:
-                raise BenchError(
-                    f"{mode} seed {seed} did not finish within {deadline_s:.0f} s; logs: {peers[0].out_dir}"
-                )
-            time.sleep(1.0)
-    except (RuntimeError, TimeoutError) as error:  # a box that died or hung before its join line
+        if mode == "swarm_churn":
+
+            def restart(box: LocalPeer) -> None:  # its own command, as its first start had it (README's restart)
+                box.start(args.data_path, addresses, restart_flags(flags), overrides + box_seed(seed, peers.index(box)))
+
+            churned = run_churn(Churn.of(plan), peers, restart, watch)
+        watch.until(lambda: not any(peer.is_running() for peer in peers), "every process finishing", poll=1.0)
+    except (RuntimeError, TimeoutError) as error:  # a box that died or hung before its join line, or the deadline
         raise BenchError(f"{mode} seed {seed}: {error}{crash_report(peers)}") from error
     finally:
         stop_all(peers)
     check_exits(mode, seed, peers)
-    return time.monotonic() - started
+    return time.monotonic() - started, churned
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The waits of one run: each until a condition holds, all before the run's deadline (``time.monotonic()``); a
+    process of ``peers`` (or of the wait's own list) that failed meanwhile ends the wait with its log line."""
+
+    mode: str
+    seed: int
+    peers: list[LocalPeer]
+    deadline: float
+
+    def until(
+        self, condition: Callable[[], Any], what: str, watched: list[LocalPeer] | None = None, poll: float = 0.2
+    ) -> Any:
+        def checked() -> Any:
+            check_exits(self.mode, self.seed, self.peers if watched is None else watched)
+            return condition()
+
+        return wait_until(
+            checked, max(1.0, self.deadline - time.monotonic()), f"{what} (logs: {self.peers[0].out_dir})", poll
+        )
+
+
+def restart_flags(flags: list[str]) -> list[str]:
+    """A box's command again without the first start's ``NO_STATE_DOWNLOAD``: run_trainer.py's default timeout, with
+    which a restarted box takes the swarm's state when the swarm is ahead of its checkpoint."""
+    at = next(i for i in range(len(flags)) if flags[i : i + len(NO_STATE_DOWNLOAD)] == NO_STATE_DOWNLOAD)
+    return flags[:at] + flags[at + len(NO_STATE_DOWNLOAD) :]
+
+
+# ------------------------------------------------------------------------------------------------------- churn
+
+
+CHURN_MEANS = (  # of a churn record, averaged over seeds in the summary
+    "lost_steps",
+    "steps_not_in_a_round",
+    "away_share_of_budget",
+    "share_of_steps",
+    "steps_after_rejoin",
+    "restart_s",
+)
+SPEED_WINDOW_S = 3.0  # the others' speed after the kill (when to restart the churned box): over this much at least
+
+
+@dataclass(frozen=True)
+class Churn:
+    """swarm_churn: box ``box`` is killed once it logged step ``kill_step`` (a third of its share) and should be back
+    when the swarm has trained on ``back_at`` samples (two thirds of the budget)."""
+
+    box: int
+    kill_step: int
+    back_at: int
+
+    @classmethod
+    def of(cls, plan: Plan) -> Churn:
+        return cls(box=plan.boxes - 1, kill_step=max(1, plan.shared_steps // 3), back_at=2 * plan.budget_samples // 3)
+
+
+def run_churn(churn: Churn, peers: list[LocalPeer], restart: Callable[[LocalPeer], None], watch: Watch) -> dict:
+    """Kill the box at its step, start it again with ``restart`` when, given its first start-up's seconds, it would
+    be back at ``churn.back_at``, and wait until it trains again; its record: where it left and came back."""
+    box = peers[churn.box]
+    others = [peer for peer in peers if peer is not box]
+    first = watch.until(lambda: box.progress()[:1], f"{box.name}'s first step")[0]
+    startup_s = first["time"] - box.started_at
+    watch.until(
+        lambda: box.last_step() >= churn.kill_step or not box.is_running(),
+        f"{box.name} reaching step {churn.kill_step}",
+        poll=0.05,
+    )
+    if not box.is_running():
+        raise BenchError(f"{box.name} ended before its step {churn.kill_step}; its log: {box.log_path}")
+    box.kill()  # its whole session (trainer, DHT, averager, p2pd): a box that lost power
+    killed_at, at_kill = time.time(), box.progress()[-1]
+    snapshots = [r["step_at_snapshot"] for r in box.applied_rounds() if r.get("step_at_snapshot") is not None]
+    due = functools.partial(restart_due, others, churn.back_at, startup_s, killed_at)
+    watch.until(due, "the swarm nearing two thirds", others)
+    at_restart = swarm_position(others)
+    log_offset = len(box.log_text())
+    restart(box)
+    back = watch.until(lambda: back_in_swarm(box, others), f"{box.name} training again after its restart")
+    after = box.log_text()[log_offset:]
+    joined = re.search(r"Joined the swarm at its position: (\d+) samples", after)
+    if joined is None:  # it trained from its checkpoint: not the README's restart (no donor answered in time)
+        raise BenchError(f"{box.name} restarted without taking the swarm's state; its log: {box.log_path}")
+    resumed = re.search(r"Resume from file: .*model_iteration(\d+)\.torch", after)
+    return {
+        "box": churn.box,
+        "kill_step_planned": churn.kill_step,
+        "back_at_samples_planned": churn.back_at,
+        "first_startup_s": round(startup_s, 1),
+        "killed_at_step": at_kill["step"],
+        "steps_not_in_a_round": at_kill["step"] - max(snapshots, default=0),
+        "resumed_step": int(resumed.group(1)) if resumed else 0,
+        "swarm_samples_at_kill": at_kill.get("swarm_samples"),
+        "swarm_samples_at_restart": at_restart,
+        "swarm_samples_at_rejoin": int(joined.group(1)),
+        "restart_s": round(back - box.started_at, 1),
+        "away_s": round(back - killed_at, 1),
+    }
+
+
+def swarm_position(peers: list[LocalPeer]) -> int:
+    """The swarm's samples as the freshest logged step of ``peers`` says."""
+    return freshest_steps(peers)[-1]["swarm_samples"]
+
+
+def freshest_steps(peers: list[LocalPeer]) -> list[dict]:
+    """The logged steps of the peer that logged last (each box knows where the swarm is)."""
+    return max((peer.progress() for peer in peers), key=lambda lines: lines[-1]["time"] if lines else 0.0)
+
+
+def restart_due(others: list[LocalPeer], back_at: int, startup_s: float, killed_at: float) -> bool:
+    """Whether the churned box, started now, would be back about when the swarm reaches ``back_at`` samples, given
+    its first start-up's seconds and the others' own speed since the kill (the swarm's position is no speed: it
+    counts the dead box's speed for a while after the kill, then waits for the counts to catch up)."""
+    lines = freshest_steps(others)
+    if lines and lines[-1]["swarm_samples"] >= back_at:
+        return True
+    speed = sum(own_speed(peer, killed_at) for peer in others)
+    return speed > 0 and (back_at - lines[-1]["swarm_samples"]) / speed <= startup_s
+
+
+def own_speed(peer: LocalPeer, since: float) -> float:
+    """The samples per second ``peer`` trained since ``since``, over at least ``SPEED_WINDOW_S`` of its steps."""
+    lines = [line for line in peer.progress() if line["time"] >= since]
+    if len(lines) < 2 or lines[-1]["time"] - lines[0]["time"] < SPEED_WINDOW_S:
+        return 0.0
+    return (lines[-1]["own_samples"] - lines[0]["own_samples"]) / (lines[-1]["time"] - lines[0]["time"])
+
+
+def back_in_swarm(box: LocalPeer, others: list[LocalPeer]) -> float | None:
+    """When the restarted box logged its first step (or ended: the budget done as it came back); BenchError if the
+    others finished before it came back, which would leave it to train the rest of the budget alone."""
+    steps = [line for line in box.progress() if line["time"] >= box.started_at]
+    if steps:
+        return steps[0]["time"]
+    if not box.is_running():
+        return time.time()  # exited: a failure is reported by the caller's check of the exits
+    if not any(peer.is_running() for peer in others):
+        box.kill()
+        raise BenchError(
+            f"{box.name} was not back before the others finished the budget (restarted "
+            f"{time.time() - box.started_at:.0f} s ago); its log: {box.log_path}"
+        )
+    return None
+
+
+def churn_summary(churn: dict, steps_per_box: list[int], batch: int, budget: int) -> dict:
+    """The record with what follows from the run's end: the churned box's steps after its rejoin, its share of the
+    swarm's steps (it trained ``killed_at_step`` before the crash, ``resumed_step`` of which its checkpoint kept),
+    the samples lost (steps not in any round: the swarm never got them; since the checkpoint: the box's own), and
+    the part of the budget it was away."""
+    after = steps_per_box[churn["box"]] - churn["resumed_step"]
+    trained = [*steps_per_box]
+    trained[churn["box"]] = churn["killed_at_step"] + after
+    lost_steps = churn["killed_at_step"] - churn["resumed_step"]
+    away = churn["swarm_samples_at_rejoin"] - (churn["swarm_samples_at_kill"] or 0)
+    return {
+        **churn,
+        "steps_after_rejoin": after,
+        "share_of_steps": round(trained[churn["box"]] / sum(trained), 4),
+        "lost_steps": lost_steps,
+        "lost_samples_of_box": lost_steps * batch,
+        "lost_samples_of_swarm": churn["steps_not_in_a_round"] * batch,
+        "away_share_of_budget": round(away / budget, 4),
+    }
 
 
 def crash_report(peers: list[LocalPeer]) -> str:
@@ -870,10 +1154,12 @@ def run_one(
         print(
             f"hivemind_optimizer seed {seed}: a global epoch every {target} samples of the swarm ({source})", flush=True
         )
-    peers = make_peers(mode, seed, args.out, plan, env)
-    deadline_s = 4 * estimated_seconds(mode, plan, eval_images) + 600
-    wall_s = train(mode, seed, peers, args, plan, initial, deadline_s)
+    peers = make_peers(mode, seed, args.out, plan, env, pace_of(mode, args))
+    deadline_s = 4 * estimated_seconds(mode, plan, eval_images, pace_of(mode, args)) + 600
+    wall_s, churned = train(mode, seed, peers, args, plan, initial, deadline_s)
     result = evaluate_run(mode, seed, peers, plan, evaluator, initial, wall_s, target)
+    if churned is not None:
+        result["churn"] = churn_summary(churned, result["steps_per_box"], plan.batch, plan.budget_samples)
     if not result["same_initial_model"]:
         print(
             f"warning: {mode} seed {seed}: not every process logged starting from {initial.path} (trunk "
@@ -926,6 +1212,8 @@ def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
             steps_per_round_mean=_rounded(mean(ratios), 1) if ratios else None,
             rounds_per_box_mean=round(mean(a for run in done for a in run["rounds_applied_per_box"]), 1),
         )
+    if churns := [run["churn"] for run in done if "churn" in run]:
+        summary["churn_mean"] = {key: _rounded(mean(churn[key] for churn in churns)) for key in CHURN_MEANS}
     return summary
 
 
@@ -1035,17 +1323,80 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict]) -> list[dict]:
+def paired_differences(runs: list[dict]) -> list[dict]:
+    """``variant − reference`` seed by seed (the same initial model), for each pair of ``PAIRED`` that ran: final kNN
+    and held-out loss, each seed's difference and their mean ± std over the seeds where both finished."""
+    done = {(run["mode"], run["seed"]): run for run in runs if "error" not in run}
+    differences = []
+    for variant, reference in PAIRED:
+        seeds = sorted(seed for mode, seed in done if mode == variant and (reference, seed) in done)
+        if not seeds:
+            continue
+        entry: dict[str, Any] = {"variant": variant, "reference": reference, "seeds": seeds}
+        for key in ("knn", "heldout_loss"):
+            per_seed = [done[(variant, seed)][key] - done[(reference, seed)][key] for seed in seeds]
+            value, std = spread(per_seed)
+            entry[key] = {"mean": _rounded(value), "std": _rounded(std), "per_seed": [_rounded(d) for d in per_seed]}
+        differences.append(entry)
+    return differences
+
+
+def differences_markdown(differences: list[dict]) -> str:
+    def signed(stats: dict) -> str:
+        std = f" ± {stats['std']:.4f}" if stats["std"] is not None else ""
+        return f"{stats['mean']:+.4f}{std} (per seed {', '.join(f'{d:+.4f}' for d in stats['per_seed'])})"
+
+    return "\n".join(
+        f"- {e['variant']} − {e['reference']}, seed by seed (n={len(e['seeds'])}, mean ± std): kNN "
+        f"{signed(e['knn'])}; held-out SwAV loss {signed(e['heldout_loss'])}"
+        for e in differences
+    )
+
+
+def churn_row(seed: int, churn: dict) -> dict:
+    """A swarm_churn seed in the report: where the box left and came back, and what it lost."""
+    return {
+        "seed": seed,
+        "box killed at step (planned)": f"{churn['killed_at_step']} ({churn['kill_step_planned']})",
+        "resumed checkpoint's step": churn["resumed_step"],
+        "lost steps of the box (samples)": f"{churn['lost_steps']} ({churn['lost_samples_of_box']})",
+        "steps in no round (samples)": f"{churn['steps_not_in_a_round']} ({churn['lost_samples_of_swarm']})",
+        "swarm samples at kill / restart / rejoin (planned rejoin)": (
+            f"{churn['swarm_samples_at_kill']} / {churn['swarm_samples_at_restart']} / "
+            f"{churn['swarm_samples_at_rejoin']} ({churn['back_at_samples_planned']})"
+        ),
+        "away, share of the budget": churn["away_share_of_budget"],
+        "restart s (first start s)": f"{churn['restart_s']} ({churn['first_startup_s']})",
+        "box steps after rejoin": churn["steps_after_rejoin"],
+        "box share of the swarm's steps": churn["share_of_steps"],
+    }
+
+
+def report_markdown(summaries: list[dict], differences: list[dict], runs: list[dict]) -> str:
+    """The table of modes, then the paired differences and the churn's rows where there are any."""
+    parts = [markdown(summaries)]
+    if differences:
+        parts.append(differences_markdown(differences))
+    churned = [churn_row(run["seed"], run["churn"]) for run in runs if "churn" in run]
+    if churned:
+        parts.append("swarm_churn, per seed: box 2 crashed at a third of its steps and came back (README's restart)")
+        parts.append(markdown_table(churned))
+    return "\n\n".join(parts)
+
+
+def write_outputs(args: argparse.Namespace, settings: dict, runs: list[dict]) -> tuple[list[dict], list[dict]]:
     alone = {run["seed"]: run["knn"] for run in runs if run["mode"] == "alone" and "error" not in run}
     summaries = [
         summarize(mode, [run for run in runs if run["mode"] == mode], alone)
         for mode in args.modes
         if any(run["mode"] == mode for run in runs)
     ]
+    differences = paired_differences(runs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": settings, "summary": summaries, "runs": runs}, indent=1) + "\n")
-    return summaries
+        document = {"settings": settings, "summary": summaries, "differences": differences, "runs": runs}
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
+    return summaries, differences
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1065,7 +1416,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_images = bank + val_images
     trained = [mode for mode in args.modes if mode in TRAINED]
     expected = eval_images * DECODE_S_PER_IMAGE + len(seeds) * (
-        3 * eval_images * EVAL_S_PER_IMAGE + sum(estimated_seconds(mode, plan, eval_images) for mode in args.modes)
+        3 * eval_images * EVAL_S_PER_IMAGE
+        + sum(estimated_seconds(mode, plan, eval_images, pace_of(mode, args)) for mode in args.modes)
     )
     print(
         f"{len(args.modes)} modes x {len(seeds)} seeds: {plan.config} on {args.data_path}, {plan.epochs} epochs of "
@@ -1095,6 +1447,7 @@ def main(argv: list[str] | None = None) -> int:
             "slow_averaging": args.slow_averaging,
             "min_matchmaking_time": args.min_matchmaking_time,
             "hivemind_steps_per_round": args.hivemind_steps_per_round,
+            "churn_pace_s": {mode: pace_of(mode, args) for mode in PACED_MODES if mode in args.modes},
         },
         "heldout": {"images": args.heldout_images, "batch": args.heldout_batch},
         "seeds": seeds,
@@ -1123,8 +1476,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = {k: v for k, v in run.items() if k not in ("curve", "curves_per_box", "rounds_per_box")}
             print(f"{mode} seed {seed}: {json.dumps(shown)}", flush=True)
             write_outputs(args, settings, runs)  # partial results survive an interrupted benchmark
-    summaries = write_outputs(args, settings, runs)
-    table = markdown(summaries)
+    summaries, differences = write_outputs(args, settings, runs)
+    table = report_markdown(summaries, differences, runs)
     print(table)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

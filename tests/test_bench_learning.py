@@ -111,3 +111,98 @@ def test_crossing_interpolates_and_says_not_reached() -> None:
     assert bench_learning.crossing(curve, 0.8, "samples") == 720.0
     assert bench_learning.crossing(curve, 0.5, "steps") == 0
     assert bench_learning.crossing(curve, 0.95, "steps") is None
+
+
+@pytest.mark.long
+@pytest.mark.xdist_group("swarm_scenarios")
+@pytest.mark.timeout(900)
+def test_bench_learning_quick_churn_box_comes_back_with_the_swarms_state(digits_dir: Path, tmp_path: Path) -> None:
+    """swarm_churn on --quick: box 2's session is SIGKILLed at a third of its steps and started again with its own
+    command; it resumes its checkpoint, takes the swarm's state, trains to the end of the budget, and the run's record
+    says what it lost and where in the budget it left and came back. Paced (0.3 s a step: ~50 s of training per box)
+    so that the restart (~10-15 s here) is back before the others finish even when the suite loads the cores."""
+    out, report = tmp_path / "learning", tmp_path / "churn.json"
+    arguments = ["--quick", "--data_path", str(digits_dir), "--modes", "swarm_churn", "--curve_points", "4"]
+    arguments += ["--churn_pace_s", "0.3"]
+    arguments += ["--out", str(out), "--json", str(report), "--markdown", str(tmp_path / "churn.md")]
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    result = json.loads(report.read_text())
+    recipe, (run,) = result["settings"]["recipe"], result["runs"]
+    assert "error" not in run, run
+    churn = run["churn"]
+    assert churn["box"] == 2 and churn["kill_step_planned"] == recipe["shared_steps"] // 3
+    assert churn["killed_at_step"] >= churn["kill_step_planned"], churn  # the kill waits for its step to be logged
+    # curve_points 4: a checkpoint every ceil(174 / 4) = 44 steps, the kill at 58: it resumed step 44, lost the rest
+    assert 0 < churn["resumed_step"] < churn["killed_at_step"], churn
+    assert churn["lost_steps"] == churn["killed_at_step"] - churn["resumed_step"]
+    assert 0 <= churn["steps_not_in_a_round"] <= churn["killed_at_step"]
+    # it came back into the swarm's budget, after it left, and trained in it
+    assert churn["swarm_samples_at_kill"] < churn["swarm_samples_at_rejoin"] < recipe["budget_samples"], churn
+    assert 0 < churn["away_share_of_budget"] < 1 and churn["steps_after_rejoin"] > 0, churn
+    assert run["samples_of_swarm"] >= recipe["budget_samples"] and run["same_initial_model"]
+    log = (out / "swarm_churn" / "seed0" / "box2.log").read_text()
+    assert log.count("Resume from file") == 1 and "is behind the swarm" in log  # the README's restart
+    summary = result["summary"][0]
+    assert summary["mode"] == "swarm_churn" and summary["churn_mean"]["lost_steps"] == churn["lost_steps"]
+    assert "swarm_churn, per seed" in (tmp_path / "churn.md").read_text()
+    assert result["settings"]["averaging"]["churn_pace_s"] == {"swarm_churn": 0.3}
+
+
+def test_paired_differences_are_seed_by_seed_and_skip_failed_runs() -> None:
+    runs = [
+        {"mode": "swarm", "seed": 0, "knn": 0.70, "heldout_loss": 5.5},
+        {"mode": "swarm", "seed": 1, "knn": 0.60, "heldout_loss": 5.6},
+        {"mode": "swarm", "seed": 2, "knn": 0.65, "heldout_loss": 5.4},
+        {"mode": "swarm_churn", "seed": 0, "knn": 0.68, "heldout_loss": 5.6},
+        {"mode": "swarm_churn", "seed": 1, "knn": 0.60, "heldout_loss": 5.6},
+        {"mode": "swarm_churn", "seed": 2, "error": "box2 was not back"},
+    ]
+    (entry,) = bench_learning.paired_differences(runs)
+    assert (entry["variant"], entry["reference"], entry["seeds"]) == ("swarm_churn", "swarm", [0, 1])
+    assert entry["knn"]["per_seed"] == [-0.02, 0.0] and entry["knn"]["mean"] == -0.01
+    assert entry["heldout_loss"]["per_seed"] == [0.1, 0.0] and entry["heldout_loss"]["std"] > 0
+    assert "swarm_churn − swarm, seed by seed (n=2" in bench_learning.differences_markdown([entry])
+
+
+def test_churn_summary_counts_the_box_s_lost_and_trained_steps() -> None:
+    record = {
+        "box": 2,
+        "killed_at_step": 42,
+        "resumed_step": 32,
+        "steps_not_in_a_round": 3,
+        "swarm_samples_at_kill": 4000,
+        "swarm_samples_at_rejoin": 8000,
+    }
+    churn = bench_learning.churn_summary(record, [150, 148, 70], batch=32, budget=12000)
+    assert churn["steps_after_rejoin"] == 38 and churn["lost_steps"] == 10
+    assert churn["lost_samples_of_box"] == 320 and churn["lost_samples_of_swarm"] == 96
+    assert churn["share_of_steps"] == round(80 / 378, 4) and churn["away_share_of_budget"] == round(4000 / 12000, 4)
+    assert bench_learning.restart_flags(["--run_id", "x", "--load_state_timeout", "0", "--outer_nesterov"]) == [
+        "--run_id",
+        "x",
+        "--outer_nesterov",
+    ]
+
+
+class LoggedSteps:
+    """A peer's logged steps only (what restart_due reads)."""
+
+    def __init__(self, lines: list[dict]) -> None:
+        self.lines = lines
+
+    def progress(self) -> list[dict]:
+        return self.lines
+
+
+def test_restart_due_when_the_others_speed_brings_two_thirds_within_a_start_up() -> None:
+    def box(seconds: int, position: int) -> LoggedSteps:  # 100 samples/s of its own since the kill at t=0
+        return LoggedSteps([{"time": t, "own_samples": 100 * t, "swarm_samples": position} for t in range(seconds + 1)])
+
+    others = [box(4, 5000), box(4, 5000)]  # 200 samples/s together: 8000 is 15 s away
+    assert not bench_learning.restart_due(others, 8000, startup_s=10.0, killed_at=0.0)
+    assert bench_learning.restart_due(others, 8000, startup_s=16.0, killed_at=0.0)
+    assert not bench_learning.restart_due([box(2, 5000)] * 2, 8000, startup_s=99.0, killed_at=0.0)  # too soon to tell
+    assert bench_learning.restart_due([box(1, 8000)] * 2, 8000, startup_s=0.0, killed_at=0.0)  # two thirds reached
