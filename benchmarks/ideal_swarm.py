@@ -25,6 +25,7 @@ import torch.nn as nn
 from decentralized_sgd.outer import OuterOptimizer, OuterSettings
 
 GROUPS = ("all", "pairs")  # pairs: each round averages one random pair of peers (the third trains on alone)
+WIRES = ("exact", "fp16", "uint8")  # exact, or decentralized_sgd.compression's --compression by that name
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,15 @@ class IdealOptions:
     momentum_buffers: str = "local"  # local | average (as --average_optimizer_state) | reset (zeroed after a round)
     outer: OuterSettings = OuterSettings()
     spacing: float = 1.0  # the rounds of a run at steps T·(k/K)^spacing (K = T / period): > 1 denser early (post-local)
+    wire: str = "exact"  # what crosses hivemind's AllReduce: exact, or compressed as --compression fp16 / 8-bit would
 
     def __post_init__(self) -> None:
         if self.period < 1 or not 0 <= self.staleness < self.period:
             raise ValueError(f"need period >= 1 and 0 <= staleness < period, got {self.period}, {self.staleness}")
         if self.spacing <= 0:
             raise ValueError(f"spacing must be > 0, got {self.spacing}")
+        if self.wire not in WIRES:
+            raise ValueError(f"unknown wire {self.wire!r}: one of {sorted(WIRES)}")
         if self.group not in GROUPS or self.momentum_buffers not in ("local", "average", "reset"):
             raise ValueError(f"unknown group {self.group!r} or momentum_buffers {self.momentum_buffers!r}")
 
@@ -62,14 +66,36 @@ class Replica:
         return self.params + (self.momenta() if with_momenta else [])
 
 
+def through_the_wire(tensors: list[torch.Tensor], wire: str) -> list[torch.Tensor]:
+    """The tensors as the other side of hivemind's AllReduce reads them: compressed as the product's
+    ``--compression`` (``make_compression``: uint8 sends tensors under 2^16 values as fp16) and decoded, by hivemind's
+    own code (with the NumPy 2 fix of ``hivemind_fixes``)."""
+    if wire == "exact":
+        return tensors
+    from hivemind.compression import CompressionInfo
+
+    from decentralized_sgd.compression import make_compression
+    from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+
+    compression = make_compression(wire)
+    with fixed_8bit_decoding():
+        return [
+            compression.extract(compression.compress(t, CompressionInfo.from_tensor(t))).to(t.dtype) for t in tensors
+        ]
+
+
 @torch.no_grad()
 def average_round(members: list[Replica], options: IdealOptions) -> None:
-    """Exact average of the members' snapshots, applied with the delta rule (and the outer step), now."""
+    """Average of the members' snapshots, applied with the delta rule (and the outer step), now. With a compressed
+    ``wire``, as hivemind's AllReduce does it: each member's part reaches the reducer compressed, the reducer averages
+    what it read and sends each member back its delta (average − the part it read), compressed too; so a member's
+    update is Q(mean(Q(s)) − Q(s_i)), and its own rounding error stays in its weights."""
     with_momenta = options.momentum_buffers == "average" and all(r.momenta() for r in members)
     snapshots = [r.snapshot or [t.clone() for t in r.tensors(with_momenta)] for r in members]
-    mean = [torch.stack(parts).mean(0) for parts in zip(*snapshots, strict=True)]
-    for replica, snapshot in zip(members, snapshots, strict=True):
-        update = torch._foreach_sub(mean, snapshot)  # m − s
+    sent = [through_the_wire(snapshot, options.wire) for snapshot in snapshots]
+    mean = [torch.stack(parts).mean(0) for parts in zip(*sent, strict=True)]
+    for replica, received in zip(members, sent, strict=True):
+        update = through_the_wire(torch._foreach_sub(mean, received), options.wire)  # m − s (exact wire)
         if replica.outer is not None:
             replica.outer.step_(update, mean)
         torch._foreach_add_(replica.tensors(with_momenta), update)

@@ -10,9 +10,10 @@ Why apart from bench_optimizer: these runs need no hivemind and no pacing, take 
 the machine's load, and are exact for a seed, so dozens of variants can be screened before the few that look
 useful are run against the real swarm (``bench_optimizer.py --experiments outer``). A job's keys: ``rule`` (the
 swarm_lr rule), ``seed``, ``period`` and the ``IdealOptions`` fields (``group``, ``staleness``,
-``momentum_buffers``, ``spacing``), the outer step's ``b`` (momentum), ``a`` (lr), ``nesterov``, and ``samples``
-(the swarm's budget S, default bench_optimizer's 120k: plan ``budget`` asks how the gap to DDP's math and the outer
-step's gain change when a run holds more rounds at the same period).
+``momentum_buffers``, ``spacing``, ``wire``), the outer step's ``b`` (momentum), ``a`` (lr), ``nesterov``, and
+``samples`` (the swarm's budget S, default bench_optimizer's 120k: plan ``budget`` asks how the gap to DDP's math and
+the outer step's gain change when a run holds more rounds at the same period; plan ``wire`` whether 8-bit's twice the
+rounds for the same bytes pay for its rounding).
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ PLANS = {
         dict(rule="sqrt", period=179, spacing=2.0),
         dict(rule="sqrt", period=179, spacing=1.5),
         dict(rule="sqrt", period=179, spacing=0.7),
+    ],
+    "wire": [  # more rounds for the same bytes: 8-bit halves fp16's bytes, so at a link-bound period twice the rounds
+        dict(rule="sqrt", period=179, wire="fp16"),
+        dict(rule="sqrt", period=179, wire="uint8"),
+        dict(rule="sqrt", period=90),
+        dict(rule="sqrt", period=90, wire="fp16"),
+        dict(rule="sqrt", period=90, wire="uint8"),
     ],
     **{
         name: [  # the real boxes' period in runs 3x and 9x as long (20 and 60 rounds), against DDP's update
