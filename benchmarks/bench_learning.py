@@ -1377,10 +1377,12 @@ def report_markdown(summaries: list[dict], differences: list[dict], runs: list[d
     parts = [markdown(summaries)]
     if differences:
         parts.append(differences_markdown(differences))
-    churned = [churn_row(run["seed"], run["churn"]) for run in runs if "churn" in run]
-    if churned:
-        parts.append("swarm_churn, per seed: box 2 crashed at a third of its steps and came back (README's restart)")
-        parts.append(markdown_table(churned))
+    churns = [run for run in runs if "churn" in run]
+    if churns:
+        box = churns[0]["churn"]["box"]
+        headline = f"swarm_churn, per seed: box {box} crashed at a third of its steps and came back (README's restart)"
+        parts.append(headline)
+        parts.append(markdown_table([churn_row(run["seed"], run["churn"]) for run in churns]))
     return "\n\n".join(parts)
 
 
