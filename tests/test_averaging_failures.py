@@ -27,7 +27,7 @@ def errors_from_us(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("decentralized")]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_a_killed_averager_is_reported_once_and_restarted(swarm: Swarm, caplog):
     torch.manual_seed(0)
     a, b = (swarm.peer(make_model(width=WIDE), compression="uint8") for _ in range(2))
@@ -47,16 +47,23 @@ def test_a_killed_averager_is_reported_once_and_restarted(swarm: Swarm, caplog):
         for peer in (a, b):
             peer.model[0].weight.add_(torch.randn_like(peer.model[0].weight))
         perturbed_at = (a.local_step, b.local_step)
+
+    def gap() -> float:
+        with a.lock, b.lock, torch.no_grad():
+            return float((a.model[0].weight - b.model[0].weight).abs().mean())
+
+    # the outcome, not "a round applied since": hivemind applies a round that averaged only part of the tensors
+    # (a loaded make test: "Averaging: received 44.4% results", the weights still 1.12 apart after it)
     wait_until(
-        lambda: all(
-            any(r["applied"] and r["step_at_snapshot"] >= step for r in p.records)
-            for p, step in zip((a, b), perturbed_at, strict=True)
-        ),
-        60,
-        lambda: [p.records[-2:] for p in (a, b)],
+        lambda: gap() < 0.05,  # was ~1.1 after the perturbation
+        90,
+        lambda: (gap(), perturbed_at, [p.records[-2:] for p in (a, b)]),
     )
     swarm.stop_training()
-    assert (a.model[0].weight - b.model[0].weight).abs().mean() < 0.05  # was ~1.1 after the perturbation
+    assert all(
+        any(r["applied"] and r["step_at_snapshot"] >= step for r in p.records)
+        for p, step in zip((a, b), perturbed_at, strict=True)
+    )
     assert all(torch.isfinite(t).all() for p in (a, b) for t in averaged_tensors(p))
 
 
