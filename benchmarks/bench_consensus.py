@@ -134,9 +134,9 @@ def markdown(report: dict[str, Any]) -> str:
     def mmm(stat: dict) -> str:
         return f"{stat['min']:g} / {stat['median']:g} / {stat['max']:g} ({stat['total']:g})"
 
-    def share(run: dict, counter: str) -> str:
-        total = run[counter]["total"]
-        return f"{total:g} of {run['rounds_ended']} ({total / max(1, run['rounds_ended']):.1%})"
+    def share(run: dict, counter: str) -> str:  # with run_swarm's failed_share / no_group_share
+        fraction = run[counter.removeprefix("rounds_") + "_share"]
+        return f"{run[counter]['total']:g} of {run['rounds_ended']} ({fraction:.1%})"
 
     lines = [
         f"# Consensus of {report['runs'][0]['peers']} peers (`benchmarks/bench_consensus.py`)",

@@ -95,15 +95,15 @@ class AddressBook:
         os.replace(partial, self.path)
 
 
-async def dht_neighbours(_dht: hivemind.DHT, node: DHTNode) -> dict[str, list[str]]:
+async def routing_table_peers(_dht: hivemind.DHT, node: DHTNode) -> list[str]:
+    """Runs in the DHT process: the peer ids in our routing table."""
+    return [str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid]
+
+
+async def dht_neighbours(dht: hivemind.DHT, node: DHTNode) -> dict[str, list[str]]:
     """Runs in the DHT process: the peers in our routing table and the addresses libp2p knows for them (their
     announced listen addresses), as {peer id: [multiaddr without /p2p]}."""
-    in_table = {str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid}
-    return {
-        str(info.peer_id): [str(address) for address in info.addrs]
-        for info in await node.p2p.list_peers()
-        if str(info.peer_id) in in_table
-    }
+    return await peer_addresses(dht, node, await routing_table_peers(dht, node))
 
 
 async def peer_addresses(_dht: hivemind.DHT, node: DHTNode, peer_ids: list[str]) -> dict[str, list[str]]:

@@ -33,7 +33,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from decentralized_sgd.address_book import AddressBook, dht_neighbours, peer_addresses
+from decentralized_sgd.address_book import AddressBook, dht_neighbours, peer_addresses, routing_table_peers
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class DHTRejoiner(threading.Thread):
         that were not noted yet go into the book now, with the addresses libp2p knows for them. A peer whose
         addresses it does not know yet is looked at again, ``ADDRESS_TRIES`` times. Returns the peers noted."""
         assert self.book is not None
-        table = self.dht.run_coroutine(_routing_table_peer_ids, return_future=True).result(timeout=self.period)
+        table = self.dht.run_coroutine(routing_table_peers, return_future=True).result(timeout=self.period)
         with self._lock:
             new = (set(table) | self._pending.keys()) - self._sighted - {self._own}
         if not new:
@@ -212,10 +212,6 @@ def rejoin_count(dht: hivemind.DHT) -> int:
     """How often `dht` rejoined the swarm (0 if nobody keeps it connected)."""
     rejoiner = _rejoiners.get(dht)
     return 0 if rejoiner is None else rejoiner.rejoins
-
-
-async def _routing_table_peer_ids(_dht: hivemind.DHT, node: DHTNode) -> list[str]:
-    return [str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid]
 
 
 async def _routing_table_size(_dht: hivemind.DHT, node: DHTNode) -> int:
