@@ -28,7 +28,7 @@ from dsgd_swarm import FAST, Swarm, make_model, port_is_free
 from hivemind.p2p import P2P, PeerID
 
 from decentralized_sgd import DecentralizedSGD
-from decentralized_sgd.address_book import AddressBook
+from decentralized_sgd.address_book import AddressBook, routing_table_peers
 from decentralized_sgd.dht_rejoin import dht_peer_count, keep_dht_connected, note_groupmates, rejoiner_of
 from decentralized_sgd.end_with_parent import child_pids, is_running
 from tests.conftest import REPO
@@ -184,12 +184,8 @@ def test_the_whole_swarm_restarts_in_another_order(tmp_path: Path, capfd: pytest
             dht.shutdown()
 
 
-async def _routing_table_peer_ids(_dht, node) -> set[str]:
-    return {str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid}
-
-
 def neighbours(dht) -> set[str]:
-    return dht.run_coroutine(_routing_table_peer_ids)
+    return set(dht.run_coroutine(routing_table_peers))
 
 
 DHT_OWNER = """
