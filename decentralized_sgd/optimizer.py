@@ -53,7 +53,9 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
 AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
-SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see HivemindFixes.shutdown
+AVERAGER_STOP_S = AVERAGER_SHUTDOWN_S + 7.0  # the averager's whole stop (see HivemindFixes.shutdown)
+STARVATION_STOP_S = 6.0  # StarvationMonitor.stop: 5 s for a stopped sampler, 1 s for its reader; beside the rest
+SHUTDOWN_DEADLINE_S = max(SCHEDULER_JOIN_S + AVERAGER_STOP_S, STARVATION_STOP_S)
 COUNTERS = (
     "rounds_applied",
     "rounds_failed",
@@ -196,9 +198,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self.slow_peer_fixes = slow_peer_fixes  # False: hivemind's behaviour with a slow groupmate (an ablation)
         self.trainer = TrainerState()
         self.lock = self.trainer.lock  # the contract: change the parameters only while holding it
-        # SSP waits on it: Condition.wait releases self.lock entirely, also the holds of a caller that calls
-        # on_step_end inside ``with dsgd.lock:`` (the README's contract), so the scheduler can fill meanwhile
-        self._round_applied = threading.Condition(self.lock)
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # every part adds to these
         self.peer = str(dht.peer_id)
         self._closed = False
@@ -340,10 +339,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     # --- the trainer's side ---
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """The wrapped optimizer's step and the step boundary (see ``on_step_end``); returns the loss, as torch does."""
         with self.lock:  # one hold: the step and its count are seen together by the scheduler and by late joiners
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            applied = self._step_boundary(batch_size)
-        applied += self._enforce_staleness_bound()
+            self._step_boundary(batch_size)
+        self._enforce_staleness_bound()
         self.vetting.heal_if_asked()
         return loss
 
@@ -388,26 +388,30 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return 0
 
     def _wait_for_round(self) -> int:
-        """SSP: block until a round is applied, at most staleness_timeout seconds. Waiting is a step boundary: rounds
-        may start and fill, results are applied. ``dsgd.lock`` is released while asleep, even if the caller holds it.
-        Returns how many rounds were applied meanwhile."""
-        t0, applied = time.monotonic(), 0
+        """SSP: block until a round is applied, at most staleness_timeout seconds. The scheduler wakes us whenever a
+        round changes state, and each wake is a step boundary: rounds may start and fill, results are applied.
+        ``dsgd.lock`` is released while asleep, even if the caller holds it. Returns how many rounds were applied."""
+        trainer, t0, applied = self.trainer, time.monotonic(), 0
         self.counters["ssp_waits"] += 1
-        with self._round_applied:
-            while self.trainer.steps_since_sync > self.max_staleness and not self._closed:
-                if time.monotonic() - t0 > self.staleness_timeout:
-                    logger.warning(
-                        f"SSP: no round applied for {self.trainer.steps_since_sync} steps and "
-                        f"{self.staleness_timeout}s, continuing without averaging"
-                    )
-                    self.counters["ssp_timeouts"] += 1
-                    self.trainer.synced()
-                    break
-                self._round_applied.wait(0.01)
-                self.trainer.count_wait()
+        with self.lock:
+            while True:
+                seen = trainer.round_changes  # a round that changes from here on wakes the wait below
                 applied += self._apply_finished_rounds()
                 self.boundary_marks.record()
                 self._scheduler.wake()
+                if trainer.steps_since_sync <= self.max_staleness or self._closed:
+                    break
+                left = self.staleness_timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    logger.warning(
+                        f"SSP: no round applied for {trainer.steps_since_sync} steps and "
+                        f"{self.staleness_timeout}s, continuing without averaging"
+                    )
+                    self.counters["ssp_timeouts"] += 1
+                    trainer.synced()
+                    break
+                trainer.wait_for_round_change(seen, left)
+                trainer.count_wait()
         self.counters["ssp_wait_s"] += time.monotonic() - t0
         return applied
 
@@ -464,11 +468,12 @@ class DecentralizedSGD(TorchOptimizerFacade):
         if self._closed:
             return
         self._closed = True
+        stopping = threading.Thread(target=self.starvation.stop if self.starvation else None, name="dsgd-stop")
+        stopping.start()  # beside the rest, so that its bound overlaps theirs (SHUTDOWN_DEADLINE_S)
         self._scheduler.stop(timeout=SCHEDULER_JOIN_S)
         self.round_book.close("shut down")
         self._supervisor.shutdown()
-        if self.starvation is not None:
-            self.starvation.stop()
+        stopping.join()
 
     def __enter__(self) -> DecentralizedSGD:
         return self

@@ -53,7 +53,7 @@ from typing import Any
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from .exchange import RoundExchange, fail_from_control
+from .exchange import LOCK_POLL_S, RoundExchange, fail_from_control
 from .hivemind_fixes import AveragerUnresponsive, cancel_step_first, shared_memory_manager_timed_out
 from .rounds import Round, RoundBook
 from .rounds import RoundState as S
@@ -100,6 +100,7 @@ class RoundScheduler(threading.Thread):
         self._boundary_at_last_start = self._failures_seen = 0
         self._allreduce_ema: float | None = None
         self._errors_seen: set[str] = set()
+        self._trainer_told = True  # False: a round changed and an SSP wait may not know yet
 
     def wake(self) -> None:
         self._wake.set()
@@ -145,6 +146,7 @@ class RoundScheduler(threading.Thread):
 
     def tick(self) -> None:
         """One pass over the rounds (the thread's loop calls it every tick; a unit test may call it itself)."""
+        before = self._states()
         for source in self.counts:
             self.counters.update(source())
         self.vetting.on_tick()
@@ -162,6 +164,12 @@ class RoundScheduler(threading.Thread):
             self._maybe_start_round()
         with self.book.lock:
             self.book.retire(self.trainer.local_step)
+        if self._states() != before or not self._trainer_told:  # wake an SSP wait: a step boundary may follow
+            self._trainer_told = self.trainer.round_changed(LOCK_POLL_S)
+
+    def _states(self) -> list[tuple[int, S]]:
+        with self.book.lock:
+            return [(r.index, r.state) for r in self.book.rounds]
 
     def _advance(self, r: Round, older: list[Round]) -> None:
         r.observe(self.supervisor.averager.allreduce_stamps)

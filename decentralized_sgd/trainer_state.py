@@ -24,6 +24,11 @@ class TrainerState:
         self.clock = StepClock()  # when the next step boundary is due (scheduler, step 2)
         self.last_sync_step = 0  # the step at which a round was last applied (SSP)
         self._samples_since_fill = 0
+        # SSP: the trainer waits on it for a round to change; Condition.wait releases ``lock`` entirely, also the
+        # holds of a caller of on_step_end inside ``with dsgd.lock:`` (the README's contract)
+        self._round_changed = threading.Condition(self.lock)
+        self.round_changes = 0  # written by the scheduler thread only
+        self.waiting = False  # the trainer sleeps in wait_for_round_change (set holding ``lock``)
 
     def count_step(self, batch_size: int | None) -> None:
         """Trainer thread, holding ``lock``: one local step of ``batch_size`` samples (1 if unknown) ended."""
@@ -49,6 +54,30 @@ class TrainerState:
         """Scheduler thread, holding ``lock``: the samples seen since the previous fill (weight_by_samples)."""
         samples, self._samples_since_fill = self._samples_since_fill, 0
         return samples
+
+    def wait_for_round_change(self, seen: int, timeout: float) -> None:
+        """Trainer thread, holding ``lock``: sleep (``lock`` released) until a round changed after ``round_changes``
+        was ``seen``, or ``timeout`` passed."""
+        self.waiting = True
+        try:
+            if self.round_changes == seen:
+                self._round_changed.wait(timeout)
+        finally:
+            self.waiting = False
+
+    def round_changed(self, lock_timeout: float) -> bool:
+        """Scheduler thread: a round changed state; wakes an SSP wait. False if the lock was busy for
+        ``lock_timeout`` while the trainer waits (call again later)."""
+        self.round_changes += 1
+        if not self.waiting:  # it sees the count before it sleeps (wait_for_round_change)
+            return True
+        if not self.lock.acquire(timeout=lock_timeout):
+            return False
+        try:
+            self._round_changed.notify_all()
+        finally:
+            self.lock.release()
+        return True
 
     def took_over(self, local_step: int, samples: int) -> None:
         """Holding ``lock``, after a donor's state replaced ours: continue from these counts."""
