@@ -46,7 +46,7 @@ from hivemind.proto import averaging_pb2
 from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
 from decentralized_sgd.averager import Averager
 from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
-from decentralized_sgd.step_clock import StepClock
+from decentralized_sgd.rounds import StepClock
 
 RECORD_FIELDS = {
     "round",
@@ -139,7 +139,7 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
         assert peer.model[1].num_batches_tracked.item() == i  # integer buffers are not averaged
         applied = [r for r in peer.records if r["applied"]]
         assert applied and all(r["group_size"] >= 2 and r["error"] is None for r in applied)
-        assert RECORD_FIELDS <= set(peer.last_record())
+        assert RECORD_FIELDS <= set(peer.records[-1])
         with open(tmp_path / f"{i}.jsonl") as f:
             assert [json.loads(line) for line in f] == peer.records
 
@@ -488,17 +488,16 @@ def test_shutdown_returns_by_its_deadline_when_every_part_takes_its_whole_bound(
     whole bound (HivemindFixes.shutdown: about shutdown_timeout + 7 s; made so here, as a test cannot wedge hivemind's
     process on demand), and the starvation monitor's a stopped sampler's whole wait (real: SIGSTOP)."""
     from decentralized_sgd import optimizer as dsgd_optimizer
-    from decentralized_sgd.supervisor import AveragerSupervisor
 
     averager_bound = dsgd_optimizer.AVERAGER_SHUTDOWN_S + 7.0
-    real_shutdown = AveragerSupervisor.shutdown
+    real_shutdown = Averager.shutdown
 
     def slowest_shutdown(self) -> None:
         started = time.monotonic()
         real_shutdown(self)
         time.sleep(max(0.0, averager_bound - (time.monotonic() - started)))
 
-    monkeypatch.setattr(AveragerSupervisor, "shutdown", slowest_shutdown)
+    monkeypatch.setattr(Averager, "shutdown", slowest_shutdown)
     a = swarm.peer(make_model(0.0))
     os.kill(a.starvation._sampler.pid, signal.SIGSTOP)  # its stop waits 5 s for the SIGTERM, then kills
     t0 = time.monotonic()
