@@ -49,28 +49,14 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
 SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + STOP_S  # then the averager and the starvation monitor, side by side
-COUNTERS = (
-    "rounds_applied",
-    "rounds_failed",
-    "rounds_no_group",
-    "rounds_discarded_nonfinite",
-    "rounds_skipped_local_nonfinite",
-    "rounds_cancelled",
-    "ssp_waits",
-    "ssp_timeouts",
-    "ssp_wait_s",
-    "trainer_s",
-    "dht_rejoins",
-    "averager_failures",
-    "averager_restarts",
+COUNTERS = (  # every count of a peer (DecentralizedSGD.counters); the round book owns the dict
+    *"rounds_applied rounds_failed rounds_no_group rounds_discarded_nonfinite rounds_skipped_local_nonfinite".split(),
+    *"rounds_cancelled ssp_waits ssp_timeouts ssp_wait_s trainer_s dht_rejoins".split(),
+    *"averager_failures averager_restarts fills fill_s fill_locked_s applies apply_s".split(),
     *STARVATION_COUNTS,
     *SLOW_PEER_COUNTS,
-    "fills",
-    "fill_s",
-    "fill_locked_s",
-    "applies",
-    "apply_s",
-) + vetting.COUNTERS
+    *vetting.COUNTERS,
+)
 
 
 class TorchOptimizerFacade:

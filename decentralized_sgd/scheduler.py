@@ -119,12 +119,10 @@ class RoundExchange:
 
     # --- scheduler thread ---
     def fill_and_trigger(self, r: Round) -> bool:
-        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers (held first: see the lock order).
-        ``dsgd.lock`` is held only while the trainer's tensors are read. The trigger goes out before the snapshot is
-        copied into the buffers: hivemind's AllReduce reads them only under their lock, which this hold keeps until
-        the copy is done, so what hivemind does first (our trigger reaching its process, its load balancing) runs
-        while we copy. False if the round could not be filled now (the trainer holds its lock: the next tick tries
-        again)."""
+        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers, ``dsgd.lock`` held only while the
+        trainer's tensors are read. The trigger goes out before the snapshot is copied into the buffers (hivemind's
+        AllReduce waits for their lock), so hivemind's first steps run while we copy. False if the trainer held its
+        lock (the next tick tries again)."""
         trainer = self.trainer
         with self.supervisor.averager.buffers(self.settings.averager_timeout) as buffers:
             if not trainer.lock.acquire(timeout=LOCK_POLL_S):
@@ -153,7 +151,11 @@ class RoundExchange:
             for update in to_add:  # outside dsgd.lock: a pending update the trainer adds meanwhile stays unchanged
                 add_(slot, update)
             self.trigger(r, buffers)
-        self._count_fill(r, locked, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.counters["fills"] += 1
+        self.counters["fill_s"] += seconds
+        self.counters["fill_locked_s"] += locked  # all a trainer can wait for
+        r.extra["fill_ms"] = 1000 * seconds
         return True
 
     def early_snapshot(self) -> tuple[list[torch.Tensor], int] | None:
@@ -182,15 +184,6 @@ class RoundExchange:
             return [], len(pending)
         staging.download_(self.tensors.local())  # from a GPU: one wait, in this thread (staging)
         return pending, len(pending)
-
-    def _count_fill(self, r: Round, locked_s: float, seconds: float) -> None:
-        """What the fill cost: ``fill_locked_s`` is how long it held dsgd.lock (all a trainer can wait for),
-        ``fill_s`` the whole fill and trigger; ``fill_ms`` in the round's record."""
-        counters = self.counters
-        counters["fills"] += 1
-        counters["fill_s"] += seconds
-        counters["fill_locked_s"] += locked_s
-        r.extra["fill_ms"] = 1000 * seconds
 
     def trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
         """Holding the averager's buffers: go, then put the snapshot (finite, or zeros with weight 0) into them;
@@ -278,21 +271,15 @@ class RoundExchange:
             for r in finished:  # host → device without waiting on a GPU (see staging)
                 staging = book.slots.staging(r.slot)
                 (staging.add_to_ if self.settings.delta_rule else staging.copy_to_)(local)
-        self._count_apply(finished, time.perf_counter() - started)
+        seconds = time.perf_counter() - started  # on a GPU: queueing the copies and adds, not waiting for them
+        self.counters["applies"] += 1
+        self.counters["apply_s"] += seconds
         with book.lock:
             for r in finished:
+                r.extra["apply_ms"] = 1000 * seconds
                 r.apply()
             book.retire(self.trainer.local_step)
         return finished
-
-    def _count_apply(self, finished: list[Round], seconds: float) -> None:
-        """What the apply cost the trainer's thread (on a GPU: queueing the copies and adds, not waiting for them);
-        ``apply_ms`` in each applied round's record."""
-        counters = self.counters
-        counters["applies"] += 1
-        counters["apply_s"] += seconds
-        for r in finished:
-            r.extra["apply_ms"] = 1000 * seconds
 
 
 class RoundScheduler(threading.Thread):
@@ -432,12 +419,9 @@ class RoundScheduler(threading.Thread):
 
     def _fill_overdue(self, r: Round, older: list[Round]) -> str | None:
         """Too late to fill: a groupmate that triggered has dropped us (our averager refused its part, which came
-        after this round began, once ``trigger_grace`` was over), or the trainer held ``dsgd.lock`` (stalled inside
-        its step) for next_chunk_timeout since the round could be filled. Time spent waiting for an older AllReduce
-        counts only through the first: groupmates that were in it wait as well (a pipelined round forms about
-        when the running AllReduce should end, and one that waited for a stalled peer's part ran late), while a
-        groupmate that was not in it has triggered at once and is refused in time; filling late for it would
-        start an AllReduce nobody joins, and the next round, formed meanwhile, would be late again."""
+        after this round began), or the trainer held ``dsgd.lock`` (stalled inside its step) for next_chunk_timeout
+        since the round could be filled. Waiting for an older AllReduce counts only through the first: groupmates
+        that were in it wait as well, and one that was not has triggered at once and is refused in time."""
         if self.supervisor.averager.early_part_refused_at() >= r.t_start:
             return "a groupmate's part came before we could trigger, and was refused"
         now = time.monotonic()
