@@ -171,6 +171,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             compression=make_compression(compression),
             client_mode=client_mode,
             trigger_grace=next_chunk_timeout,
+            handler_address=handler_address_slot(),  # one per peer: each restart registers its handlers there
             shutdown_timeout=AVERAGER_SHUTDOWN_S,
             slow_peer_fixes=settings.slow_peer_fixes,
             secret=swarm_secret,
@@ -214,7 +215,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.averaged_tensors.zeros(),
             self.dht,
             state_fn=self.state_transfer.serve,
-            handler_address=handler_address_slot(),
             slow_peer_counts=self.slow_peer_counts,
             summary_size=self.checks.sketch.size,
             rule=self.checks.rule,
