@@ -180,9 +180,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         unattached_step_controls_are_one_line()
         dead_holders_release_mpfuture_locks()  # FixedDHT did, if the caller's DHT is one
         self.starvation = self._make_starvation_monitor()
-        self._supervisor = AveragerSupervisor(
-            self._make_averager, self.round_book.counters, settings.averager_timeout, self.starvation
-        )
+        self._supervisor = AveragerSupervisor(self._make_averager, settings.averager_timeout, self.starvation)
         self.vetting = self._make_vetting(heal_timeout=allreduce_timeout)
         self.exchange = self._make_exchange(weight_by_samples)
         self._scheduler = self._make_scheduler()
@@ -269,9 +267,10 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     @property
     def counters(self) -> dict[str, float]:
-        """Every count of this peer: the parts' (in the round book's dict), and those other processes and threads
-        keep (the slow-peer fixes', the starvation monitor's, the DHT's rejoins), read now."""
-        counters = self.round_book.counters
+        """Every count of this peer: the round book's dict, with what the supervisor, other processes and threads
+        count (the slow-peer fixes, the starvation monitor, the DHT's rejoins) read now."""
+        counters, supervisor = self.round_book.counters, self._supervisor
+        counters.update(averager_failures=supervisor.failures, averager_restarts=supervisor.restarts)
         counters.update(self.slow_peer_counts.as_dict(), dht_rejoins=rejoin_count(self.dht))
         if self.starvation is not None:
             counters.update(self.starvation.counts())

@@ -49,14 +49,13 @@ class AveragerSupervisor:
     def __init__(
         self,
         make_averager: Callable[[], Averager],
-        counters: dict[str, float],
         timeout: float,
         starvation: StarvationMonitor | None = None,
     ):
-        self.make_averager, self.counters, self.timeout, self.starvation = make_averager, counters, timeout, starvation
+        self.make_averager, self.timeout, self.starvation = make_averager, timeout, starvation
         self.averager = make_averager()
         self.failure: str | None = None  # what went wrong, until the averager has been restarted
-        self.failures, self.last_failure = 0, ""  # the scheduler fails the rounds of every failed averager
+        self.failures, self.restarts, self.last_failure = 0, 0, ""  # the scheduler fails the rounds of each failure
         self._failures_in_a_row, self._restart_at, self._last_restart = 0, 0.0, float("-inf")
         self._probe: MPFuture | None = None
         self._probe_sent_at = self._next_probe_at = 0.0
@@ -110,7 +109,6 @@ class AveragerSupervisor:
         self._failures_in_a_row += 1
         self.failure, self.last_failure, self._restart_at = what, what, now + self._backoff()
         self.failures += 1
-        self.counters["averager_failures"] += 1
         self.averager.kill_now()
         self._probe = None
         logger.error(
@@ -142,7 +140,7 @@ class AveragerSupervisor:
             return
         self.averager, self.failure, self._last_restart = averager, None, time.monotonic()
         self._next_probe_at = self._last_restart + PROBE_PERIOD_S
-        self.counters["averager_restarts"] += 1
+        self.restarts += 1
         logger.warning(f"DecentralizedSGD: averager restarted (pid {averager.pid}); averaging resumes")
 
     def shutdown(self) -> None:
