@@ -113,7 +113,7 @@ BASE_MODES: tuple[str, ...] = (
     "no_slow_peer_fixes",
 )
 MODES: tuple[str, ...] = (*BASE_MODES, "fill_at_once")
-IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # DecentralizedSGD kwargs that define each mode
+IMPROVED_OVERRIDES: dict[str, dict[str, Any]] = {  # the RoundSettings that define each mode
     "improved": {},
     "no_delta": {"delta_rule": False},
     "no_refresh": {"refresh_before_allreduce": False},
@@ -602,6 +602,7 @@ class ImprovedDesign:
     def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
         sys.path.insert(0, str(REPO_ROOT))
         from decentralized_sgd import DecentralizedSGD
+        from decentralized_sgd.scheduler import RoundSettings
 
         self.trainer, self.timer, self.holds = trainer, StepTimer(trainer.opt), []
         self.opt = DecentralizedSGD(
@@ -610,15 +611,12 @@ class ImprovedDesign:
             prefix=prefix,
             model=trainer.model,
             target_group_size=cfg.target_group_size,
-            min_group_size=2,
             min_matchmaking_time=cfg.min_matchmaking_time,
             request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout,
             next_chunk_timeout=cfg.next_chunk_timeout,
             compression=cfg.compression,
-            verbose=cfg.verbose,
-            start=True,
-            **IMPROVED_OVERRIDES[cfg.mode],
+            settings=RoundSettings(min_group_size=2, verbose=cfg.verbose, **IMPROVED_OVERRIDES[cfg.mode]),
         )
 
     @property
@@ -1233,12 +1231,11 @@ def _unavailable(cfg: RunConfig) -> str | None:
     overrides = IMPROVED_OVERRIDES.get(cfg.mode, {})
     if overrides:
         sys.path.insert(0, str(REPO_ROOT))
-        from decentralized_sgd import DecentralizedSGD
+        from decentralized_sgd.scheduler import RoundSettings
 
-        known = inspect.signature(DecentralizedSGD.__init__).parameters
-        missing = [key for key in overrides if key not in known]
+        missing = [key for key in overrides if key not in RoundSettings.__dataclass_fields__]
         if missing:
-            return f"DecentralizedSGD has no {', '.join(missing)} flag"
+            return f"RoundSettings has no {', '.join(missing)} flag"
     return None
 
 

@@ -585,6 +585,7 @@ class SwarmDriver(Driver):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: PeerConfig, spec: RunSpec):
         super().__init__(model, optimizer)
         from decentralized_sgd import DecentralizedSGD
+        from decentralized_sgd.outer import OuterSettings
 
         self.dht = start_dht(config, user_dht=False)
         self.dsgd = DecentralizedSGD(
@@ -596,9 +597,7 @@ class SwarmDriver(Driver):
             min_matchmaking_time=spec.min_matchmaking_time,
             weight_by_samples=spec.weight_by_samples,
             compression="none",
-            outer_momentum=spec.outer_momentum,
-            outer_lr=spec.outer_lr,
-            outer_nesterov=spec.outer_nesterov,
+            outer=OuterSettings(spec.outer_momentum, spec.outer_lr, spec.outer_nesterov),
         )
         self.lock = self.dsgd.lock  # rounds are applied at step boundaries, in this thread: only the copy needs it
 

@@ -4,7 +4,9 @@ buffers, optionally optimizer state) with peers all the time, in the background.
 The trainer's side is small on purpose: ``step()`` / ``on_step_end()`` count the step and, at this step boundary,
 add the updates of finished rounds (``w ← w + averaged − snapshot``: local steps made during the round are kept).
 Everything else happens in the scheduler thread (``scheduler``), the averager process (``averager``,
-``supervisor``) and hivemind's state-fetching thread (``state_transfer``).
+``supervisor``) and hivemind's state-fetching thread (``state_transfer``). The parts are built by the ``_make_*``
+methods below, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) replaces one part by overriding
+its factory.
 
 The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; if you call
 ``optimizer.step()`` yourself, do it and ``on_step_end()`` under ``with dsgd.lock:``). The scheduler copies the
@@ -28,7 +30,6 @@ from . import vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import note_groupmates, rejoin_count
-from .exchange import RoundExchange
 from .hivemind_fixes import (
     dead_holders_release_mpfuture_locks,
     fewer_shared_memory_requests,
@@ -36,46 +37,26 @@ from .hivemind_fixes import (
 )
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .outer import OuterOptimizer, OuterSettings
-from .rounds import RoundBook
-from .scheduler import RoundScheduler
+from .rounds import RoundBook, TrainerState
+from .scheduler import RoundExchange, RoundScheduler, RoundSettings
 from .secret import MembershipCheck, SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
-from .settings import RoundSettings
-from .staging import FlatStaging, StagingCache, StepBoundaryMarks
 from .starvation import STARVATION_COUNTS, StarvationMonitor
 from .state_transfer import StateTransfer
-from .step_clock import StepClock
-from .supervisor import AveragerSupervisor
-from .tensors import AveragedTensors, ResultSlots
-from .trainer_state import TrainerState
-from .vetting import GroupChecks, RoundVetting
+from .supervisor import AVERAGER_SHUTDOWN_S, STOP_S, AveragerSupervisor
+from .tensors import AveragedTensors, FlatStaging, ResultSlots, StagingCache, StepBoundaryMarks
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
-AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
-SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see HivemindFixes.shutdown
-COUNTERS = (
-    "rounds_applied",
-    "rounds_failed",
-    "rounds_no_group",
-    "rounds_discarded_nonfinite",
-    "rounds_skipped_local_nonfinite",
-    "rounds_cancelled",
-    "ssp_waits",
-    "ssp_timeouts",
-    "ssp_wait_s",
-    "trainer_s",
-    "dht_rejoins",
-    "averager_failures",
-    "averager_restarts",
+SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + STOP_S  # then the averager and the starvation monitor, side by side
+COUNTERS = (  # every count of a peer (DecentralizedSGD.counters); the round book owns the dict
+    *"rounds_applied rounds_failed rounds_no_group rounds_discarded_nonfinite rounds_skipped_local_nonfinite".split(),
+    *"rounds_cancelled ssp_waits ssp_timeouts ssp_wait_s trainer_s dht_rejoins".split(),
+    *"averager_failures averager_restarts fills fill_s fill_locked_s applies apply_s".split(),
     *STARVATION_COUNTS,
     *SLOW_PEER_COUNTS,
-    "fills",
-    "fill_s",
-    "fill_locked_s",
-    "applies",
-    "apply_s",  # the data path's cost: see _count_apply, scheduler
-) + vetting.COUNTERS
+    *vetting.COUNTERS,
+)
 
 
 class TorchOptimizerFacade:
@@ -111,25 +92,20 @@ class TorchOptimizerFacade:
 class DecentralizedSGD(TorchOptimizerFacade):
     """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time.
 
-    Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step.
+    Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step. The arguments up to
+    ``client_mode`` are hivemind's averager's; ``max_staleness`` bounds how many local steps a peer may make without
+    applying a round (SSP; None: never waits); ``outer``: an outer optimizer on the averaged progress (``outer``);
+    ``settings``: what tests and benchmarks tune beyond these, and the benchmarks' ablations (``RoundSettings``).
 
-    Non-finite values: a peer whose own values are not finite contributes zeros with weight 0 (its groupmates
-    average without it) and keeps its local params; a round whose averaged result is not finite is discarded.
-    A peer whose trainer stalls joins at most one group it does not trigger; its groupmates drop it after
-    ``next_chunk_timeout``. A dead or unresponsive averager process is restarted (see ``supervisor``). A slow or
-    overloaded groupmate costs the others little, and a peer starved of CPU leaves averaging until it recovers
-    (``slow_peer_fixes``; see ``hivemind_slow_peer_fixes`` and ``starvation``).
-    ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
+    Non-finite values: a peer whose own values are not finite contributes zeros with weight 0 and keeps its local
+    params; a round whose averaged result is not finite is discarded. A peer whose trainer stalls joins at most one
+    group it does not trigger. A dead or unresponsive averager process is restarted (``supervisor``); a slow
+    groupmate costs the others little, and a peer starved of CPU leaves averaging until it recovers
+    (``hivemind_slow_peer_fixes``, ``starvation``). ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S``.
 
-    Diverged peers and outsiders (``vetting``, ``guard``): each group's members compare weight summaries; a member
-    far from the group's median is left out of the AllReduce (every member reaches the same verdict), and heals by
-    taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
-    (``secret``); one whose secret matches nobody's logs so after ``no_group_patience`` seconds without a group.
-
-    Outer optimizer (``outer_momentum`` b, ``outer_lr`` a, ``outer_nesterov``; off at b = 0, a = 1): each accepted
-    round's average moves this peer's anchor by an outer step on the progress the group made from it (SlowMo,
-    DiLoCo's Nesterov; see ``outer``), with the delta rule kept. It costs two fp32 host copies of the parameters;
-    ``outer_state_dict`` / ``load_outer_state_dict`` carry them through checkpoints, a state download resets them.
+    Diverged peers and outsiders (``vetting``): a member far from its group's median is left out of the AllReduce and
+    heals by taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
+    (``secret``).
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -142,167 +118,163 @@ class DecentralizedSGD(TorchOptimizerFacade):
         prefix: str,
         model: torch.nn.Module | None = None,
         target_group_size: int = 4,
-        min_group_size: int = 2,
         min_matchmaking_time: float = 5.0,
         request_timeout: float = 3.0,
         allreduce_timeout: float = 60.0,
         next_chunk_timeout: float = 10.0,
+        compression: str = "none",
+        client_mode: bool | None = None,
         max_staleness: int | None = None,
-        staleness_timeout: float = 60.0,
-        average_buffers: bool = True,
         average_optimizer_state: bool = False,
         weight_by_samples: bool = False,
-        compression: str = "none",
-        delta_rule: bool = True,
-        refresh_before_allreduce: bool = True,
-        pipeline: bool = True,
-        fill_when_formed: bool = True,
-        boundary_wait_share: float = 0.05,
-        slow_peer_fixes: bool = True,
-        averager_timeout: float = 30.0,
         records_path: str | None = None,
-        client_mode: bool | None = None,
         get_extra_state: Callable[[], dict] | None = None,
-        before_allreduce: Callable[[], None] | None = None,
-        verbose: bool = False,
         swarm_secret: SwarmSecret | None = None,
-        no_group_patience: float = 60.0,
-        outer_momentum: float = 0.0,
-        outer_lr: float = 1.0,
-        outer_nesterov: bool = False,
-        start: bool = True,
+        outer: OuterSettings | None = None,
+        settings: RoundSettings | None = None,
     ):
         assert "." not in prefix, "prefix may not contain '.'"
-        outer_settings = OuterSettings(outer_momentum, outer_lr, outer_nesterov)
-        if outer_settings.enabled and not delta_rule:
+        self.settings = settings = settings or RoundSettings()
+        if outer is not None and outer.enabled and not settings.delta_rule:
             raise ValueError(
                 "outer_momentum / outer_lr need delta_rule=True: the outer step is taken from the anchor the delta "
                 "rule keeps (set outer_momentum=0 and outer_lr=1 to overwrite with the plain average)"
             )
-        self.optimizer, self.dht, self.model = optimizer, dht, model
-        self.settings = RoundSettings(
-            min_matchmaking_time=min_matchmaking_time,
-            next_chunk_timeout=next_chunk_timeout,
-            allreduce_timeout=allreduce_timeout,
-            averager_timeout=averager_timeout,
-            boundary_wait_share=boundary_wait_share,
-            weight_by_samples=weight_by_samples,
-            delta_rule=delta_rule,
-            refresh_before_allreduce=refresh_before_allreduce,
-            pipeline=pipeline,
-            fill_when_formed=fill_when_formed,
-        )
-        self.max_staleness, self.staleness_timeout = max_staleness, staleness_timeout
-        self.slow_peer_fixes = slow_peer_fixes  # False: hivemind's behaviour with a slow groupmate (an ablation)
-        self.trainer = TrainerState()
-        self.lock = self.trainer.lock  # the contract: change the parameters only while holding it
-        # SSP waits on it: Condition.wait releases self.lock entirely, also the holds of a caller that calls
-        # on_step_end inside ``with dsgd.lock:`` (the README's contract), so the scheduler can fill meanwhile
-        self._round_applied = threading.Condition(self.lock)
-        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # every part adds to these
-        self.peer = str(dht.peer_id)
+        self.optimizer, self.dht, self.model, self.max_staleness = optimizer, dht, model, max_staleness
+        self.swarm_secret, self.peer = swarm_secret, str(dht.peer_id)
         self._closed = False
 
-        # what is averaged, and the host copies of it (one flat buffer per device, pinned for a GPU: see staging)
-        self.averaged_tensors = AveragedTensors(
-            optimizer, model, average_buffers=average_buffers, average_optimizer_state=average_optimizer_state
-        )
-        self.outer = OuterOptimizer(outer_settings, self.averaged_tensors.params) if outer_settings.enabled else None
-        run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
-        self.prefix = keyed_prefix(run, swarm_secret)  # with a secret, its keyed hash: see secret
+        self.averaged_tensors = self._make_averaged_tensors(average_optimizer_state)
+        self.trainer = TrainerState(self.averaged_tensors)
+        self.lock = self.trainer.lock  # the contract: change the parameters only while holding it
+        self.outer = OuterOptimizer(outer, self.averaged_tensors.params) if outer and outer.enabled else None
+        self.run = f"{prefix}_{schema_fingerprint(self.averaged_tensors.local())}"
+        self.prefix = keyed_prefix(self.run, swarm_secret)  # with a secret, its keyed hash: see secret
         if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
-            dht.add_validators([SwarmSecretValidator(swarm_secret, exempt_keys=[members_key(run)])])
+            dht.add_validators([SwarmSecretValidator(swarm_secret, exempt_keys=[members_key(self.run)])])
         self.boundary_marks = StepBoundaryMarks([*self.averaged_tensors.local(), *(model.buffers() if model else ())])
-        slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
-        self.round_book = RoundBook(self.counters, slots, records_path, verbose, self.peer)
+        self.round_book = self._make_round_book(records_path)
         self.records: list[dict] = self.round_book.records
         self.state_transfer = StateTransfer(
-            optimizer,
-            model,
-            self.averaged_tensors,
-            self.trainer,
-            StagingCache(self.boundary_marks),
-            self.boundary_marks,
-            self.round_book,
-            get_extra_state,
-            self.outer,
+            self.trainer, StagingCache(self.boundary_marks), self.round_book, get_extra_state, self.outer
         )
-
-        # the averager process, and the parts that drive it
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
-        checks = GroupChecks.for_tensors(self.averaged_tensors, seed=self.prefix)
-        averager_kwargs = dict(
+        self.checks = vetting.GroupChecks.for_tensors(self.averaged_tensors, seed=self.prefix)
+        self.averager_opts = dict(  # what every averager process of this peer is built with (see _make_averager)
             prefix=self.prefix,
             target_group_size=target_group_size,
-            min_group_size=min_group_size,
+            min_group_size=settings.min_group_size,
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
             next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression),
             client_mode=client_mode,
-            state_fn=self.state_transfer.serve,
             trigger_grace=next_chunk_timeout,
-            handler_address=handler_address_slot(),
+            handler_address=handler_address_slot(),  # one per peer: each restart registers its handlers there
             shutdown_timeout=AVERAGER_SHUTDOWN_S,
-            slow_peer_fixes=slow_peer_fixes,
-            slow_peer_counts=self.slow_peer_counts,
-            summary_size=checks.sketch.size,
+            slow_peer_fixes=settings.slow_peer_fixes,
             secret=swarm_secret,
-            rule=checks.rule,
-            refusals=checks.refusals,
         )
         fewer_shared_memory_requests()
         unattached_step_controls_are_one_line()
         dead_holders_release_mpfuture_locks()  # FixedDHT did, if the caller's DHT is one
-        self._supervisor = AveragerSupervisor(
-            lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
+        self.starvation = self._make_starvation_monitor()
+        self._supervisor = AveragerSupervisor(self._make_averager, settings.averager_timeout, self.starvation)
+        self.vetting = self._make_vetting(heal_timeout=allreduce_timeout)
+        self.exchange = self._make_exchange(weight_by_samples)
+        self._scheduler = self._make_scheduler()
+        self.start()
+
+    # --- the parts (each built once, by a method a subclass may override) ---
+    def _make_averaged_tensors(self, average_optimizer_state: bool) -> AveragedTensors:
+        return AveragedTensors(
+            self.optimizer,
+            self.model,
+            average_buffers=self.settings.average_buffers,
+            average_optimizer_state=average_optimizer_state,
         )
-        self.vetting = RoundVetting(
-            checks,
+
+    def _make_round_book(self, records_path: str | None) -> RoundBook:
+        """Two result slots (fp32 host copies of the averaged tensors, see tensors) and the records."""
+        slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
+        return RoundBook(
+            slots,
+            COUNTERS,
+            records_path,
+            self.settings.verbose,
+            self.peer,
+            lambda group: note_groupmates(self.dht, group),
+        )
+
+    def _make_averager(self) -> Averager:
+        """The averager process; called again on each restart (see supervisor)."""
+        return Averager(
+            self.averaged_tensors.zeros(),
+            self.dht,
+            state_fn=self.state_transfer.serve,
+            slow_peer_counts=self.slow_peer_counts,
+            summary_size=self.checks.sketch.size,
+            rule=self.checks.rule,
+            refusals=self.checks.refusals,
+            **self.averager_opts,
+        )
+
+    def _make_starvation_monitor(self) -> StarvationMonitor | None:
+        """Samples from start() on; the scheduler asks it (through the supervisor) before it starts a round."""
+        return StarvationMonitor(start=False) if self.settings.slow_peer_fixes else None
+
+    def _make_vetting(self, heal_timeout: float) -> vetting.RoundVetting:
+        membership = MembershipCheck(self.dht, self.run, self.swarm_secret, patience=self.settings.no_group_patience)
+        return vetting.RoundVetting(
+            self.checks,
             self.trainer,
             self.averaged_tensors,
             self.round_book,
             self._supervisor,
             self.state_transfer,
-            self.counters,
-            dht.peer_id,
-            swarm_secret,
-            MembershipCheck(dht, run, swarm_secret, patience=no_group_patience),
-            heal_timeout=allreduce_timeout,
+            self.round_book.counters,
+            self.dht.peer_id,
+            self.swarm_secret,
+            membership,
+            heal_timeout=heal_timeout,
         )
-        self.exchange = RoundExchange(
+
+    def _make_exchange(self, weight_by_samples: bool) -> RoundExchange:
+        return RoundExchange(
             self.settings,
             self.trainer,
-            self.averaged_tensors,
             self.round_book,
             self._supervisor,
             self.vetting,
-            self.counters,
-            before_allreduce,
             self.outer,
+            weight_by_samples=weight_by_samples,
         )
-        # the starvation monitor samples from start() on; the scheduler asks it before it starts a round
-        self.starvation = StarvationMonitor(start=False) if slow_peer_fixes else None
-        counts = [
-            lambda: {"dht_rejoins": rejoin_count(dht)},
-            self.slow_peer_counts.as_dict,
-            *([self.starvation.counts] if self.starvation is not None else []),
-        ]
-        self._scheduler = RoundScheduler(
+
+    def _make_scheduler(self) -> RoundScheduler:
+        opts = self.averager_opts
+        return RoundScheduler(
             self.settings,
             self.trainer,
             self.round_book,
             self._supervisor,
             self.exchange,
             self.vetting,
-            self.counters,
-            starvation=self.starvation,
-            counts=counts,
-            on_group=lambda group: note_groupmates(dht, group),
+            min_matchmaking_time=opts["min_matchmaking_time"],
+            next_chunk_timeout=opts["next_chunk_timeout"],
+            allreduce_timeout=opts["allreduce_timeout"],
         )
-        if start:
-            self.start()
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Every count of this peer: the round book's dict, with what the supervisor, other processes and threads
+        count (the slow-peer fixes, the starvation monitor, the DHT's rejoins) read now."""
+        counters, supervisor = self.round_book.counters, self._supervisor
+        counters.update(averager_failures=supervisor.failures, averager_restarts=supervisor.restarts)
+        counters.update(self.slow_peer_counts.as_dict(), dht_rejoins=rejoin_count(self.dht))
+        if self.starvation is not None:
+            counters.update(self.starvation.counts())
+        return counters
 
     @property
     def local_step(self) -> int:
@@ -311,10 +283,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
     @property
     def samples(self) -> int:
         return self.trainer.samples
-
-    @property
-    def step_clock(self) -> StepClock:
-        return self.trainer.clock
 
     @property
     def peer_id(self) -> PeerID:
@@ -326,37 +294,33 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return self._supervisor.averager
 
     def start(self) -> None:
-        """Start the averager process and the scheduler (only needed if created with start=False)."""
-        self._start_slow_peer_fixes()
+        """Start the averager process, the starvation monitor and the scheduler (the constructor calls it). The
+        slow-peer fixes' blacklist of slow replies goes into our DHT (once per DHT)."""
+        if self.settings.slow_peer_fixes:
+            install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.settings.averager_timeout)
         self._supervisor.start()
         self._scheduler.start()
 
-    def _start_slow_peer_fixes(self) -> None:
-        """The parts of the slow-peer fixes outside the averager process: the slow-reply blacklist in our DHT (once
-        per DHT), and the starvation monitor that the scheduler asks before it starts a round."""
-        if self.starvation is not None:
-            install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.settings.averager_timeout)
-            self.starvation.start()
-
     # --- the trainer's side ---
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """The wrapped optimizer's step and the step boundary (see ``on_step_end``); returns the loss, as torch does."""
         with self.lock:  # one hold: the step and its count are seen together by the scheduler and by late joiners
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            applied = self._step_boundary(batch_size)
-        applied += self._enforce_staleness_bound()
+            self._step_boundary(batch_size)
+        self._enforce_staleness_bound()
         self.vetting.heal_if_asked()
         return loss
 
     def on_step_end(self, batch_size: int | None = None) -> int:
         """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
-        Applies the updates of finished rounds (cheap when nothing finished: no tensor copies), or takes the swarm's
-        state when a group found our weights diverged (``vetting``). Returns how many of those changed the
-        parameters (rounds applied, plus 1 for a heal): a box with several GPUs then broadcasts them to its replicas.
+        Applies the updates of finished rounds, or takes the swarm's state when a group found our weights diverged
+        (``vetting``). Returns how many of those changed the parameters (rounds applied, plus 1 for a heal): a box
+        with several GPUs then broadcasts them to its replicas.
         """
         with self.lock:
             applied = self._step_boundary(batch_size)
         applied += self._enforce_staleness_bound()
-        healed = self.vetting.heal_if_asked()  # a group found our weights diverged: take the swarm's state (vetting)
+        healed = self.vetting.heal_if_asked()
         return applied + int(healed)
 
     def _step_boundary(self, batch_size: int | None) -> int:
@@ -364,14 +328,14 @@ class DecentralizedSGD(TorchOptimizerFacade):
         t0 = time.perf_counter()
         self.trainer.count_step(batch_size)
         applied = self._apply_finished_rounds()
-        self.boundary_marks.record()  # a fill copies this boundary's values (see staging)
+        self.boundary_marks.record()  # a fill copies this boundary's values (see tensors)
         self._scheduler.wake()
-        self.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
+        self.round_book.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
         return applied
 
     def _apply_finished_rounds(self) -> int:
-        """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds (``exchange``).
-        Returns how many it applied."""
+        """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds. Returns how
+        many it applied."""
         finished = [] if self._closed else self.exchange.apply_finished()
         if not finished:
             return 0
@@ -388,33 +352,35 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return 0
 
     def _wait_for_round(self) -> int:
-        """SSP: block until a round is applied, at most staleness_timeout seconds. Waiting is a step boundary: rounds
-        may start and fill, results are applied. ``dsgd.lock`` is released while asleep, even if the caller holds it.
-        Returns how many rounds were applied meanwhile."""
+        """SSP: block until a round is applied, at most staleness_timeout seconds. The scheduler wakes us whenever a
+        round changes state, and each wake is a step boundary: rounds may start and fill, results are applied.
+        ``dsgd.lock`` is released while asleep, even if the caller holds it. Returns how many rounds were applied."""
+        trainer, counters, timeout = self.trainer, self.round_book.counters, self.settings.staleness_timeout
         t0, applied = time.monotonic(), 0
-        self.counters["ssp_waits"] += 1
-        with self._round_applied:
-            while self.trainer.steps_since_sync > self.max_staleness and not self._closed:
-                if time.monotonic() - t0 > self.staleness_timeout:
-                    logger.warning(
-                        f"SSP: no round applied for {self.trainer.steps_since_sync} steps and "
-                        f"{self.staleness_timeout}s, continuing without averaging"
-                    )
-                    self.counters["ssp_timeouts"] += 1
-                    self.trainer.synced()
-                    break
-                self._round_applied.wait(0.01)
-                self.trainer.count_wait()
+        counters["ssp_waits"] += 1
+        with self.lock:
+            while True:
+                seen = trainer.round_changes  # a round that changes from here on wakes the wait below
                 applied += self._apply_finished_rounds()
                 self.boundary_marks.record()
                 self._scheduler.wake()
-        self.counters["ssp_wait_s"] += time.monotonic() - t0
+                if trainer.steps_since_sync <= self.max_staleness or self._closed:
+                    break
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    logger.warning(
+                        f"SSP: no round applied for {trainer.steps_since_sync} steps and {timeout}s, "
+                        "continuing without averaging"
+                    )
+                    counters["ssp_timeouts"] += 1
+                    trainer.synced()
+                    break
+                trainer.wait_for_round_change(seen, left)
+                trainer.count_wait()
+        counters["ssp_wait_s"] += time.monotonic() - t0
         return applied
 
     # --- records ---
-    def last_record(self) -> dict | None:
-        return self.records[-1] if self.records else None
-
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)
 
@@ -434,7 +400,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
         """
         return self.state_transfer.load(
-            self.averager, self.settings.allreduce_timeout if timeout is None else timeout, accept
+            self.averager, self.averager_opts["allreduce_timeout"] if timeout is None else timeout, accept
         )
 
     # --- checkpoints ---
@@ -467,8 +433,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self._scheduler.stop(timeout=SCHEDULER_JOIN_S)
         self.round_book.close("shut down")
         self._supervisor.shutdown()
-        if self.starvation is not None:
-            self.starvation.stop()
 
     def __enter__(self) -> DecentralizedSGD:
         return self

@@ -1,4 +1,5 @@
-"""One averaging round's life cycle, and the book of rounds in flight and resolved.
+"""One averaging round's life cycle, the book of rounds in flight and resolved, and the trainer's counts they are
+read against (``TrainerState``: the lock of the contract, steps, samples, step boundaries).
 
 A round moves through explicit states; every transition is one method of ``Round``, called with ``RoundBook.lock``
 held (its docstring names the thread that calls it and the other locks it holds)::
@@ -17,6 +18,10 @@ held (its docstring names the thread that calls it and the other locks it holds)
   the buffers after the next round filled them. Trigger and cancel both change the state under the book's lock,
   and the hivemind call (``allow_allreduce`` / ``cancel``) happens inside the transition, so they cannot race.
 - Timeouts use ``time.monotonic()``; the record keeps wall-clock times (``t_*``) for plots and logs.
+
+Lock order, everywhere: the averager's buffer lock, then ``dsgd.lock`` (``TrainerState.lock``), then
+``RoundBook.lock``; the outer optimizer's lock last (``outer``). A background thread tries ``dsgd.lock`` for
+``LOCK_POLL_S`` at most (the next tick tries again); every other wait has a deadline too.
 """
 
 from __future__ import annotations
@@ -26,16 +31,115 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging.control import StepControl
 
 from .hivemind_fixes import cancel_step_first
-from .tensors import ResultSlots
+from .tensors import AveragedTensors, ResultSlots
 
 logger = logging.getLogger(__name__)
+
+LOCK_POLL_S = 0.1  # longest a background thread waits for dsgd.lock at a time
+
+
+class StepClock:
+    """When the trainer's step boundaries come: the last one and an average of the time between two (trainer thread
+    writes at each boundary, the scheduler reads; a float each, no lock needed)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.last: float | None = None  # time.monotonic() of the last boundary
+        self.step_s: float | None = None
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.last is not None:
+            interval = now - self.last
+            self.step_s = interval if self.step_s is None else self.step_s + self.smoothing * (interval - self.step_s)
+        self.last = now
+
+    def next_due_in(self) -> float | None:
+        """Seconds until the next boundary is due if the trainer keeps its pace; None if unknown or overdue."""
+        if self.last is None or self.step_s is None:
+            return None
+        due_in = self.last + self.step_s - time.monotonic()
+        return due_in if due_in > 0 else None
+
+
+class TrainerState:
+    """What the trainer's thread changes at its step boundaries and the other parts read: ``lock`` (the contract:
+    it guards the averaged ``tensors``; re-entrant, as a caller of on_step_end may hold it), the step and sample
+    counts, the boundary count and clock. Written holding ``lock`` (by the trainer, or a state download); the
+    scheduler reads the counts without it (an int each) and takes it only to read the tensors."""
+
+    def __init__(self, tensors: AveragedTensors) -> None:
+        self.lock = threading.RLock()
+        self.tensors = tensors
+        self.local_step = self.samples = self._samples_since_fill = 0
+        self.boundaries = 0  # step boundaries passed: one per step, and one per wake while waiting for SSP
+        self.clock = StepClock()  # when the next step boundary is due (scheduler, step 2)
+        self.last_sync_step = 0  # the step at which a round was last applied (SSP)
+        # SSP: the trainer waits on it for a round to change; Condition.wait releases ``lock`` entirely
+        self._round_changed = threading.Condition(self.lock)
+        self.round_changes = 0  # written by the scheduler thread only
+        self.waiting = False  # the trainer sleeps in wait_for_round_change (set holding ``lock``)
+
+    def count_step(self, batch_size: int | None) -> None:
+        """Holding ``lock``: one local step of ``batch_size`` samples (1 if unknown) ended."""
+        self.local_step += 1
+        self.samples += batch_size or 1
+        self._samples_since_fill += batch_size or 1
+        self.boundaries += 1
+        self.clock.tick()
+
+    def count_wait(self) -> None:
+        """Holding ``lock``: a wake while waiting for SSP is a step boundary too (no step)."""
+        self.boundaries += 1
+
+    def synced(self) -> None:
+        """Holding ``lock``: a round was applied now (or SSP gave up waiting for one)."""
+        self.last_sync_step = self.local_step
+
+    @property
+    def steps_since_sync(self) -> int:
+        return self.local_step - self.last_sync_step
+
+    def take_samples_since_fill(self) -> int:
+        """Scheduler thread, holding ``lock``: the samples seen since the previous fill (weight_by_samples)."""
+        samples, self._samples_since_fill = self._samples_since_fill, 0
+        return samples
+
+    def took_over(self, local_step: int, samples: int) -> None:
+        """Holding ``lock``, after a donor's state replaced ours: continue from these counts."""
+        self.local_step = self.last_sync_step = local_step
+        self.samples = samples
+
+    def wait_for_round_change(self, seen: int, timeout: float) -> None:
+        """Trainer thread, holding ``lock``: sleep (``lock`` released) until a round changed after ``round_changes``
+        was ``seen``, or ``timeout`` passed."""
+        self.waiting = True
+        try:
+            if self.round_changes == seen:
+                self._round_changed.wait(timeout)
+        finally:
+            self.waiting = False
+
+    def round_changed(self) -> bool:
+        """Scheduler thread: a round changed state; wakes an SSP wait. False if ``lock`` stayed busy while the
+        trainer waits (call again later)."""
+        self.round_changes += 1
+        if not self.waiting:  # it sees the count before it sleeps (wait_for_round_change)
+            return True
+        if not self.lock.acquire(timeout=LOCK_POLL_S):
+            return False
+        try:
+            self._round_changed.notify_all()
+        finally:
+            self.lock.release()
+        return True
 
 
 class RoundState(enum.Enum):
@@ -232,7 +336,7 @@ class Round:
         )
 
 
-# what a resolved round adds to DecentralizedSGD.counters
+# what a resolved round adds to the counters
 _COUNTED = {S.APPLIED: "rounds_applied", S.CANCELLED: "rounds_cancelled"}
 _DISCARD_COUNTERS = {
     "local snapshot not finite": "rounds_skipped_local_nonfinite",
@@ -241,19 +345,28 @@ _DISCARD_COUNTERS = {
 
 
 class RoundBook:
-    """The rounds in flight (oldest first, at most ``ResultSlots.count``) and the records of resolved ones.
+    """The rounds in flight (oldest first, at most ``ResultSlots.count``), the records of resolved ones, and the
+    peer's ``counters`` (named by ``counter_names``; the parts that count are handed this dict).
 
     ``lock`` guards every round's state and the list. A resolved round leaves the list once every older round has
-    (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path).
-    The transitions of several rounds at once are here too, each taking ``lock`` itself."""
+    (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path);
+    ``on_group`` is told the group of each (the address book notes new peers). The transitions of several rounds at
+    once are here too, each taking ``lock`` itself."""
 
     def __init__(
-        self, counters: dict[str, float], slots: ResultSlots, records_path: str | None, verbose: bool, peer: str
+        self,
+        slots: ResultSlots,
+        counter_names: Sequence[str],
+        records_path: str | None,
+        verbose: bool,
+        peer: str,
+        on_group: Callable[[list[str]], None] | None = None,
     ):
         self.lock = threading.Lock()
         self.rounds: list[Round] = []
         self.records: list[dict] = []
-        self.counters, self.slots, self.records_path, self.verbose = counters, slots, records_path, verbose
+        self.counters: dict[str, float] = dict.fromkeys(counter_names, 0)
+        self.slots, self.records_path, self.verbose, self.on_group = slots, records_path, verbose, on_group
         self.peer = peer  # in every record
         self.num_started = 0
 
@@ -274,6 +387,8 @@ class RoundBook:
                     f.write(json.dumps(record) + "\n")
             if self.verbose:
                 logger.info(f"DecentralizedSGD round: {record}")
+            if r.group and self.on_group is not None:
+                self.on_group(r.group)
             retired.append(r)
         return retired
 

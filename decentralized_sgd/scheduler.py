@@ -1,67 +1,55 @@
-"""The background thread that drives rounds through their states (see ``rounds``) and watches the averager.
+"""The round machine's moving parts: the background thread that drives rounds through their states (``rounds``),
+and the tensor work of a round (``RoundExchange``: fill, trigger, the update from the average, the apply), apart
+from when it happens.
 
-Every tick (20 ms, or at once when a round ends or the trainer steps) it:
+Every tick (20 ms, or at once when a round ends or the trainer steps) the scheduler:
 1. checks the averager (``supervisor``); if it failed, fails the rounds in flight and waits for the restart;
-2. notices a formed group and **fills it at once** from the last completed step: under ``dsgd.lock``, which the
-   trainer holds only around its optimizer step and the apply, so no groupmate waits for our step boundary
-   (``fill_when_formed=False`` restores the old behaviour: fill at the first step boundary after the group formed,
-   and only once every older round was applied). If an older round's update still waits for the trainer, the
-   fill puts in ``w + update`` (the params as they will be once it is applied): the delta rule stays exact and the
-   round need not wait for the trainer. ``step_at_snapshot`` is the step count at the fill. The values go into the
-   round's slot (its snapshot; from a GPU: one non-blocking copy after the boundary, one wait in this thread), which
-   ``staging`` describes, with what "a step boundary's values" means for BatchNorm statistics.
-   One exception: if the trainer's next step boundary is due within ``boundary_wait_share`` (5%) of an AllReduce's
-   time (at most half a step), the fill waits for it (at most that long): the average then holds the step that was
-   about to finish. A fill at a random point of a step reads values on average half a step old, and the update waits
-   half a step on average for the boundary that applies it, so a round's mean staleness is (snapshot to update
-   ready) / step + 1; the wait wins back about (wait budget / step) steps of it for at most the budget per round
-   (benchmarks: ``fill_at_once``);
-3. triggers a filled round (finite check of the snapshot, ``allow_allreduce``, then the snapshot into the averager's
-   buffers, whose lock hivemind's AllReduce waits for);
-4. turns a finished AllReduce into the update ``averaged − snapshot`` in the slot (the trainer adds it at its next
-   step boundary: an in-place change between forward and backward would break autograd);
-5. starts the next matchmaking, only once the newest round is triggered, and only if the trainer passed a step
-   boundary since the previous round started (or since a formed round was cancelled unfilled): a trainer stalled
-   inside its optimizer step joins at most one group it does not trigger (that round is cancelled
-   ``next_chunk_timeout`` after it could have been filled, or once our averager refused a groupmate's part for it:
-   its groupmates have dropped it by then; a round waiting for an older AllReduce, whose own deadline bounds the
-   wait, is cancelled only for the latter: see ``_fill_overdue``). A trainer stalled elsewhere keeps
-   averaging its last step (its rounds are filled without it) for at most the rounds already started.
-   A peer starved of CPU (``starvation``) starts no round and cancels the one still looking for a group: it would
-   lead or join groups that then wait for it. Groups it has formed already go on (leaving them would cost its
-   groupmates ``next_chunk_timeout``).
+2. notices a formed group and **fills it at once** from the last completed step, under ``dsgd.lock`` (which the
+   trainer holds only around its optimizer step and the apply, so no groupmate waits for our step boundary). If an
+   older round's update still waits for the trainer, the fill puts in ``w + update``: the delta rule stays exact
+   and the round need not wait for the trainer. One exception: if the trainer's next boundary is due within
+   ``boundary_wait_share`` of an AllReduce's time (at most half a step), the fill waits for it, at most that long:
+   the average then holds the step that was about to finish;
+3. triggers a filled round (finite check of the snapshot, ``allow_allreduce``, then the snapshot into the
+   averager's buffers, whose lock hivemind's AllReduce waits for);
+4. turns a finished AllReduce into the update ``averaged − snapshot`` in the round's slot; the trainer adds it at
+   its next step boundary (an in-place change between forward and backward would break autograd);
+5. starts the next matchmaking once the newest round is triggered, and only if the trainer passed a step boundary
+   since the previous round started: a trainer stalled inside its step joins at most one group it does not
+   trigger (cancelled ``next_chunk_timeout`` after it could have been filled, or once our averager refused a
+   groupmate's part for it). A peer starved of CPU (``starvation``, asked through the supervisor) starts no round
+   and cancels the one still looking: it would lead groups that then wait for it.
+It tells a trainer waiting for SSP when a round changed (``TrainerState.round_changed``).
 
-Lock order: the averager's buffer lock, then ``dsgd.lock``, then ``RoundBook.lock``. Every wait has a deadline:
-``dsgd.lock`` is tried for ``LOCK_POLL_S`` (then the next tick tries again), hivemind calls time out after
-``averager_timeout`` and count as an averager failure.
+The lock order is stated once, in ``rounds``. The fill holds the averager's buffers, then ``dsgd.lock`` only while
+it reads the trainer's tensors; ``finish`` holds the buffers while it reads them (and the outer optimizer's lock
+inside, for its step); ``apply_finished`` runs in the trainer's thread holding ``dsgd.lock``.
 
-The tensor work of steps 2-4 and of the trainer's apply is ``exchange``'s; this module decides when.
-
-Extension points: ``gather_payload()`` (sent to the groupmates with hivemind's gather) and ``accept_group(round)``
-(decides on a formed group); both, the verdict on an ended round and the update check are ``vetting``'s (diverged
-peers and the swarm secret).
+Extension points: ``gather_payload()`` (sent to the groupmates with hivemind's gather) and ``accept_group(round)``;
+both, the verdict on an ended round and the update check are ``vetting``'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from .exchange import RoundExchange, fail_from_control
-from .hivemind_fixes import AveragerUnresponsive, cancel_step_first, shared_memory_manager_timed_out
-from .rounds import Round, RoundBook
+from .hivemind_fixes import AveragerUnresponsive, cancel_step_first, release_ended_step, shared_memory_manager_timed_out
+from .outer import OuterOptimizer
+from .rounds import LOCK_POLL_S, Round, RoundBook, TrainerState
 from .rounds import RoundState as S
-from .settings import RoundSettings
-from .starvation import StarvationMonitor
 from .supervisor import AveragerSupervisor
-from .tensors import ResultSlots
-from .trainer_state import TrainerState
+from .tensors import ResultSlots, add_, averaged_minus_, copy_
 from .vetting import RoundVetting
 
 logger = logging.getLogger(__name__)
@@ -72,11 +60,232 @@ MATCHMAKING_SLACK = 2.0  # a round finds no group if none formed this many min_m
 _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
+@dataclass(frozen=True)
+class RoundSettings:
+    """What tests and benchmarks tune beyond ``DecentralizedSGD``'s arguments, and the benchmarks' ablations (the
+    old design's behaviour, one improvement at a time); the defaults are the product's."""
+
+    min_group_size: int = 2
+    averager_timeout: float = 30.0  # every call to the averager process is bounded by it (supervisor)
+    staleness_timeout: float = 60.0  # SSP: the longest wait for a round
+    average_buffers: bool = True  # the model's float buffers (BatchNorm statistics) too
+    no_group_patience: float = 60.0  # with a swarm secret: say so when no group formed for this long (secret)
+    verbose: bool = False  # log every round's record
+    before_allreduce: Callable[[], None] | None = None  # run under dsgd.lock right before a fill reads the tensors
+    boundary_wait_share: float = 0.05  # a fill waits at most this share of an AllReduce for a step boundary
+    delta_rule: bool = True  # False: overwrite the parameters with the average
+    refresh_before_allreduce: bool = True  # False: the snapshot is taken when matchmaking starts
+    pipeline: bool = True  # False: the next matchmaking starts only once the round before has ended
+    fill_when_formed: bool = True  # False: fill at the first step boundary after the group formed
+    slow_peer_fixes: bool = True  # False: hivemind's behaviour with a slow groupmate (hivemind_slow_peer_fixes)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.boundary_wait_share < 1.0:
+            raise ValueError(
+                f"boundary_wait_share must be in [0, 1) (a share of an AllReduce's time; 0: never wait "
+                f"for a step boundary before a fill), got {self.boundary_wait_share}"
+            )
+
+
+def fail_from_control(r: Round, book: RoundBook) -> None:
+    """A round whose hivemind step ended without an AllReduce for us: record hivemind's reason."""
+    try:
+        error = repr(r.control.exception())
+    except (Exception, asyncio.CancelledError) as e:  # cancelled by hivemind
+        error = repr(e)
+    release_ended_step(r.control)
+    with book.lock:
+        r.fail(error)
+
+
+class RoundExchange:
+    """Moves one peer's tensors (``trainer.tensors``) in and out of its rounds. ``outer``: the peer's outer optimizer,
+    which turns an accepted round's plain update into its outer step; None: the plain delta rule."""
+
+    def __init__(
+        self,
+        settings: RoundSettings,
+        trainer: TrainerState,
+        book: RoundBook,
+        supervisor: AveragerSupervisor,
+        vetting: RoundVetting,
+        outer: OuterOptimizer | None = None,
+        *,
+        weight_by_samples: bool = False,
+    ):
+        self.settings, self.trainer, self.tensors, self.book = settings, trainer, trainer.tensors, book
+        self.supervisor, self.vetting, self.counters = supervisor, vetting, book.counters
+        self.outer, self.weight_by_samples = outer, weight_by_samples
+
+    # --- scheduler thread ---
+    def fill_and_trigger(self, r: Round) -> bool:
+        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers, ``dsgd.lock`` held only while the
+        trainer's tensors are read. The trigger goes out before the snapshot is copied into the buffers (hivemind's
+        AllReduce waits for their lock), so hivemind's first steps run while we copy. False if the trainer held its
+        lock (the next tick tries again)."""
+        trainer = self.trainer
+        with self.supervisor.averager.buffers(self.settings.averager_timeout) as buffers:
+            if not trainer.lock.acquire(timeout=LOCK_POLL_S):
+                return False
+            started, filled = time.perf_counter(), False
+            try:
+                if self.settings.before_allreduce is not None:
+                    self.settings.before_allreduce()
+                with self.book.lock:
+                    pending = [o.slot for o in self.book.rounds if o.state is S.DONE]
+                    slot = self.book.slots.take()
+                try:
+                    to_add, included = self._read_snapshot(slot, r, pending)
+                    step, samples = trainer.local_step, trainer.take_samples_since_fill()
+                    with self.book.lock:
+                        filled = r.fill(step, samples, slot, included)
+                finally:
+                    if not filled:
+                        with self.book.lock:
+                            self.book.slots.give_back(slot)
+            finally:
+                trainer.lock.release()
+            if not filled:
+                return False
+            locked = time.perf_counter() - started
+            for update in to_add:  # outside dsgd.lock: a pending update the trainer adds meanwhile stays unchanged
+                add_(slot, update)
+            self.trigger(r, buffers)
+        seconds = time.perf_counter() - started
+        self.counters["fills"] += 1
+        self.counters["fill_s"] += seconds
+        self.counters["fill_locked_s"] += locked  # all a trainer can wait for
+        r.extra["fill_ms"] = 1000 * seconds
+        return True
+
+    def early_snapshot(self) -> tuple[list[torch.Tensor], int] | None:
+        """Scheduler thread, ``refresh_before_allreduce=False`` (the old design's snapshot, taken when matchmaking
+        starts): host copies of the tensors and the step they hold; None if the trainer held its lock meanwhile."""
+        if not self.trainer.lock.acquire(timeout=LOCK_POLL_S):
+            return None
+        try:
+            copies = [t.detach().to("cpu", torch.float32, copy=True) for t in self.tensors.local()]
+            return copies, self.trainer.local_step
+        finally:
+            self.trainer.lock.release()
+
+    def _read_snapshot(
+        self, slot: list[torch.Tensor], r: Round, pending: list[list[torch.Tensor]]
+    ) -> tuple[list[list[torch.Tensor]], int]:
+        """Holding dsgd.lock: the trainer's values into the round's slot. The round averages the params as they will
+        be once the ``pending`` updates (of DONE rounds) are applied. Returns the updates still to add to the slot
+        (that needs no lock) and how many pending updates the snapshot includes."""
+        staging = self.book.slots.staging(slot)
+        if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
+            staging.write_(r.early_snapshot)
+            return [], 0
+        if pending and not self.settings.delta_rule:  # overwriting: the params will be the newest pending average
+            staging.write_(pending[-1])
+            return [], len(pending)
+        staging.download_(self.tensors.local())  # from a GPU: one wait, in this thread (staging)
+        return pending, len(pending)
+
+    def trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
+        """Holding the averager's buffers: go, then put the snapshot (finite, or zeros with weight 0) into them;
+        hivemind's AllReduce waits for their lock (see fill_and_trigger)."""
+        if r.control.done():  # the group broke up meanwhile
+            fail_from_control(r, self.book)
+            return
+        finite = self.tensors.all_finite(r.slot)  # checked on the host copies: no GPU syncs
+        if not finite:  # contribute zeros with weight 0 rather than poison the group
+            logger.warning(f"Round {r.index}: local params are not finite, contributing with weight 0")
+            torch._foreach_zero_(r.slot)
+        weight = float(max(r.samples, 1) if self.weight_by_samples else 1) if finite else 0.0
+        with self.book.lock:
+            triggered = r.trigger(weight, local_nonfinite=not finite)
+        if triggered:
+            copy_(buffers, r.slot)  # the snapshot is exactly what goes into the AllReduce
+
+    def finish(self, r: Round) -> None:
+        """A triggered round ended: fail it, discard it, or turn the averaged buffers into the update to add."""
+        r.observe(self.supervisor.averager.allreduce_stamps)
+        try:
+            gathered = r.control.result()
+        except (Exception, asyncio.CancelledError) as e:
+            with self.book.lock:
+                r.fail(repr(e))
+            return
+        vetting, delta_rule = self.vetting, self.settings.delta_rule
+        judgement = vetting.judge(r, gathered)  # logged and counted; asks for a heal if we are refused
+        group = judgement.group
+        if r.local_nonfinite or r.stale:
+            with self.book.lock:
+                r.discard("local snapshot not finite" if r.local_nonfinite else "state reloaded since snapshot", group)
+            return
+        if judgement.refusal is not None:
+            with self.book.lock:
+                r.discard(judgement.refusal, group)
+            return
+        refusal = None
+        with self.supervisor.averager.buffers(self.settings.averager_timeout) as buffers:
+            reference = vetting.reference_of(buffers)
+            if delta_rule:  # slot: snapshot → averaged − snapshot (the snapshot was finite: so is this,
+                averaged_minus_(r.slot, buffers)  # iff the average is)
+            else:
+                copy_(r.slot, buffers)
+            norm = self.tensors.norm(r.slot)
+            finite = math.isfinite(norm)
+            if finite and delta_rule:  # weighted by samples, the AllReduce is not the summaries' plain mean
+                refusal = vetting.check_update(r, judgement, norm, None if self.weight_by_samples else r.slot)
+            if finite and refusal is None:  # before DONE: the trainer may apply it right after
+                self._outer_step(r, buffers)  # the check above vetted the plain average, not the outer step
+                vetting.accepted(r, reference, norm)
+            with self.book.lock:
+                if not finite:
+                    r.discard("averaged result not finite", group)
+                elif refusal is not None:
+                    r.discard(refusal, group)
+                else:
+                    r.finish(group)
+        if not finite:
+            logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
+
+    def _outer_step(self, r: Round, averaged: list[torch.Tensor]) -> None:
+        """Holding the averager's buffers (``averaged``): the slot's plain update ``m − snapshot`` → the outer
+        optimizer's ``x_new − snapshot`` (a stale round, whose snapshot predates a state download, is left alone: it
+        is discarded when it ends). Its norm and cost go into the round's record."""
+        if self.outer is None:
+            return
+        started = time.perf_counter()
+        step_norm = self.outer.step_(r.slot, averaged, skip=lambda: r.stale)
+        if step_norm is not None:
+            r.extra["outer_step_norm"] = step_norm
+            r.extra["outer_ms"] = 1000 * (time.perf_counter() - started)
+
+    # --- trainer thread ---
+    def apply_finished(self) -> list[Round]:
+        """Holding dsgd.lock, at a step boundary: add the updates of DONE rounds, oldest first (they wait in result
+        slots, which only this thread reads once DONE; see tensors.ResultSlots). Returns the rounds applied."""
+        book = self.book
+        with book.lock:
+            finished = [r for r in book.rounds if r.state is S.DONE]
+        if not finished:
+            return []
+        started, local = time.perf_counter(), self.tensors.local()
+        with torch.no_grad():
+            for r in finished:  # host → device without waiting on a GPU (see staging)
+                staging = book.slots.staging(r.slot)
+                (staging.add_to_ if self.settings.delta_rule else staging.copy_to_)(local)
+        seconds = time.perf_counter() - started  # on a GPU: queueing the copies and adds, not waiting for them
+        self.counters["applies"] += 1
+        self.counters["apply_s"] += seconds
+        with book.lock:
+            for r in finished:
+                r.extra["apply_ms"] = 1000 * seconds
+                r.apply()
+            book.retire(self.trainer.local_step)
+        return finished
+
+
 class RoundScheduler(threading.Thread):
-    """Runs one peer's rounds in a daemon thread. It is handed the parts it drives: the round book, the averager's
-    supervisor, the exchange (the rounds' tensor work), the vetting (payloads and verdicts), the trainer's counts,
-    the starvation monitor (None: never starved), ``counts``: sources of counters it copies every tick, and
-    ``on_group``: told the peer ids of every group a round ended with (the address book notes new ones at once)."""
+    """Runs one peer's rounds in a daemon thread. It is handed the parts it drives: the trainer's counts, the round
+    book, the averager's supervisor, the exchange (the rounds' tensor work) and the vetting (payloads and verdicts);
+    and hivemind's matchmaking and AllReduce timeouts, whose deadlines it enforces."""
 
     def __init__(
         self,
@@ -86,20 +295,21 @@ class RoundScheduler(threading.Thread):
         supervisor: AveragerSupervisor,
         exchange: RoundExchange,
         vetting: RoundVetting,
-        counters: dict[str, float],
         *,
-        starvation: StarvationMonitor | None = None,
-        counts: Sequence[Callable[[], Mapping[str, float]]] = (),
-        on_group: Callable[[list[str]], None] | None = None,
+        min_matchmaking_time: float,
+        next_chunk_timeout: float,
+        allreduce_timeout: float,
     ):
         super().__init__(name="dsgd-scheduler", daemon=True)
         self.settings, self.trainer, self.book, self.supervisor = settings, trainer, book, supervisor
-        self.exchange, self.vetting, self.counters = exchange, vetting, counters
-        self.starvation, self.counts, self.on_group = starvation, counts, on_group
+        self.exchange, self.vetting = exchange, vetting
+        self.min_matchmaking_time, self.next_chunk_timeout = min_matchmaking_time, next_chunk_timeout
+        self.allreduce_timeout = allreduce_timeout
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._boundary_at_last_start = self._failures_seen = 0
         self._allreduce_ema: float | None = None
         self._errors_seen: set[str] = set()
+        self._trainer_told = True  # False: a round changed and an SSP wait may not know yet
 
     def wake(self) -> None:
         self._wake.set()
@@ -145,8 +355,7 @@ class RoundScheduler(threading.Thread):
 
     def tick(self) -> None:
         """One pass over the rounds (the thread's loop calls it every tick; a unit test may call it itself)."""
-        for source in self.counts:
-            self.counters.update(source())
+        before = self._states()
         self.vetting.on_tick()
         usable = self.supervisor.check()
         if self.supervisor.failures != self._failures_seen:  # rounds of a failed averager never end by themselves
@@ -162,6 +371,12 @@ class RoundScheduler(threading.Thread):
             self._maybe_start_round()
         with self.book.lock:
             self.book.retire(self.trainer.local_step)
+        if self._states() != before or not self._trainer_told:  # wake an SSP wait: a step boundary may follow
+            self._trainer_told = self.trainer.round_changed()
+
+    def _states(self) -> list[tuple[int, S]]:
+        with self.book.lock:
+            return [(r.index, r.state) for r in self.book.rounds]
 
     def _advance(self, r: Round, older: list[Round]) -> None:
         r.observe(self.supervisor.averager.allreduce_stamps)
@@ -191,7 +406,7 @@ class RoundScheduler(threading.Thread):
     def _check_hivemind_progress(self, r: Round) -> None:
         """hivemind ends matchmaking by the round's deadline and an AllReduce after allreduce_timeout; if it does
         not (a coroutine stuck on a dead peer), the averager is no use any more: treat it as failed."""
-        now, allreduce_limit = time.monotonic(), self.settings.allreduce_timeout + self.settings.averager_timeout
+        now, allreduce_limit = time.monotonic(), self.allreduce_timeout + self.settings.averager_timeout
         if r.state is S.LOOKING and not r.control.done() and now > r.must_form_by:
             raise AveragerUnresponsive(f"did not end the matchmaking of round {r.index} by its deadline")
         if r.state is S.TRIGGERED and not r.control.done() and now - r.triggered_at > allreduce_limit:
@@ -204,12 +419,9 @@ class RoundScheduler(threading.Thread):
 
     def _fill_overdue(self, r: Round, older: list[Round]) -> str | None:
         """Too late to fill: a groupmate that triggered has dropped us (our averager refused its part, which came
-        after this round began, once ``trigger_grace`` was over), or the trainer held ``dsgd.lock`` (stalled inside
-        its step) for next_chunk_timeout since the round could be filled. Time spent waiting for an older AllReduce
-        counts only through the first: groupmates that were in it wait as well (a pipelined round forms about
-        when the running AllReduce should end, and one that waited for a stalled peer's part ran late), while a
-        groupmate that was not in it has triggered at once and is refused in time; filling late for it would
-        start an AllReduce nobody joins, and the next round, formed meanwhile, would be late again."""
+        after this round began), or the trainer held ``dsgd.lock`` (stalled inside its step) for next_chunk_timeout
+        since the round could be filled. Waiting for an older AllReduce counts only through the first: groupmates
+        that were in it wait as well, and one that was not has triggered at once and is refused in time."""
         if self.supervisor.averager.early_part_refused_at() >= r.t_start:
             return "a groupmate's part came before we could trigger, and was refused"
         now = time.monotonic()
@@ -217,8 +429,8 @@ class RoundScheduler(threading.Thread):
             return None
         if r.fillable_at is None:
             r.fillable_at = now
-        if now - r.fillable_at > self.settings.next_chunk_timeout:
-            return f"the trainer held its lock for next_chunk_timeout ({self.settings.next_chunk_timeout}s)"
+        if now - r.fillable_at > self.next_chunk_timeout:
+            return f"the trainer held its lock for next_chunk_timeout ({self.next_chunk_timeout}s)"
         return None
 
     def _may_fill(self, r: Round, older: list[Round]) -> bool:
@@ -253,15 +465,13 @@ class RoundScheduler(threading.Thread):
 
     def _finish(self, r: Round) -> None:
         self.exchange.finish(r)
-        if r.group and self.on_group is not None:
-            self.on_group(r.group)
         if r.allreduce_s is not None:  # the records' measure, so that a wait budget matches what they show
             ema = self._allreduce_ema
             self._allreduce_ema = r.allreduce_s if ema is None else 0.7 * ema + 0.3 * r.allreduce_s
 
     def _starved(self) -> bool:
         """Starved of CPU (see starvation): True, after cancelling the rounds still looking for a group."""
-        if self.starvation is None or not self.starvation.starved:
+        if not self.supervisor.starved:
             return False
         self.book.cancel_untriggered("starved of CPU", (S.LOOKING,))
         return True
@@ -283,14 +493,14 @@ class RoundScheduler(threading.Thread):
         gather = self.gather_payload()
         if gather is None:
             return  # not now (see gather_payload)
-        delay = settings.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
+        delay = self.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
         t_start, step, early = time.time(), trainer.local_step, None
         if not settings.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts
             taken = self.exchange.early_snapshot()
             if taken is None:
                 return
             early, step = taken
-        scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * settings.min_matchmaking_time
+        scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * self.min_matchmaking_time
         control = self.supervisor.averager.start_step(
             scheduled_time=scheduled,
             deadline=scheduled + slack,
@@ -316,4 +526,4 @@ class RoundScheduler(threading.Thread):
         if latest.state is S.TRIGGERED and self._allreduce_ema is not None:
             started = latest.allreduce_started_at if latest.allreduce_started_at is not None else time.monotonic()
             remaining = max(self._allreduce_ema - (time.monotonic() - started), 0.0)
-        return max(remaining, min(self.settings.min_matchmaking_time, MIN_PIPELINED_MATCHMAKING))
+        return max(remaining, min(self.min_matchmaking_time, MIN_PIPELINED_MATCHMAKING))

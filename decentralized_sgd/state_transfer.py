@@ -4,17 +4,15 @@ Served: the parameters, all of the model's buffers, the optimizer's state and hy
 hivemind's ``dump_optimizer_state``), ``local_step``, ``samples`` and the caller's progress (``get_extra_state``,
 e.g. VISSL's iteration), copied under ``dsgd.lock`` so that a joiner never gets half an update. hivemind asks for it
 from its state-fetching thread in our process; that thread waits for the lock at most ``SERVE_LOCK_TIMEOUT_S``
-(then the joiner's download from us fails and hivemind tries the next donor). The copy goes through the served
-state's staging (``staging``: from a GPU, one non-blocking copy after the step boundary and one wait in this
-thread); the copies hivemind sends are made from it after the lock is released.
+(then hivemind tries the next donor). The copy goes through a staging (``tensors``); the copies hivemind sends are
+made from it after the lock is released.
 
 Loaded (``load_state_from_peers``): only if the donor's model matches ours and ``accept(extra_state)`` agrees;
 under ``dsgd.lock``, with every round whose values went in before marked stale (its update is against the old
 parameters: it is discarded when it ends). Parameters and buffers go to the device through the same staging;
 optimizer state through ``optimizer.load_state_dict`` (which gives each tensor its own place on the device).
 A download that arrived cut short (fewer tensors than the donor's metadata lists) is downloaded again, at most
-``DOWNLOAD_ATTEMPTS`` times within the timeout: hivemind returns it as if it were whole (hivemind#504: its reader of a
-response stream ends quietly when the connection closes), and taking it over failed with "list index out of range".
+``DOWNLOAD_ATTEMPTS`` times within the timeout: hivemind returns it as if it were whole (hivemind#504).
 """
 
 from __future__ import annotations
@@ -31,10 +29,8 @@ from hivemind.utils import nested_flatten
 from .averager import Averager
 from .hivemind_fixes import shared_memory_manager_timed_out
 from .outer import OuterOptimizer
-from .rounds import RoundBook
-from .staging import StagingCache, StepBoundaryMarks
-from .tensors import AveragedTensors
-from .trainer_state import TrainerState
+from .rounds import RoundBook, TrainerState
+from .tensors import StagingCache
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +39,21 @@ DOWNLOAD_ATTEMPTS = 3  # downloads of a donor's state that arrived cut short (hi
 
 
 class StateTransfer:
-    """Serves and loads one peer's training state. It holds what the state is made of (the optimizer, the model's
-    buffers, the averaged tensors, the counts) and where copies go through; the averager to download with is given
-    at each ``load`` (it is replaced when it restarts)."""
+    """Serves and loads one peer's training state: the trainer's (its tensors' optimizer and model, its counts),
+    copied through ``staging``; the averager to download with is given at each ``load`` (it is replaced when it
+    restarts)."""
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
-        model: torch.nn.Module | None,
-        tensors: AveragedTensors,
         trainer: TrainerState,
         staging: StagingCache,
-        marks: StepBoundaryMarks,
         book: RoundBook,
         get_extra_state: Callable[[], dict] | None,
         outer: OuterOptimizer | None = None,
     ):
-        self.optimizer, self.model, self.tensors, self.trainer = optimizer, model, tensors, trainer
-        self.staging, self.marks, self.book, self.get_extra_state = staging, marks, book, get_extra_state
+        self.trainer, self.tensors, self.staging, self.marks = trainer, trainer.tensors, staging, staging.marks
+        self.optimizer, self.model = trainer.tensors.optimizer, trainer.tensors.model
+        self.book, self.get_extra_state = book, get_extra_state
         self.outer = outer  # reset when a donor's weights replace ours (a joiner's download, a heal)
 
     def model_buffers(self) -> list[torch.Tensor]:

@@ -1,9 +1,10 @@
-"""Keeps the averager process alive: starts it, notices when it dies or stops answering, restarts it, stops it.
+"""Keeps the averager process alive: starts it, notices when it dies or stops answering, restarts it, stops it; and
+says whether this box can average at all now (``starved``: the starvation monitor, started and stopped with it).
 
-A failed averager is restarted, not turned into an error that stops training. Under ASP (the default) a peer
-without an averager still trains; a new averager (about a second) puts it back into the swarm with its current
-parameters, whereas stopping would throw away a training run, its GPU state and data loaders for the failure of a
-helper process. Rounds then resume on their own; under SSP the trainer's waits stay bounded by staleness_timeout.
+A failed averager is restarted, not turned into an error that stops training: a peer without an averager still
+trains, and a new averager (about a second) puts it back into the swarm with its current parameters, whereas
+stopping would throw away a training run for the failure of a helper process. Rounds then resume on their own;
+under SSP the trainer's waits stay bounded by staleness_timeout.
 
 What counts as a failure:
 - dead: ``is_alive()`` is False (SIGKILL, the OOM killer, a crash), checked on every scheduler tick (20 ms);
@@ -20,6 +21,7 @@ new one started, at once for a first failure, then after 2, 4, ... 60 s while fa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,22 +29,33 @@ from hivemind.utils import MPFuture
 
 from .averager import Averager
 from .hivemind_fixes import AveragerUnresponsive
+from .starvation import StarvationMonitor
 
 logger = logging.getLogger(__name__)
 
 PROBE_PERIOD_S = 5.0
 QUIET_S = 300.0  # a failure this long after the last restart counts as a first failure again
+AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
+AVERAGER_STOP_S = AVERAGER_SHUTDOWN_S + 7.0  # the averager's whole stop (see HivemindFixes.shutdown)
+STARVATION_STOP_S = 6.0  # StarvationMonitor.stop: 5 s for a stopped sampler, 1 s for its reader
+STOP_S = max(AVERAGER_STOP_S, STARVATION_STOP_S)  # shutdown(): the two stop side by side
 
 
 class AveragerSupervisor:
-    """Owns ``averager`` (replaced on restart). ``check`` and ``failed`` run in the scheduler thread, ``start``
-    and ``shutdown`` in the thread that creates / shuts down the optimizer."""
+    """Owns ``averager`` (replaced on restart) and the starvation monitor (None: never starved). ``check`` and
+    ``failed`` run in the scheduler thread, ``start`` and ``shutdown`` in the thread that creates / shuts down the
+    optimizer."""
 
-    def __init__(self, make_averager: Callable[[], Averager], counters: dict[str, float], timeout: float):
-        self.make_averager, self.counters, self.timeout = make_averager, counters, timeout
+    def __init__(
+        self,
+        make_averager: Callable[[], Averager],
+        timeout: float,
+        starvation: StarvationMonitor | None = None,
+    ):
+        self.make_averager, self.timeout, self.starvation = make_averager, timeout, starvation
         self.averager = make_averager()
         self.failure: str | None = None  # what went wrong, until the averager has been restarted
-        self.failures, self.last_failure = 0, ""  # the scheduler fails the rounds of every failed averager
+        self.failures, self.restarts, self.last_failure = 0, 0, ""  # the scheduler fails the rounds of each failure
         self._failures_in_a_row, self._restart_at, self._last_restart = 0, 0.0, float("-inf")
         self._probe: MPFuture | None = None
         self._probe_sent_at = self._next_probe_at = 0.0
@@ -57,6 +70,13 @@ class AveragerSupervisor:
                 "overloaded? (averager_timeout sets this limit)"
             ) from None
         self._next_probe_at = time.monotonic() + PROBE_PERIOD_S
+        if self.starvation is not None:
+            self.starvation.start()
+
+    @property
+    def starved(self) -> bool:
+        """This box starves its processes of CPU (see starvation): start no round now."""
+        return self.starvation is not None and self.starvation.starved
 
     def check(self) -> bool:
         """Scheduler thread: is the averager usable now? Notices failures and restarts when due."""
@@ -89,7 +109,6 @@ class AveragerSupervisor:
         self._failures_in_a_row += 1
         self.failure, self.last_failure, self._restart_at = what, what, now + self._backoff()
         self.failures += 1
-        self.counters["averager_failures"] += 1
         self.averager.kill_now()
         self._probe = None
         logger.error(
@@ -121,11 +140,15 @@ class AveragerSupervisor:
             return
         self.averager, self.failure, self._last_restart = averager, None, time.monotonic()
         self._next_probe_at = self._last_restart + PROBE_PERIOD_S
-        self.counters["averager_restarts"] += 1
+        self.restarts += 1
         logger.warning(f"DecentralizedSGD: averager restarted (pid {averager.pid}); averaging resumes")
 
     def shutdown(self) -> None:
-        """Stop the averager within its deadline (see HivemindFixes.shutdown); drop its reference to the trainer."""
+        """Stop the averager and the starvation monitor side by side, within ``STOP_S``; drop the averager's reference
+        to the trainer."""
         self._closed = True
+        stopping = threading.Thread(target=self.starvation.stop if self.starvation else None, name="dsgd-stop")
+        stopping.start()
         self.averager.shutdown()
         self.averager.state_fn = lambda: (None, [], None)
+        stopping.join()

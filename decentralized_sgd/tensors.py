@@ -1,27 +1,60 @@
-"""The tensors a peer averages, where finished results wait, and the few bulk operations on them.
+"""The tensors a peer averages, and the host copies they travel through.
 
-What is averaged, in this order: the optimizer's parameters (fixed objects), the model's float buffers (looked up
-by name: BatchNorm statistics), and param-shaped optimizer state (looked up by parameter and key:
-``optimizer.load_state_dict`` replaces those tensors). The averager keeps fp32 CPU copies in its buffers.
+What is averaged, in this order: the optimizer's parameters, the model's float buffers (BatchNorm statistics, looked
+up by name) and param-shaped optimizer state (looked up by parameter and key: ``load_state_dict`` replaces those
+tensors). The averager keeps fp32 CPU copies in its buffers.
 
-Results wait in ``ResultSlots``, outside the averager's buffers: a finished round's update (``averaged −
-snapshot``) must wait for the trainer's next step boundary, while the next round reuses the buffers at once. A slot
-holds a round's snapshot from its fill, then its update, until the trainer applied it; two slots suffice because
-at most one round runs an AllReduce while at most one older result waits (the scheduler starts no round that would
-need a third). A slot is the ``views`` of a ``staging.FlatStaging`` (fp32, one flat buffer per device, pinned for a
-GPU): the fill copies the trainer's tensors into it, the apply adds it back (see ``staging``).
+A ``FlatStaging`` holds host copies of a fixed list of tensors (its layout): one flat buffer per device and dtype,
+pinned for a GPU. Finished results wait in two of them (``ResultSlots``), outside the averager's buffers, because an
+update must wait for the trainer's next step boundary while the next round reuses the buffers at once: at most one
+AllReduce runs while one older result waits. The state served to late joiners is one more (``StagingCache``).
+
+On a GPU, the trainer marks its stream at each step boundary (``StepBoundaryMarks.record``, holding ``dsgd.lock``);
+``download_`` copies device → host non-blocking on a side stream that waits on that mark, and only the calling
+background thread waits for the copy; ``add_to_`` / ``copy_to_`` (the apply) copy host → device on the side stream and
+make the trainer's stream wait on the GPU, not its thread. The host writes a buffer only after the device has read it.
+On a CPU the same methods are plain copies.
+
+"A step boundary's values": parameters and optimizer state change only under ``dsgd.lock``, which a fill holds until
+its copy finished, so it copies exactly one boundary. BatchNorm statistics change during forward, outside the lock:
+each element holds that boundary's value or a later one; the delta rule still keeps every local update of them.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from hivemind.optim.state_averager import initialize_optimizer_state_
 
-if TYPE_CHECKING:
-    from .staging import FlatStaging
+
+def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """dst <- src, one fused op when devices and dtypes agree."""
+    assert len(dst) == len(src)
+    if all(a.device == b.device and a.dtype == b.dtype for a, b in zip(dst, src, strict=True)):
+        torch._foreach_copy_(list(dst), list(src))
+    else:
+        for a, b in zip(dst, src, strict=True):
+            a.copy_(b)
+
+
+def averaged_minus_(slot: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> None:
+    """slot <- averaged − slot (the delta rule's update from the snapshot in slot), in one pass over each tensor."""
+    assert len(slot) == len(averaged)
+    for mine, theirs in zip(slot, averaged, strict=True):
+        torch.sub(theirs, mine, out=mine)
+
+
+def add_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """dst += src (src: fp32 CPU), one fused op when dst is fp32 CPU too."""
+    assert len(dst) == len(src)
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in dst):
+        torch._foreach_add_(list(dst), list(src))
+    else:
+        for t, delta in zip(dst, src, strict=True):
+            t.add_(delta.to(t.device, t.dtype))
 
 
 class AveragedTensors:
@@ -77,8 +110,8 @@ class AveragedTensors:
 
     @staticmethod
     def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        """One pass per tensor, one sync: an L2 norm is nan/inf iff an element is (or exceeds ~1e19, whose square
-        overflows: no trained weight is that large, so it is rejected too). ~15x faster than isfinite or max |x|."""
+        """One pass per tensor, one sync: an L2 norm is nan/inf iff an element is (or is so large that its square
+        overflows: no trained weight is, so it is rejected too)."""
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return True
@@ -86,8 +119,7 @@ class AveragedTensors:
 
     @staticmethod
     def norm(tensors: Sequence[torch.Tensor]) -> float:
-        """The L2 norm of all of them together, in the same pass and sync as ``all_finite``: inf or nan iff that says
-        not finite (the update check of ``vetting`` needs the size of an update that is checked for finiteness)."""
+        """The L2 norm of all of them together, in one pass and sync: inf or nan iff ``all_finite`` says not."""
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return 0.0
@@ -116,3 +148,166 @@ class ResultSlots:
     def staging(self, slot: list[torch.Tensor]) -> FlatStaging:
         """The staging whose views ``slot`` is: it copies them to and from the trainer's devices."""
         return next(s for s in self._stagings if s.views is slot)
+
+
+class StepBoundaryMarks:
+    """The trainer's step boundaries on each GPU that holds its tensors (an event on that GPU's current stream), and
+    the side stream that copies of a boundary's values run on. Without GPU tensors it does nothing."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
+        self._marks = {device: torch.cuda.Event() for device in self.devices}
+        self._side_streams = {device: torch.cuda.Stream(device) for device in self.devices}
+        self.record()  # what the model's construction (or a load) queued counts as the first boundary
+
+    def record(self) -> None:
+        """Trainer thread, holding ``dsgd.lock``, at the end of a step boundary (the optimizer step and the apply
+        queued) or after anything else changed the tensors (a state download)."""
+        for device, mark in self._marks.items():
+            mark.record(torch.cuda.current_stream(device))
+
+    def mark(self, device: torch.device) -> torch.cuda.Event:
+        return self._marks[device]
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """Used only under ``dsgd.lock`` (fills, serving, the apply, a download): one copy at a time."""
+        return self._side_streams[device]
+
+
+def _event_after(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event at the end of what ``stream`` has queued; a thread that waits for it sleeps instead of spinning."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
+def layout(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[tuple]:
+    """What a staging for ``tensors`` must match: shapes, devices and host dtypes (``dtype``, else the tensors')."""
+    return [(tuple(t.shape), t.device, dtype or t.dtype) for t in tensors]
+
+
+@dataclass(eq=False)
+class _Group:
+    """The layout's tensors on one device in one host dtype, and their flat host buffer."""
+
+    device: torch.device
+    indices: list[int]  # their positions in the layout, ascending
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    last_read: torch.cuda.Event | None = None  # a GPU group: the end of the last host → device copy out of `flat`
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def first(self, count: int) -> int:
+        """How many of this group's tensors are among the layout's first ``count``."""
+        return sum(i < count for i in self.indices)
+
+
+class FlatStaging:
+    """Host copies of the tensors of one layout (``like``: shapes, devices; ``dtype``: the host dtype, default each
+    tensor's own). Its methods are called holding ``dsgd.lock`` (see the module); ``views`` may be read and written
+    without it by whoever owns the staging at the time (a round's slot: the scheduler until the round is DONE)."""
+
+    def __init__(self, like: Sequence[torch.Tensor], marks: StepBoundaryMarks, dtype: torch.dtype | None = None):
+        self.layout, self.marks = layout(like, dtype), marks
+        by_group: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (_, device, host_dtype) in enumerate(self.layout):
+            by_group.setdefault((device, host_dtype), []).append(i)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(like)
+        self._groups: list[_Group] = []
+        for (device, host_dtype), indices in by_group.items():
+            if device.type == "cuda" and device not in marks.devices:
+                raise ValueError(f"a tensor on {device}, whose stream the trainer does not mark (only {marks.devices})")
+            sizes = [like[i].numel() for i in indices]
+            flat = torch.zeros(sum(sizes), dtype=host_dtype, pin_memory=device.type == "cuda")
+            if device.type != "cuda":  # shared: after a fork (averager, data loaders) private pages turn copy-on-write
+                flat.share_memory_()
+            views = [part.view(like[i].shape) for part, i in zip(flat.split(sizes), indices, strict=True)]
+            for i, view in zip(indices, views, strict=True):
+                self.views[i] = view
+            self._groups.append(_Group(device, indices, flat, views))
+
+    @torch.no_grad()
+    def download_(self, sources: Sequence[torch.Tensor]) -> None:
+        """``views ← sources`` (the layout's live tensors). The caller holds ``dsgd.lock`` (see the module)."""
+        assert len(sources) == len(self.views)
+        copied = []
+        for group in self._groups:
+            group_sources = [sources[i] for i in group.indices]
+            if not group.on_gpu:
+                copy_(group.views, group_sources)
+                continue
+            side = self.marks.side_stream(group.device)
+            with torch.cuda.stream(side):
+                side.wait_event(self.marks.mark(group.device))  # the boundary's values, not the next forward's
+                if group.last_read is not None:
+                    side.wait_event(group.last_read)
+                # the sources stay alive and unchanged until the sync below: the caller holds dsgd.lock
+                for view, source in zip(group.views, group_sources, strict=True):
+                    view.copy_(source, non_blocking=True)
+                copied.append(_event_after(side))
+        for event in copied:
+            event.synchronize()  # this thread waits for the copy only, not for the trainer's stream
+
+    @torch.no_grad()
+    def write_(self, sources: Sequence[torch.Tensor]) -> None:
+        """``views[:len(sources)] ← sources`` (host tensors), written by this thread once the device has finished
+        reading the buffers."""
+        for group in self._groups:
+            count = group.first(len(sources))
+            if not count:
+                continue
+            if group.on_gpu and group.last_read is not None:
+                group.last_read.synchronize()
+            copy_(group.views[:count], [sources[i] for i in group.indices[:count]])
+
+    def add_to_(self, targets: Sequence[torch.Tensor]) -> None:
+        """``targets += views`` (the layout's first ``len(targets)`` tensors, live). Trainer thread, ``dsgd.lock``."""
+        self._to_device(targets, add=True)
+
+    def copy_to_(self, targets: Sequence[torch.Tensor]) -> None:
+        """``targets ← views`` (the layout's first ``len(targets)`` tensors, live). Trainer thread, ``dsgd.lock``."""
+        self._to_device(targets, add=False)
+
+    @torch.no_grad()
+    def _to_device(self, targets: Sequence[torch.Tensor], add: bool) -> None:
+        for group in self._groups:
+            count = group.first(len(targets))
+            if not count:
+                continue
+            group_targets, views = [targets[i] for i in group.indices[:count]], group.views[:count]
+            if not group.on_gpu:
+                (add_ if add else copy_)(group_targets, views)
+                continue
+            trainer, side = torch.cuda.current_stream(group.device), self.marks.side_stream(group.device)
+            used = sum(view.numel() for view in views)
+            with torch.cuda.stream(side):  # allocated on the side stream, so the copy need not wait for the trainer's
+                flat = group.flat[:used].to(group.device, non_blocking=True)
+                group.last_read = _event_after(side)
+            trainer.wait_event(group.last_read)  # the GPU waits, not this thread
+            flat.record_stream(trainer)  # freed only once the trainer's stream has used it
+            on_device = [
+                part.view(view.shape) for part, view in zip(flat.split([v.numel() for v in views]), views, strict=True)
+            ]
+            if add:
+                torch._foreach_add_(group_targets, on_device)
+            else:
+                torch._foreach_copy_(group_targets, on_device)
+
+
+class StagingCache:
+    """One ``FlatStaging`` for a layout that changes now and then (the served state: optimizer state appears at the
+    first step), made again when it does. Hold ``lock`` while using it: ``dsgd.lock`` first, if both."""
+
+    def __init__(self, marks: StepBoundaryMarks):
+        self.lock, self.marks = threading.Lock(), marks
+        self._staging: FlatStaging | None = None
+
+    def for_layout(self, tensors: Sequence[torch.Tensor]) -> FlatStaging:
+        """Holding ``lock``: a staging laid out for ``tensors`` (their own dtypes)."""
+        if self._staging is None or self._staging.layout != layout(tensors):
+            self._staging = None  # the old buffers go first
+            self._staging = FlatStaging(tensors, self.marks)
+        return self._staging

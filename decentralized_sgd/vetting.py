@@ -38,12 +38,11 @@ from hivemind.p2p import PeerID
 
 from .guard import JoinRefusals, group_verdict, member_test
 from .outliers import OutlierRule, Summary, UpdateCheck, WeightSketch, expected_update_norm
-from .rounds import Round, RoundBook
+from .rounds import Round, RoundBook, TrainerState
 from .secret import MembershipCheck, SwarmSecret
 from .state_transfer import StateTransfer
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors
-from .trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
 

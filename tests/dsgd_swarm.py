@@ -13,6 +13,7 @@ import hivemind
 import torch
 
 from decentralized_sgd import DecentralizedSGD
+from decentralized_sgd.scheduler import RoundSettings
 from vissl_swarm import local_swarm
 from vissl_swarm.swarm import SwarmSettings, start_dht
 
@@ -112,9 +113,12 @@ class Swarm:
     def peer(
         self, model: torch.nn.Module, lr: float = 0.0, momentum: float = 0.0, prefix: str = "test", **kwargs
     ) -> DecentralizedSGD:
-        """A peer on a new DHT; peers of one ``prefix`` average together."""
+        """A peer on a new DHT; peers of one ``prefix`` average together. ``RoundSettings``' fields among ``kwargs``
+        go into its ``settings``."""
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        peer = DecentralizedSGD(optimizer, self.dht(), prefix=prefix, model=model, **{**FAST, **kwargs})
+        tuned = {key: kwargs.pop(key) for key in list(kwargs) if key in RoundSettings.__dataclass_fields__}
+        kwargs = {**FAST, **kwargs, **({"settings": RoundSettings(**tuned)} if tuned else {})}
+        peer = DecentralizedSGD(optimizer, self.dht(), prefix=prefix, model=model, **kwargs)
         self.peers.append(peer)
         return peer
 

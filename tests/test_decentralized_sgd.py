@@ -46,7 +46,7 @@ from hivemind.proto import averaging_pb2
 from decentralized_sgd import DecentralizedSGD, make_compression, schema_fingerprint
 from decentralized_sgd.averager import Averager
 from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
-from decentralized_sgd.step_clock import StepClock
+from decentralized_sgd.rounds import StepClock
 
 RECORD_FIELDS = {
     "round",
@@ -139,7 +139,7 @@ def test_three_peers_converge_to_the_mean(swarm, tmp_path):
         assert peer.model[1].num_batches_tracked.item() == i  # integer buffers are not averaged
         applied = [r for r in peer.records if r["applied"]]
         assert applied and all(r["group_size"] >= 2 and r["error"] is None for r in applied)
-        assert RECORD_FIELDS <= set(peer.last_record())
+        assert RECORD_FIELDS <= set(peer.records[-1])
         with open(tmp_path / f"{i}.jsonl") as f:
             assert [json.loads(line) for line in f] == peer.records
 
@@ -467,6 +467,44 @@ def test_ssp_wait_times_out_and_is_logged_when_alone(swarm, caplog):
     with a:  # shutdown is idempotent and the context manager calls it too
         a.shutdown()
     assert not a.averager.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_an_ssp_wait_sleeps_until_a_round_changes(swarm):
+    """The SSP wait is woken by the scheduler when a round changes state, not every few milliseconds: each wake is a
+    step boundary (counted in ``boundaries``: it may start or fill a round). Alone, with a round that looks for a
+    group longer than the wait, nothing changes: the wait ends at its timeout after a handful of wakes."""
+    a = swarm.peer(make_model(0.0), max_staleness=1, staleness_timeout=2.0, min_matchmaking_time=30.0)
+    a.on_step_end()
+    boundaries = a.trainer.boundaries
+    a.on_step_end()  # 2 steps since a sync: waits staleness_timeout, as no round can be applied alone
+    assert a.counters["ssp_waits"] == 1 and a.counters["ssp_timeouts"] == 1 and a.counters["ssp_wait_s"] >= 2.0
+    assert a.trainer.boundaries - boundaries <= 5, a.trainer.boundaries - boundaries  # a 10 ms poll: ~200
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_returns_by_its_deadline_when_every_part_takes_its_whole_bound(swarm, monkeypatch):
+    """``SHUTDOWN_DEADLINE_S`` holds when each part of a shutdown takes as long as it may: the averager's stop its
+    whole bound (HivemindFixes.shutdown: about shutdown_timeout + 7 s; made so here, as a test cannot wedge hivemind's
+    process on demand), and the starvation monitor's a stopped sampler's whole wait (real: SIGSTOP)."""
+    from decentralized_sgd import optimizer as dsgd_optimizer
+
+    averager_bound = dsgd_optimizer.AVERAGER_SHUTDOWN_S + 7.0
+    real_shutdown = Averager.shutdown
+
+    def slowest_shutdown(self) -> None:
+        started = time.monotonic()
+        real_shutdown(self)
+        time.sleep(max(0.0, averager_bound - (time.monotonic() - started)))
+
+    monkeypatch.setattr(Averager, "shutdown", slowest_shutdown)
+    a = swarm.peer(make_model(0.0))
+    os.kill(a.starvation._sampler.pid, signal.SIGSTOP)  # its stop waits 5 s for the SIGTERM, then kills
+    t0 = time.monotonic()
+    a.shutdown()
+    took = time.monotonic() - t0
+    assert took <= dsgd_optimizer.SHUTDOWN_DEADLINE_S, (took, dsgd_optimizer.SHUTDOWN_DEADLINE_S)
+    assert a.starvation._sampler.poll() is not None  # the stopped sampler was ended, not left behind
 
 
 @pytest.mark.timeout(150)

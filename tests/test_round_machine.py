@@ -1,11 +1,12 @@
-"""The round state machine, the round book and the scheduler on their own: no DHT, no averager process, no thread.
+"""The round machine without a swarm: ``DecentralizedSGD`` built by its own factories, but for its averager.
 
-The parts are the product's (``RoundBook``, ``RoundScheduler``, ``RoundExchange``, ``RoundVetting``,
-``AveragerSupervisor``, ``TrainerState``), wired as ``DecentralizedSGD`` wires them, and every round runs on a real
-hivemind ``StepControl`` with real ``MPFuture`` trigger and cancel futures. What hivemind's averager process would do
-to a step (form the group, run the AllReduce, write the average into the buffers, end the step) is done here by
-``HivemindsSide``, in this process, when the test says so; the test calls ``scheduler.tick()`` itself. So each
-scenario is exact and takes milliseconds. The same machine with real peers: test_decentralized_sgd and the others.
+Every part is the product's, built and wired by the optimizer's ``_make_*`` methods; ``Peer`` overrides only
+``_make_averager`` (``HivemindsSide``), ``_make_starvation_monitor`` (never starved) and ``start`` (no scheduler
+thread). Every round runs on a real hivemind ``StepControl`` with real ``MPFuture`` trigger and cancel futures. What
+hivemind's averager process would do to a step (form the group, run the AllReduce, write the average into the
+buffers, end the step) is done here by ``HivemindsSide``, in this process, when the test says so; the test calls
+``scheduler.tick()`` itself. So each scenario is exact and takes milliseconds. The same machine with real peers:
+test_decentralized_sgd and the others.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import hivemind
 import numpy as np
 import pytest
 import torch
@@ -25,22 +27,16 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, get_dht_time
 
-from decentralized_sgd.exchange import RoundExchange
+from decentralized_sgd import DecentralizedSGD
 from decentralized_sgd.optimizer import COUNTERS
 from decentralized_sgd.outer import OuterOptimizer, OuterSettings
 from decentralized_sgd.outliers import Summary, WeightSketch
 from decentralized_sgd.rounds import Round, RoundBook
 from decentralized_sgd.rounds import RoundState as S
-from decentralized_sgd.scheduler import RoundScheduler
-from decentralized_sgd.settings import RoundSettings
-from decentralized_sgd.staging import FlatStaging, StagingCache, StepBoundaryMarks
-from decentralized_sgd.state_transfer import StateTransfer
-from decentralized_sgd.supervisor import AveragerSupervisor
-from decentralized_sgd.tensors import AveragedTensors, ResultSlots
-from decentralized_sgd.trainer_state import TrainerState
-from decentralized_sgd.vetting import GroupChecks, RoundVetting
+from decentralized_sgd.scheduler import RoundSettings
+from decentralized_sgd.tensors import AveragedTensors, FlatStaging, ResultSlots, StepBoundaryMarks
 
-OWN, MATE = PeerID(os.urandom(34)), PeerID(os.urandom(34))  # us, and the groupmate hivemind's side brings
+MATE = PeerID(os.urandom(34))  # the groupmate hivemind's side brings
 DRIFTER = PeerID(os.urandom(34))  # a third groupmate, in the tests that bring one themselves
 
 
@@ -65,8 +61,8 @@ class HivemindsSide:
 
     client_mode = False
 
-    def __init__(self, size: int, sketch: WeightSketch):
-        self.sketch = sketch  # the groupmate's weight summary is made with the swarm's sketch, as ours
+    def __init__(self, size: int, sketch: WeightSketch, own: PeerID):
+        self.sketch, self.own = sketch, own  # the groupmate's weight summary is made with the swarm's sketch, as ours
         self.buffers_ = [torch.zeros(size)]
         self._lock = threading.Lock()
         self.steps: list[tuple[StepControl, dict]] = []  # (step, what we gathered)
@@ -128,7 +124,7 @@ class HivemindsSide:
             for buffer, theirs in zip(buffers, mate, strict=True):
                 buffer.add_(theirs).div_(2)
         step.stage = AveragingStage.FINISHED
-        step.set_result({OWN: gathered, MATE: {"summary": mate_summary.to_wire()}})
+        step.set_result({self.own: gathered, MATE: {"summary": mate_summary.to_wire()}})
 
     def fail(self, index: int, error: BaseException) -> None:
         step = self.steps[index][0]
@@ -136,73 +132,35 @@ class HivemindsSide:
         step.set_exception(error)
 
 
-class Peer:
-    """The parts of one DecentralizedSGD, wired as its constructor wires them, around one parameter vector."""
+class Peer(DecentralizedSGD):
+    """A DecentralizedSGD around one parameter vector, built by its own factories with two replaced: its averager is
+    ``HivemindsSide``, and it never starves (no sampler process). ``start`` starts no thread: the test ticks."""
 
-    def __init__(self, settings: RoundSettings, size: int = 64, outer: OuterSettings | None = None):
+    def __init__(self, dht: hivemind.DHT, settings: RoundSettings, size: int = 64, **kwargs):
         self.param = torch.nn.Parameter(torch.ones(size))
-        self.optimizer = torch.optim.SGD([self.param], lr=0.1)
-        self.counters = dict.fromkeys(COUNTERS, 0)
-        self.trainer, self.tensors = (
-            TrainerState(),
-            AveragedTensors(self.optimizer, None, average_buffers=False, average_optimizer_state=False),
-        )
-        marks = StepBoundaryMarks(self.tensors.local())
-        slots = ResultSlots(lambda: FlatStaging(self.tensors.local(), marks, torch.float32))
-        self.book = RoundBook(self.counters, slots, records_path=None, verbose=False, peer=str(OWN))
-        self.outer = OuterOptimizer(outer, self.tensors.params) if outer is not None else None
-        self.state = state = StateTransfer(
-            self.optimizer,
-            None,
-            self.tensors,
-            self.trainer,
-            StagingCache(marks),
-            marks,
-            self.book,
-            get_extra_state=None,
-            outer=self.outer,
-        )
-        checks = GroupChecks.for_tensors(self.tensors, seed="unit")
-        self.hivemind = HivemindsSide(size, checks.sketch)
-        self.supervisor = AveragerSupervisor(lambda: self.hivemind, self.counters, settings.averager_timeout)
-        self.supervisor.start()
-        self.vetting = RoundVetting(
-            checks,
-            self.trainer,
-            self.tensors,
-            self.book,
-            self.supervisor,
-            state,
-            self.counters,
-            OWN,
-            secret=None,
-            membership=None,
-            heal_timeout=1.0,
-        )
-        self.exchange = RoundExchange(
-            settings,
-            self.trainer,
-            self.tensors,
-            self.book,
-            self.supervisor,
-            self.vetting,
-            self.counters,
-            None,
-            self.outer,
-        )
-        self.scheduler = RoundScheduler(
-            settings, self.trainer, self.book, self.supervisor, self.exchange, self.vetting, self.counters
-        )
+        self.hivemind: HivemindsSide | None = None
+        optimizer = torch.optim.SGD([self.param], lr=0.1)
+        super().__init__(optimizer, dht, prefix="unit", settings=settings, **TIMEOUTS, **kwargs)
+        self.book, self.tensors = self.round_book, self.averaged_tensors
+        self.supervisor, self.scheduler = self._supervisor, self._scheduler
+
+    def _make_averager(self) -> HivemindsSide:
+        if self.hivemind is None:  # one for the peer's life: a restart gets it back
+            self.hivemind = HivemindsSide(self.param.numel(), self.checks.sketch, self.peer_id)
+        return self.hivemind
+
+    def _make_starvation_monitor(self) -> None:
+        return None
+
+    def start(self) -> None:
+        self._supervisor.start()
 
     def train_step(self, change: float = -0.1) -> int:
-        """One local step that moves every parameter by ``change``, then the step boundary (what
-        DecentralizedSGD.step does): returns how many rounds it applied."""
-        with self.trainer.lock, torch.no_grad():
+        """One local step that moves every parameter by ``change``, then the step boundary (what step() does):
+        returns how many rounds it applied."""
+        with self.lock, torch.no_grad():
             self.param.add_(change)
-            self.trainer.count_step(batch_size=16)
-            applied = self.exchange.apply_finished()
-            self.vetting.applied(applied)
-        return len(applied)
+        return self.on_step_end(batch_size=16)
 
     def start_and_trigger(self, index: int) -> Round:
         """A step boundary, a tick that starts round ``index``, hivemind forming its group, a tick that fills and
@@ -225,13 +183,21 @@ class Peer:
         return next(record["state"] for record in self.book.records if record["round"] == index)
 
 
+@pytest.fixture(scope="module")
+def dht() -> Iterator[hivemind.DHT]:
+    """One real DHT for every peer of this module: they never meet (their averager is HivemindsSide)."""
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield node
+    node.shutdown()
+
+
 @pytest.fixture
-def make_peer() -> Iterator[Callable[..., Peer]]:
+def make_peer(dht: hivemind.DHT) -> Iterator[Callable[..., Peer]]:
     """Peers whose rounds still in flight are closed at the end (as shutdown does: hivemind is told of each)."""
     peers: list[Peer] = []
 
-    def make(settings: RoundSettings, outer: OuterSettings | None = None) -> Peer:
-        peers.append(Peer(settings, outer=outer))
+    def make(settings: RoundSettings, outer: OuterSettings | None = None, size: int = 64, **kwargs) -> Peer:
+        peers.append(Peer(dht, settings, size=size, outer=outer, **kwargs))
         return peers[-1]
 
     yield make
@@ -239,7 +205,8 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
         peer.book.close("test over")
 
 
-FAST = RoundSettings(min_matchmaking_time=0.5, next_chunk_timeout=0.5, allreduce_timeout=10.0, averager_timeout=10.0)
+TIMEOUTS = dict(min_matchmaking_time=0.5, next_chunk_timeout=0.5, allreduce_timeout=10.0)
+FAST = RoundSettings(averager_timeout=10.0)
 
 
 def test_a_round_goes_through_every_state_and_the_delta_rule_keeps_the_local_step_made_during_it(make_peer):
@@ -297,6 +264,39 @@ def test_the_next_matchmaking_starts_while_the_allreduce_runs_and_only_after_a_s
     serial.train_step()
     serial.scheduler.tick()
     assert len(serial.hivemind.steps) == 1  # without pipelining: only once round 0 is over
+
+
+def test_an_ssp_wait_is_a_step_boundary_whose_round_it_fills_and_applies(make_peer):
+    """``max_staleness=1``: the trainer's second step without a sync waits for a round. The wait releases
+    ``dsgd.lock`` and is woken whenever a round changes: the round that starts during it is filled with the waiting
+    trainer's values (step 2), and its update is applied by the wait itself, which then returns."""
+    peer = make_peer(FAST, max_staleness=1)
+    peer.train_step()  # step 1: within the bound
+    applied: list[int] = []
+    trainer = threading.Thread(target=lambda: applied.append(peer.train_step()))
+    trainer.start()
+    try:
+        wait_until(lambda: peer.trainer.waiting, 30, "the trainer's SSP wait")
+        boundaries = peer.trainer.boundaries
+        peer.scheduler.tick()  # round 0 starts (the trainer passed a boundary): a change, so the wait wakes
+        wait_until(lambda: peer.trainer.boundaries > boundaries and peer.trainer.waiting, 30, "a wake, and back")
+        peer.hivemind.form(0)
+        peer.scheduler.tick()  # filled under dsgd.lock, which the waiting trainer released
+        r = peer.round(0)
+        assert r.state is S.TRIGGERED and r.step_at_snapshot == 2 and trainer.is_alive()
+        snapshot = peer.param.detach().clone()
+        peer.hivemind.finish(0, [snapshot + 0.002])
+        peer.scheduler.tick()  # DONE: the wait wakes, applies it and returns
+        trainer.join(30)
+    finally:
+        peer.book.close("unblock the trainer if the test failed")
+        trainer.join(30)
+    assert applied == [1] and torch.allclose(peer.param.detach(), snapshot + 0.001)
+    assert peer.counters["ssp_waits"] == 1 and peer.counters["ssp_timeouts"] == 0
+    assert peer.trainer.boundaries - boundaries <= 3  # one wake per round change: started, triggered, done
+    peer.scheduler.tick()
+    record = peer.book.records[0]
+    assert record["applied"] and record["step_at_apply"] == 2 and record["staleness_steps"] == 0
 
 
 def test_a_round_formed_while_the_trainer_holds_its_lock_is_cancelled_after_next_chunk_timeout(make_peer):
@@ -391,7 +391,7 @@ def test_a_much_larger_update_than_the_summaries_predict_is_refused(make_peer):
     with peer.hivemind.buffers(10.0) as buffers:
         step.began_allreduce = True
         buffers[0].add_(100.0)
-    step.set_result({OWN: gathered, MATE: gathered})
+    step.set_result({peer.peer_id: gathered, MATE: gathered})
     peer.scheduler.tick()
     peer.scheduler.tick()
     assert peer.state_of(1) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1
@@ -400,52 +400,50 @@ def test_a_much_larger_update_than_the_summaries_predict_is_refused(make_peer):
     assert torch.allclose(peer.param.detach(), snapshot - 0.1)  # our own weights, not the far average
 
 
-def test_an_update_that_outgrew_what_the_summaries_predict_is_refused():
+def test_an_update_that_outgrew_what_the_summaries_predict_is_refused(make_peer):
     """test_robust_peers' drifting peer under load, with its numbers (27 values: the sketch is exact). The drifter's
     summary, taken 6 steps (x1.05 each) into its drift, passed the rule: its reference was 7 still steps older, so
     it moved 0.34 / 13 = 2.6% of |w| per step, under the 3% floor. Its values were copied 11 steps later (x1.05^17):
     the update, 3.8 times what the summaries predicted, was within 4 * expected and moved the others by 43%."""
-    peer = Peer(FAST, size=27)
-    try:
-        peer.train_step(0.0)
-        peer.scheduler.tick()
-        peer.hivemind.form(0)
-        peer.scheduler.tick()
-        peer.hivemind.finish(0, [peer.param.detach().clone()])  # a round that changes nothing: history [0]
-        peer.train_step(0.0)
-        peer.scheduler.tick()  # round 0 DONE, round 1 looking
-        assert peer.train_step(0.0) == 1
-        peer.hivemind.form(1)
-        peer.scheduler.tick()
-        assert peer.round(1).state is S.TRIGGERED
-        step, gathered = peer.hivemind.steps[1]
-        own = Summary.from_wire(gathered["summary"], peer.vetting.sketch.size).point
-        healthy = Summary(own, 26, own, 13)
-        drifter = Summary(1.05**6 * own, 26, own, 13)
-        with peer.hivemind.buffers(10.0) as buffers:  # our snapshot (1.0), the healthy mate's, the drifter's 1.05^17
-            step.began_allreduce = True
-            buffers[0].mul_((1.05**17 + 2) / 3)
-        step.set_result({OWN: gathered, MATE: {"summary": healthy.to_wire()}, DRIFTER: {"summary": drifter.to_wire()}})
-        peer.scheduler.tick()
-        peer.scheduler.tick()
-        assert peer.state_of(1) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1
-        assert not peer.book.records[1]["outliers"]  # the rule let the drifter in: the update check is what is left
-        peer.train_step(0.0)
-        assert torch.equal(peer.param.detach(), torch.ones(27))  # our own weights, not 1.43 of them
-    finally:
-        peer.book.close("test over")
+    peer = make_peer(FAST, size=27)
+    peer.train_step(0.0)
+    peer.scheduler.tick()
+    peer.hivemind.form(0)
+    peer.scheduler.tick()
+    peer.hivemind.finish(0, [peer.param.detach().clone()])  # a round that changes nothing: history [0]
+    peer.train_step(0.0)
+    peer.scheduler.tick()  # round 0 DONE, round 1 looking
+    assert peer.train_step(0.0) == 1
+    peer.hivemind.form(1)
+    peer.scheduler.tick()
+    assert peer.round(1).state is S.TRIGGERED
+    step, gathered = peer.hivemind.steps[1]
+    own = Summary.from_wire(gathered["summary"], peer.vetting.sketch.size).point
+    healthy = Summary(own, 26, own, 13)
+    drifter = Summary(1.05**6 * own, 26, own, 13)
+    with peer.hivemind.buffers(10.0) as buffers:  # our snapshot (1.0), the healthy mate's, the drifter's 1.05^17
+        step.began_allreduce = True
+        buffers[0].mul_((1.05**17 + 2) / 3)
+    mates = {MATE: {"summary": healthy.to_wire()}, DRIFTER: {"summary": drifter.to_wire()}}
+    step.set_result({peer.peer_id: gathered, **mates})
+    peer.scheduler.tick()
+    peer.scheduler.tick()
+    assert peer.state_of(1) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1
+    assert not peer.book.records[1]["outliers"]  # the rule let the drifter in: the update check is what is left
+    peer.train_step(0.0)
+    assert torch.equal(peer.param.detach(), torch.ones(27))  # our own weights, not 1.43 of them
 
 
 def test_the_round_book_moves_several_rounds_at_once_and_records_them_in_order():
-    counters = dict.fromkeys(COUNTERS, 0)
     param = torch.nn.Parameter(torch.zeros(4))
     tensors = AveragedTensors(
         torch.optim.SGD([param], lr=0.1), None, average_buffers=False, average_optimizer_state=False
     )
     marks = StepBoundaryMarks(tensors.local())
     book = RoundBook(
-        counters, ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), None, False, "me"
+        ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), COUNTERS, None, False, "me"
     )
+    counters = book.counters
     rounds = [Round(i, new_step(), time.time(), 0) for i in range(4)]
     with book.lock:
         book.rounds.extend(rounds)
@@ -495,7 +493,7 @@ def test_a_download_torch_could_not_start_keeps_our_state_and_other_errors_still
         raise RuntimeError("Shared memory manager connection has timed out\nException raised from recv at ...")
 
     peer.hivemind.load_state_from_peers = manager_timed_out
-    assert peer.state.load(peer.hivemind, timeout=1.0, accept=None) is None
+    assert peer.state_transfer.load(peer.hivemind, timeout=1.0, accept=None) is None
     assert torch.equal(peer.param.detach(), before)
 
     def broken(timeout: float) -> None:
@@ -503,7 +501,7 @@ def test_a_download_torch_could_not_start_keeps_our_state_and_other_errors_still
 
     peer.hivemind.load_state_from_peers = broken
     with pytest.raises(RuntimeError, match="something else"):
-        peer.state.load(peer.hivemind, timeout=1.0, accept=None)
+        peer.state_transfer.load(peer.hivemind, timeout=1.0, accept=None)
 
 
 def test_the_scheduler_logs_a_timed_out_shared_memory_manager_as_overload_and_other_errors_as_a_bug(
@@ -605,7 +603,7 @@ def test_the_update_check_vets_the_plain_average_before_the_outer_step(make_peer
     with peer.hivemind.buffers(10.0) as buffers:  # the mate's summary says it is where we are; its values are not
         step.began_allreduce = True
         buffers[0].add_(100.0)
-    step.set_result({OWN: gathered, MATE: gathered})
+    step.set_result({peer.peer_id: gathered, MATE: gathered})
     peer.scheduler.tick()
     assert peer.state_of(3) == "DISCARDED" and peer.counters["rounds_rejected_large_update"] == 1, r.error
     assert torch.equal(peer.outer.anchor[0], anchor) and peer.outer.steps == 3  # a refused round moves no anchor
@@ -646,9 +644,9 @@ def test_a_state_download_makes_the_donors_weights_the_anchor_and_restarts_the_b
     donated = float(peer.param[0]) - 0.02
     with torch.no_grad():
         donor.param.fill_(donated)
-    metadata, tensors, _ = donor.state.serve()
+    metadata, tensors, _ = donor.state_transfer.serve()
     peer.hivemind.load_state_from_peers = lambda timeout: (metadata, tensors)
-    assert peer.state.load(peer.hivemind, timeout=5.0, accept=None) is not None
+    assert peer.state_transfer.load(peer.hivemind, timeout=5.0, accept=None) is not None
     assert torch.equal(peer.outer.anchor[0], torch.full((64,), donated)) and peer.outer.buffer[0].abs().sum() == 0
     assert r.stale
     peer.hivemind.finish(1, [torch.full((64,), 0.5)])  # the round whose snapshot predates the download

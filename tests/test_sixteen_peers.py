@@ -36,7 +36,7 @@ def spread(peers: list) -> float:
 @pytest.mark.timeout(480)
 def test_sixteen_peers_reach_consensus_with_the_slow_peer_fixes_on(swarm) -> None:
     peers = [swarm.peer(make_model(float(i)), target_group_size=4, **BOX_TIMEOUTS) for i in range(PEERS)]
-    assert all(peer.slow_peer_fixes for peer in peers)
+    assert all(peer.settings.slow_peer_fixes for peer in peers)
     for peer in peers:
         swarm.train(peer)
     wait_until(

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from decentralized_sgd.staging import FlatStaging, StagingCache, StepBoundaryMarks
+from decentralized_sgd.tensors import FlatStaging, StagingCache, StepBoundaryMarks
 
 
 def mixed_tensors() -> list[torch.Tensor]:

@@ -95,10 +95,10 @@ class SwarmSettings:
         from decentralized_sgd.outer import OuterSettings
 
         try:
-            OuterSettings(self.outer_momentum, self.outer_lr, self.outer_nesterov)
+            outer = OuterSettings(self.outer_momentum, self.outer_lr, self.outer_nesterov)
         except ValueError as error:
             raise SwarmError(f"--{error}") from None
-        return dict(outer_momentum=self.outer_momentum, outer_lr=self.outer_lr, outer_nesterov=self.outer_nesterov)
+        return dict(outer=outer)
 
     def secret(self) -> Any:
         """The swarm secret (a ``decentralized_sgd.secret.SwarmSecret``) from --swarm_secret, --swarm_secret_file or
