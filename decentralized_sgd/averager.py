@@ -49,7 +49,7 @@ class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
     _rpc_handlers = None  # part of the wire protocol: handler names are "<prefix>::Averager.rpc_..."
     _stub_type = None
 
-    def __init__(self, *args, state_fn: Callable[[], tuple], **kwargs):
+    def __init__(self, *args, state_fn: Callable[[], tuple] | None = None, **kwargs):
         self.state_fn = state_fn
         # wall-clock stamps the averager process writes, the trainer's reads: [AllReduce began, ended, refused part]
         self._stamps = torch.zeros(3, dtype=torch.float64).share_memory_()
@@ -68,14 +68,14 @@ class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
         """Averager process (see HivemindFixes.rpc_aggregate_part): keep the latest arrival."""
         self._stamps[2] = max(arrived, float(self._stamps[2]))
 
-    async def _aggregate_with_group(self, *args: Any, **kwargs: Any) -> Any:
-        """Averager process: hivemind calls this right after it set the stage to RUNNING_ALLREDUCE."""
+    async def _allreduce(self, *args: Any, **kwargs: Any) -> Any:
+        """Averager process: an AllReduce runs (not for a group the guard refused: it runs none)."""
         self._stamps[0] = time.time()
         try:
-            return await super()._aggregate_with_group(*args, **kwargs)
+            return await super()._allreduce(*args, **kwargs)
         finally:
             self._stamps[1] = time.time()
 
     def get_current_state(self) -> tuple:
         """Runs in hivemind's state-fetching thread of the trainer's process, when a peer downloads our state."""
-        return self.state_fn()
+        return self.state_fn() if self.state_fn is not None else super().get_current_state()

@@ -88,9 +88,8 @@ class GroupGuard(hivemind.DecentralizedAverager):
         ban_s: float = BAN_S,
         **kwargs,
     ):
-        """Defaults (no summaries, no secret): an averager on its own, as hivemind's, whose groups nobody vets."""
-        self.summary_size, self.secret, self.ban_s = summary_size, secret, ban_s
-        self.rule = rule if rule is not None else OutlierRule()
+        """Defaults (no rule, no secret): an averager on its own, as hivemind's, whose groups nobody vets."""
+        self.summary_size, self.secret, self.ban_s, self.rule = summary_size, secret, ban_s, rule
         self.refusals = refusals if refusals is not None else JoinRefusals()
         self._banned_until: dict[PeerID, float] = {}  # averager process only
         self._logged_outsiders: set[PeerID] = set()
@@ -149,6 +148,8 @@ class GroupGuard(hivemind.DecentralizedAverager):
         return gathered
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> Any:
+        if self.rule is None and self.secret is None:  # nobody vets: hivemind's averager
+            return await self._allreduce(group_info, min_vector_size, **kwargs)
         gathered = self._decode_gathered(group_info)
         verdict = self.verdict(gathered)
         if self.peer_id not in verdict.outliers:
@@ -167,5 +168,9 @@ class GroupGuard(hivemind.DecentralizedAverager):
                 tuple(group_info.peer_ids[i] for i in kept),
                 tuple(group_info.gathered[i] for i in kept),
             )
-        await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        await self._allreduce(group_info, min_vector_size, **kwargs)
         return gathered
+
+    async def _allreduce(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> Any:
+        """hivemind's AllReduce of this group (the only place where one runs)."""
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)

@@ -64,6 +64,9 @@ from decentralized_sgd.end_with_parent import end_with_parent
 logger = logging.getLogger(__name__)
 
 
+START_TIMEOUT_S = 120.0  # Averager(start=True): how long it may take to start (hivemind waits for ever)
+
+
 class AveragerUnresponsive(RuntimeError):
     """The averager process did not answer within its deadline (stopped, wedged, or killed holding a lock)."""
 
@@ -401,9 +404,11 @@ class DeadHolderBreakingLock:
     Trainer's process, before the first hivemind process is forked (see ``dead_holders_release_mpfuture_locks``).
     Upstream: none found; still so on hivemind's master (mpfuture.py, 4bd43b7)."""
 
-    def __init__(self, poll_s: float = 1.0):
+    def __init__(self, lock: Any, poll_s: float = 1.0):
+        """``lock``: hivemind's own; processes forked before this wrapper was installed (a plain DHT started first)
+        still take it as it is, so their updates stay serialized with ours."""
         self.poll_s = poll_s
-        self._lock, self._breaking = multiprocessing.Lock(), multiprocessing.Lock()
+        self._lock, self._breaking = lock, multiprocessing.Lock()
         self._holder = multiprocessing.sharedctypes.RawValue("q", 0)  # the holder's pid, 0 when free or unknown
 
     def __enter__(self) -> DeadHolderBreakingLock:
@@ -434,11 +439,11 @@ class DeadHolderBreakingLock:
 
 
 def dead_holders_release_mpfuture_locks() -> None:
-    """Install ``DeadHolderBreakingLock`` as hivemind's ``MPFuture._update_lock``, once. It must come before the first
-    hivemind process is forked (the DHT's): a process forked earlier keeps the old lock, and its updates would not be
-    serialized with the others'. ``FixedDHT`` and ``DecentralizedSGD`` call it. Trainer's process."""
+    """Install ``DeadHolderBreakingLock`` as hivemind's ``MPFuture._update_lock``, once, around hivemind's own lock:
+    a process forked before (e.g. a plain ``hivemind.DHT`` started first) keeps taking that lock, so its updates stay
+    serialized with ours (it only cannot have its death noticed). Trainer's process."""
     if not isinstance(MPFuture._update_lock, DeadHolderBreakingLock):
-        MPFuture._update_lock = DeadHolderBreakingLock()
+        MPFuture._update_lock = DeadHolderBreakingLock(MPFuture._update_lock)
 
 
 async def _remove_handlers_of(p2p: P2P, names: Sequence[str], address: Multiaddr) -> None:
@@ -534,13 +539,22 @@ class HivemindFixes(hivemind.DecentralizedAverager):
     background_dht_requests: Collection[asyncio.Task] = ()  # sent without waiting (a mixin's): shutdown waits
 
     def __init__(
-        self, *args, trigger_grace: float, handler_address: multiprocessing.sharedctypes.SynchronizedArray, **kwargs
+        self,
+        *args,
+        trigger_grace: float = 0.0,
+        handler_address: multiprocessing.sharedctypes.SynchronizedArray | None = None,
+        start: bool = False,
+        **kwargs,
     ):
+        """``handler_address``: shared by every averager this peer starts (see add_p2p_handlers); ``start``: as
+        hivemind's, through start_in_background."""
         self.trigger_grace = trigger_grace
-        self._handler_address = handler_address  # shared by every averager this peer starts, see add_p2p_handlers
+        self._handler_address = handler_address if handler_address is not None else multiprocessing.Array("c", 1024)
         self._live_steps: set[asyncio.Task] = set()
         self._no_group_fails_at_once = False  # installed by the first _step (averager process)
         super().__init__(*args, start=False, **kwargs)
+        if start:
+            self.start_in_background(START_TIMEOUT_S)
 
     # --- in the averager process ---
     def run(self) -> None:

@@ -293,8 +293,8 @@ def judge_group(
 ) -> tuple[dict[K, Summary | None], Verdict[K]]:
     """The verdict of one group from its gathered payloads ``{"summary": Summary.to_wire(), "token": ...}``, the same
     at every member (hivemind gives all of them the same gathered data). With ``is_member`` (the swarm secret), a
-    member whose token does not match is refused and its summary ignored. Returns the parsed summaries too."""
-    rule = rule or OutlierRule()
+    member whose token does not match is refused and its summary ignored; without ``rule``, that is the only test.
+    Returns the parsed summaries too."""
     refused: dict[K, str] = {}
     summaries: dict[K, Summary | None] = {}
     for member, payload in payloads.items():
@@ -303,7 +303,7 @@ def judge_group(
             refused[member] = "no valid swarm token (not a member of this swarm)"
             continue
         summaries[member] = Summary.from_wire(payload.get("summary") if isinstance(payload, dict) else None, size)
-    verdict = rule.judge(summaries)
+    verdict = rule.judge(summaries) if rule is not None else Verdict(tuple(summaries))
     outliers = {
         member: refused.get(member) or verdict.outliers[member]
         for member in payloads

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -348,7 +349,7 @@ def _send_a_result(future: MPFuture) -> None:
 def test_a_process_killed_holding_hiveminds_future_lock_blocks_the_others_only_without_the_fix(monkeypatch, fixed):
     """A process killed inside an MPFuture update (here: a zombie, not reaped yet, as our supervisor's kill leaves
     the averager for a moment) and another one that then sends a result to this process."""
-    monkeypatch.setattr(MPFuture, "_update_lock", DeadHolderBreakingLock(poll_s=0.2) if fixed else mp.Lock())
+    monkeypatch.setattr(MPFuture, "_update_lock", DeadHolderBreakingLock(mp.Lock(), poll_s=0.2) if fixed else mp.Lock())
     fork = mp.get_context("fork")
     holder = fork.Process(target=_take_the_update_lock_and_die)
     holder.start()
@@ -538,3 +539,48 @@ def test_the_baselines_serve_their_state_as_copies_and_leave_the_donors_tensors_
             averager.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+# A fresh interpreter: a plain hivemind.DHT forked before decentralized_sgd was even imported, then a DecentralizedSGD
+# on it. Prints whether the DHT process found MPFuture's update lock taken while the trainer held its own.
+_PLAIN_DHT_FIRST = """
+import functools, os, sys, time
+import hivemind, torch
+from hivemind.utils import MPFuture
+
+async def try_the_update_lock(path, _dht, _node):  # DHT process: is the lock it was forked with free now?
+    lock = MPFuture._update_lock
+    raw = getattr(lock, "_lock", lock)  # hivemind's lock, wrapped or not
+    taken = not raw.acquire(block=False)
+    if not taken:
+        raw.release()
+    with open(path + ".tmp", "w") as f:
+        f.write("taken" if taken else "free")
+    os.replace(path + ".tmp", path)
+
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+sys.path.insert(0, {repo!r})
+from decentralized_sgd import DecentralizedSGD
+model = torch.nn.Linear(2, 1)
+dsgd = DecentralizedSGD(torch.optim.SGD(model.parameters(), lr=0.1), dht, prefix="lock_order", model=model)
+with MPFuture._update_lock:
+    future = dht.run_coroutine(functools.partial(try_the_update_lock, {path!r}), return_future=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists({path!r}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+future.result(timeout=60)
+dsgd.shutdown()
+dht.shutdown()
+print("DHT process found the lock", open({path!r}).read())
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_dht_started_before_decentralized_sgd_shares_its_mpfuture_lock(tmp_path):
+    """A DecentralizedSGD on a plain hivemind.DHT (forked before it installed DeadHolderBreakingLock): the DHT
+    process and the trainer must still write MPFuture updates under one lock."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _PLAIN_DHT_FIRST.format(repo=repo, path=str(tmp_path / "lock"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=140)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "DHT process found the lock taken" in result.stdout, (result.stdout + result.stderr)[-3000:]
