@@ -19,11 +19,11 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 - ``state_transfer``: serving our state to late joiners, and taking over a donor's;
 - ``averager`` and ``supervisor``: the averager process, and what happens when it dies or stops answering;
 - ``starvation``: a peer that its own box starves of CPU leaves averaging until it recovers;
-- ``vetting``, ``guard``, ``outliers`` and ``secret``: diverged peers and outsiders: the weight summaries
-  a group compares, whom it leaves out of its AllReduce, the update check, the heal, and the swarm secret;
+- ``vetting``, ``outliers`` and ``secret``: diverged peers and outsiders: the weight summaries a group compares,
+  whom it leaves out of its AllReduce, the update check, the heal, and the swarm secret;
 - ``hivemind_fixes``: work-arounds for hivemind bugs, each naming what it covers (``FixedDHT``: a DHT that survives
-  an averager restart); ``hivemind_slow_peer_fixes``: those that keep a slow groupmate from slowing the others;
-  ``averager_shutdown``: an averager's end without tracebacks (ours and the old design's); ``end_with_parent``: the
+  an averager restart; docs/upstream.md lists them); ``hivemind_slow_peer_fixes``: those that keep a slow groupmate
+  from slowing the others; ``end_with_parent``: the
   DHT and averager processes (and the p2p daemon) end when a killed trainer leaves them; ``dht_rejoin``: the DHT
   re-bootstrap after an outage, dialing the initial peers and those of ``address_book`` (the peers a box met, in its
   checkpoint folder: a restarted first box finds the swarm again); both are for whoever owns the DHT
@@ -32,13 +32,12 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
 
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import keep_dht_connected
-from .hivemind_fixes import FixedDHT, keep_ctrl_c
+from .hivemind_fixes import FixedDHT
 from .optimizer import DecentralizedSGD
 
 __all__ = [
     "DecentralizedSGD",
     "FixedDHT",
-    "keep_ctrl_c",
     "keep_dht_connected",
     "make_compression",
     "schema_fingerprint",

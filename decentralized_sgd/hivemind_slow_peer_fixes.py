@@ -361,38 +361,25 @@ def install_slow_reply_blacklist(dht: hivemind.DHT, counts: SharedCounts, timeou
 
 
 class SlowPeerFixes:
-    """DecentralizedAverager mixin, before ``HivemindFixes`` in the bases: fixes 1-3, in the averager process.
-    ``slow_peer_fixes=False`` leaves hivemind's behaviour (the benchmark's ablation)."""
+    """Fixes 1-3 for one averager (``averager.Averager`` calls ``install`` in its process, at its first step:
+    hivemind's ``_run`` creates the matchmaking and the state event before it serves any request). ``pending``:
+    declarations still on their way to the DHT (the averager's shutdown waits for them)."""
 
-    _state_updated: asyncio.Event
-    _matchmaking: Any
-    request_timeout: float
-
-    def __init__(
-        self, *args: Any, slow_peer_fixes: bool = True, slow_peer_counts: SharedCounts | None = None, **kwargs: Any
-    ):
-        self.slow_peer_fixes = slow_peer_fixes
-        self.slow_peer_counts = slow_peer_counts if slow_peer_counts is not None else SharedCounts()
+    def __init__(self, counts: SharedCounts | None = None):
+        self.counts = counts if counts is not None else SharedCounts()
         self._declarations: BackgroundDeclarations | None = None
-        super().__init__(*args, **kwargs)
 
     @property
-    def background_dht_requests(self) -> Collection[asyncio.Task]:
-        """Averager process: declarations still on their way to the DHT (see HivemindFixes._shutdown)."""
+    def pending(self) -> Collection[asyncio.Task]:
         return () if self._declarations is None else self._declarations.pending
 
-    async def _step(self, **kwargs: Any) -> None:
-        """Averager process: the first round installs the fixes (hivemind's ``_run`` creates ``_matchmaking`` and
-        ``_state_updated`` before it serves any request), then runs as ``HivemindFixes._step``."""
-        if self.slow_peer_fixes and self._declarations is None:
-            self._install_slow_peer_fixes()
-        await super()._step(**kwargs)  # type: ignore[misc]
-
-    def _install_slow_peer_fixes(self) -> None:
-        previous, self._state_updated = self._state_updated, CoalescedEvent(STATE_DECLARE_MIN_PERIOD)
-        previous.set()  # the declaring loop may wait on the old event: wake it once, it uses the new one from then
-        key_manager = self._matchmaking.group_key_manager
+    def install(self, matchmaking: Any, state_updated: asyncio.Event) -> asyncio.Event:
+        """Patches `matchmaking`; returns the event to use instead of `state_updated` (the averager's)."""
+        state_declared = CoalescedEvent(STATE_DECLARE_MIN_PERIOD)
+        state_updated.set()  # the declaring loop may wait on the old event: wake it once, it uses the new one then
+        key_manager = matchmaking.group_key_manager
         self._declarations = BackgroundDeclarations(key_manager.declare_averager)
         key_manager.declare_averager = self._declarations.declare_averager
-        avoidance = LeaderAvoidance(self.request_timeout, self.slow_peer_counts)
-        self._matchmaking._request_join_group = avoidance.wrap(self._matchmaking._request_join_group)
+        avoidance = LeaderAvoidance(matchmaking.request_timeout, self.counts)
+        matchmaking._request_join_group = avoidance.wrap(matchmaking._request_join_group)
+        return state_declared

@@ -29,11 +29,6 @@ from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import note_groupmates, rejoin_count
 from .exchange import RoundExchange
-from .hivemind_fixes import (
-    dead_holders_release_mpfuture_locks,
-    fewer_shared_memory_requests,
-    unattached_step_controls_are_one_line,
-)
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .outer import OuterOptimizer, OuterSettings
 from .rounds import RoundBook
@@ -47,13 +42,13 @@ from .step_clock import StepClock
 from .supervisor import AveragerSupervisor
 from .tensors import AveragedTensors, ResultSlots
 from .trainer_state import TrainerState
-from .vetting import GroupChecks, RoundVetting
+from .vetting import GroupGuard, RoundVetting
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
 AVERAGER_SHUTDOWN_S = 5.0  # hivemind's shutdown_timeout: how long the averager may take to leave its groups
-SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see HivemindFixes.shutdown
+SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + AVERAGER_SHUTDOWN_S + 7.0  # see Averager.shutdown
 COUNTERS = (
     "rounds_applied",
     "rounds_failed",
@@ -121,7 +116,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
     (``slow_peer_fixes``; see ``hivemind_slow_peer_fixes`` and ``starvation``).
     ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S`` (17 s), even if the averager process is stopped.
 
-    Diverged peers and outsiders (``vetting``, ``guard``): each group's members compare weight summaries; a member
+    Diverged peers and outsiders (``vetting``): each group's members compare weight summaries; a member
     far from the group's median is left out of the AllReduce (every member reaches the same verdict), and heals by
     taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
     (``secret``); one whose secret matches nobody's logs so after ``no_group_patience`` seconds without a group.
@@ -230,7 +225,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
         # the averager process, and the parts that drive it
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
-        checks = GroupChecks.for_tensors(self.averaged_tensors, seed=self.prefix)
+        guard = GroupGuard.for_tensors(self.averaged_tensors.local(), seed=self.prefix, secret=swarm_secret)
         averager_kwargs = dict(
             prefix=self.prefix,
             target_group_size=target_group_size,
@@ -247,19 +242,13 @@ class DecentralizedSGD(TorchOptimizerFacade):
             shutdown_timeout=AVERAGER_SHUTDOWN_S,
             slow_peer_fixes=slow_peer_fixes,
             slow_peer_counts=self.slow_peer_counts,
-            summary_size=checks.sketch.size,
-            secret=swarm_secret,
-            rule=checks.rule,
-            refusals=checks.refusals,
+            guard=guard,
         )
-        fewer_shared_memory_requests()
-        unattached_step_controls_are_one_line()
-        dead_holders_release_mpfuture_locks()  # FixedDHT did, if the caller's DHT is one
         self._supervisor = AveragerSupervisor(
             lambda: Averager(self.averaged_tensors.zeros(), dht, **averager_kwargs), self.counters, averager_timeout
         )
         self.vetting = RoundVetting(
-            checks,
+            guard,
             self.trainer,
             self.averaged_tensors,
             self.round_book,
@@ -267,7 +256,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.state_transfer,
             self.counters,
             dht.peer_id,
-            swarm_secret,
             MembershipCheck(dht, run, swarm_secret, patience=no_group_patience),
             heal_timeout=allreduce_timeout,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -283,41 +283,6 @@ class OutlierRule:
                     f"|w| {summary.norm:.4g}, step {summary.step}"
                 )
         return Verdict(members, outliers, distances, rates, threshold, median_distance, center)
-
-
-def judge_group(
-    payloads: Mapping[K, Any],
-    size: int,
-    rule: OutlierRule | None = None,
-    is_member: Callable[[K, Any], bool] | None = None,
-) -> tuple[dict[K, Summary | None], Verdict[K]]:
-    """The verdict of one group from its gathered payloads ``{"summary": Summary.to_wire(), "token": ...}``, the same
-    at every member (hivemind gives all of them the same gathered data). With ``is_member`` (the swarm secret), a
-    member whose token does not match is refused and its summary ignored; without ``rule``, that is the only test.
-    Returns the parsed summaries too."""
-    refused: dict[K, str] = {}
-    summaries: dict[K, Summary | None] = {}
-    for member, payload in payloads.items():
-        token = payload.get("token") if isinstance(payload, dict) else None
-        if is_member is not None and not is_member(member, token):
-            refused[member] = "no valid swarm token (not a member of this swarm)"
-            continue
-        summaries[member] = Summary.from_wire(payload.get("summary") if isinstance(payload, dict) else None, size)
-    verdict = rule.judge(summaries) if rule is not None else Verdict(tuple(summaries))
-    outliers = {
-        member: refused.get(member) or verdict.outliers[member]
-        for member in payloads
-        if member in refused or member in verdict.outliers
-    }
-    return summaries, Verdict(
-        tuple(payloads),
-        outliers,
-        verdict.distances,
-        verdict.rates,
-        verdict.threshold,
-        verdict.median_distance,
-        verdict.center,
-    )
 
 
 def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:

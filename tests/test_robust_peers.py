@@ -173,18 +173,21 @@ def test_only_peers_with_the_swarm_secret_average_together(swarm, caplog, monkey
 
     # a leader's answer to join requests: a member's own token passes; a token copied from a member, junk, and a
     # peer refused in a recent group do not
-    leader, mate = members[0].averager, members[1]
+    guard, mate = members[0].averager.guard, members[1]
+
+    def refusal(request: averaging_pb2.JoinRequest, sender):
+        return guard.refuse_join(MSGPackSerializer, request, sender)
 
     def request(payload: dict) -> averaging_pb2.JoinRequest:
         return averaging_pb2.JoinRequest(gather=MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(payload)]))
 
     payload = mate.vetting.payload()
-    assert leader._join_refusal(request(payload), mate.peer_id) is None
-    before = leader.refusals.token.value
-    assert leader._join_refusal(request(payload), thief.peer_id).code == averaging_pb2.PROTOCOL_VIOLATION
-    assert leader._join_refusal(averaging_pb2.JoinRequest(gather=b"junk"), mate.peer_id) is not None
-    assert leader.refusals.token.value == before + 2
-    banned_before = leader.refusals.banned.value
-    leader._banned_until[mate.peer_id] = get_dht_time() + 60
-    assert leader._join_refusal(request(payload), mate.peer_id).code == averaging_pb2.NOT_LOOKING_FOR_GROUP
-    assert leader.refusals.banned.value == banned_before + 1
+    assert refusal(request(payload), mate.peer_id) is None
+    before = guard.refusals.token.value
+    assert refusal(request(payload), thief.peer_id).code == averaging_pb2.PROTOCOL_VIOLATION
+    assert refusal(averaging_pb2.JoinRequest(gather=b"junk"), mate.peer_id) is not None
+    assert guard.refusals.token.value == before + 2
+    banned_before = guard.refusals.banned.value
+    guard._banned_until[mate.peer_id] = get_dht_time() + 60
+    assert refusal(request(payload), mate.peer_id).code == averaging_pb2.NOT_LOOKING_FOR_GROUP
+    assert guard.refusals.banned.value == banned_before + 1

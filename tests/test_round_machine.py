@@ -38,7 +38,7 @@ from decentralized_sgd.state_transfer import StateTransfer
 from decentralized_sgd.supervisor import AveragerSupervisor
 from decentralized_sgd.tensors import AveragedTensors, ResultSlots
 from decentralized_sgd.trainer_state import TrainerState
-from decentralized_sgd.vetting import GroupChecks, RoundVetting
+from decentralized_sgd.vetting import GroupGuard, RoundVetting
 
 OWN, MATE = PeerID(os.urandom(34)), PeerID(os.urandom(34))  # us, and the groupmate hivemind's side brings
 DRIFTER = PeerID(os.urandom(34))  # a third groupmate, in the tests that bring one themselves
@@ -162,12 +162,12 @@ class Peer:
             get_extra_state=None,
             outer=self.outer,
         )
-        checks = GroupChecks.for_tensors(self.tensors, seed="unit")
-        self.hivemind = HivemindsSide(size, checks.sketch)
+        guard = GroupGuard.for_tensors(self.tensors.local(), seed="unit")
+        self.hivemind = HivemindsSide(size, guard.sketch)
         self.supervisor = AveragerSupervisor(lambda: self.hivemind, self.counters, settings.averager_timeout)
         self.supervisor.start()
         self.vetting = RoundVetting(
-            checks,
+            guard,
             self.trainer,
             self.tensors,
             self.book,
@@ -175,7 +175,6 @@ class Peer:
             state,
             self.counters,
             OWN,
-            secret=None,
             membership=None,
             heal_timeout=1.0,
         )
