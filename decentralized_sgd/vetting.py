@@ -21,11 +21,9 @@ Per round, in the scheduler thread:
    (``outliers.UpdateCheck``: its size, and how far it outgrew the prediction, measured with the summaries' projection);
    a far larger one is discarded and our local weights are kept.
 
-The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock``: no round
-starts (``payload`` says "not now") and none not yet triggered goes on; nobody may download our state; we take a
-donor's state with ``load_state_from_peers`` (keeping our own step count) and continue. The trainer's thread, so
-that VISSL's hooks see the new weights at a step boundary, as they see an applied round (a box with several GPUs
-broadcasts them to its other ranks).
+The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock`` (so that
+VISSL's hooks see the new weights at a step boundary, as they see an applied round): no round starts, none not yet
+triggered goes on, nobody may download our state; we take a donor's state (keeping our own step count) and continue.
 
 ``on_tick()`` (every scheduler tick): the counts of join requests our averager refused, and the membership check of
 ``secret`` (a peer whose secret matches nobody's says so instead of waiting silently).
