@@ -25,7 +25,7 @@ import hivemind
 import pytest
 import torch
 from dsgd_swarm import LOCAL, make_model, wait_until
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
 from hivemind.compression.quantization import Quantization
 from hivemind.utils import MPFuture, get_dht_time
@@ -260,6 +260,29 @@ def test_a_round_that_found_no_group_ends_at_its_deadline_without_a_trigger(dht)
         assert not control.triggered and "could not find a group" in repr(control.exception())
         release_ended_step(control)
         assert control.triggered  # what StepControl.__del__ checks before it warns
+    finally:
+        averager.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_hiveminds_own_round_without_a_group_looks_formed(dht):
+    """The bug ``no_group_fails_at_once`` covers, on stock hivemind: alone, a round's matchmaking ends without a
+    group, and hivemind reports AWAITING_TRIGGER, what a formed group shows, instead of ending the round."""
+    with keep_ctrl_c():  # hivemind's run_in_background would leave pytest deaf to Ctrl-C
+        averager = hivemind.DecentralizedAverager(
+            [torch.zeros(3)],
+            dht,
+            prefix="stock_no_group",
+            target_group_size=2,
+            min_matchmaking_time=0.5,
+            request_timeout=0.2,
+            start=True,
+        )
+    try:
+        control = averager.step(wait=False, require_trigger=True, timeout=1.5)
+        wait_until(lambda: control.stage == AveragingStage.AWAITING_TRIGGER, 30, lambda: control.stage.name)
+        assert not control.done()  # matchmaking is over, yet the round waits for a trigger
+        control.cancel()
     finally:
         averager.shutdown()
 
