@@ -33,7 +33,7 @@ from vissl.trainer.train_task import SelfSupervisionTask
 from vissl.utils.env import get_machine_local_and_dist_rank
 from vissl.utils.misc import set_torch_seed
 
-from decentralized_sgd import DecentralizedSGD, keep_ctrl_c
+from decentralized_sgd import DecentralizedSGD
 from vissl_swarm import local_replicas, swarm
 from vissl_swarm.averaging_protocol import Averaging
 from vissl_swarm.initial_model import initial_model_seed, weights_fingerprint
@@ -218,8 +218,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         settings = self.swarm_settings
         self.dht = swarm.take_shared_dht() or swarm.start_dht(settings)
         records_path = Path(self.checkpoint_folder or ".") / ROUNDS_FILE
-        with keep_ctrl_c():  # the old design's TrainingAverager starts its process in its constructor
-            self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
+        self.decentralized_sgd = self._wrap_optimizer(settings, records_path)
         _averaging_tasks.append(self)
         if hasattr(self.decentralized_sgd, "load_outer_state_dict"):  # the checkpoint's weights are loaded by now
             self.decentralized_sgd.load_outer_state_dict(self._checkpoint_outer)

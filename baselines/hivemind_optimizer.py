@@ -52,11 +52,11 @@ interface (``lock``, counters, one record per round with group size and stalenes
 ``averaging_rounds.jsonl``) by observing hivemind's state averager (:class:`_ObservedStateAverager`). Departures
 from hivemind's own, at the end and in the log only: the rounds in flight are cancelled first and hivemind's
 shutdown is waited for at most ``SHUTDOWN_DEADLINE_S`` (it waits up to the averaging timeout for a round that finds
-no group: the last box of a swarm); the averager process leaves as ours do (``averager_shutdown``) and waits for the
+no group: the last box of a swarm); the averager process leaves as ours do (``shut_down_averager``) and waits for the
 DHT stores it sent (see ``_ObservedStateAverager._shutdown``); a round without a group, a departed groupmate and a
 state download that hivemind retries (hivemind#504) are one log line, not an ERROR with a traceback (as our
 averager's log filters). One departure is a crash fix: the state a peer downloads is served as copies, as ours
-is (``hivemind_fixes.served_as_copies``: hivemind's own serving moves the live CPU tensors into shared memory under
+is (``hivemind_averagers.served_as_copies``: hivemind's own serving moves the live CPU tensors into shared memory under
 the trainer's running step). ``load_state_from_peers`` takes a peer's parameters and optimizer state through hivemind's
 state averager and shares no VISSL progress (returns None), like ``--averager old``; with the swarm-wide schedule
 the box still follows the swarm's sample count from the DHT. One process per box: a multi-GPU box (VISSL DDP) is
@@ -83,14 +83,13 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 
+from baselines.hivemind_averagers import ServesStateAsCopies
 from decentralized_sgd import make_compression, schema_fingerprint
-from decentralized_sgd.averager_shutdown import shut_down_averager
 from decentralized_sgd.hivemind_fixes import (
-    ServesStateAsCopies,
-    _NoGroupIsNoError,
     cancel_step_first,
-    log_departures_in_one_line,
+    quiet_hivemind_logs,
     rewrite_as_one_line,
+    shut_down_averager,
 )
 
 logger = logging.getLogger(__name__)  # debug lines; what a user reads goes to the root logger, as VISSL's
@@ -275,8 +274,7 @@ class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
         """Averager process: a round without a group, and a groupmate that left, are one log line each (as for our
         averager, see hivemind_fixes), not an ERROR with a traceback: a box at the end of the swarm's budget
         looks for a group in vain, every time."""
-        logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
-        log_departures_in_one_line()
+        quiet_hivemind_logs()
         super().run()
 
     async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
@@ -287,7 +285,7 @@ class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
             self._steps.discard(step)
 
     async def _shutdown(self, timeout: float | None) -> None:
-        """Leave as our averagers do (``averager_shutdown``), and wait (bounded) for the DHT stores this process
+        """Leave as our averagers do (``shut_down_averager``), and wait (bounded) for the DHT stores this process
         sent without waiting: hivemind's ``_declare_for_download_periodically`` stores once per averaged tensor per
         round. One that reaches the DHT after this process is gone fails there, and hivemind's DHT then sleeps 3 s
         per failed request (``DHT._run``): seen as "[Errno 2] No such file or directory" every 3 s and a box's

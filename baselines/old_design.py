@@ -26,9 +26,9 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
 from hivemind.p2p import PeerID
 
+from baselines.hivemind_averagers import ServesStateAsCopies
 from decentralized_sgd import make_compression, schema_fingerprint
-from decentralized_sgd.averager_shutdown import shut_down_averager
-from decentralized_sgd.hivemind_fixes import ServesStateAsCopies, fixed_8bit_decoding
+from decentralized_sgd.hivemind_fixes import shut_down_averager
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class _StampedLock:
 
 
 class _TrainingAverager(ServesStateAsCopies, TrainingAverager):
-    """hivemind's TrainingAverager with a shutdown that prints no traceback (see averager_shutdown), serving copies of
+    """hivemind's TrainingAverager with a shutdown that prints no traceback (``shut_down_averager``), serving copies of
     the state (``ServesStateAsCopies``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
@@ -65,11 +65,6 @@ class _TrainingAverager(ServesStateAsCopies, TrainingAverager):
             await super()._step(step=step, **kwargs)
         finally:
             self._steps.discard(step)
-
-    def run(self) -> None:
-        """Averager process: decode 8-bit parts with hivemind's NumPy 2 bug fixed (see hivemind_fixes)."""
-        with fixed_8bit_decoding():
-            super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:
         # the trainer has no handle on TrainingAverager.step's StepControl: cancel the steps from here

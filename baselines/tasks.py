@@ -9,6 +9,7 @@ from pathlib import Path
 
 from classy_vision.tasks import register_task
 
+from baselines.hivemind_averagers import keep_ctrl_c
 from baselines.hivemind_optimizer import HivemindOptimizerAverager
 from baselines.old_design import OldDesignAverager
 from decentralized_task import DecentralizedSelfSupervisionTask, torch_optimizer
@@ -24,7 +25,8 @@ class OldDesignTask(DecentralizedSelfSupervisionTask):
     has no swarm secret (run_trainer.py refuses the combination) and shares no training progress."""
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
-        return OldDesignAverager(torch_optimizer(self), self.dht, **self._averager_options(settings, records_path))
+        with keep_ctrl_c():  # hivemind's TrainingAverager starts its process in its constructor
+            return OldDesignAverager(torch_optimizer(self), self.dht, **self._averager_options(settings, records_path))
 
     def prepare(self, pin_memory: bool = False) -> OldDesignTask:
         super().prepare(pin_memory=pin_memory)
@@ -39,4 +41,5 @@ class HivemindOptimizerTask(DecentralizedSelfSupervisionTask):
     """hivemind.Optimizer(use_local_updates=True) put inside VISSL's LARC (``baselines/hivemind_optimizer.py``)."""
 
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
-        return HivemindOptimizerAverager.install(self, settings, self._averager_options(settings, records_path))
+        with keep_ctrl_c():  # hivemind.Optimizer starts its averagers' processes in its constructor
+            return HivemindOptimizerAverager.install(self, settings, self._averager_options(settings, records_path))

@@ -411,11 +411,11 @@ class NoAveraging:
 
 
 def _compression(name: str) -> Any:
-    """The same hivemind compression DecentralizedSGD uses for `name`, for every mode."""
+    """The same hivemind compression for `name` in every mode (uint8: benchmarks/uint8_compression.py)."""
     sys.path.insert(0, str(REPO_ROOT))
-    from decentralized_sgd import make_compression
+    from benchmarks.uint8_compression import compression
 
-    return make_compression(name)
+    return compression(name)
 
 
 def _old_averager_class() -> type:
@@ -484,7 +484,7 @@ class OldDesign:
         self._records: list[dict] = []
         self._current: dict | None = None
         buffers = [buf for buf in trainer.model.buffers() if buf.is_floating_point()]
-        from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+        from benchmarks.uint8_compression import fixed_8bit_decoding
 
         with fixed_8bit_decoding():  # its averager process forks here and keeps hivemind's 8-bit decoding fixed
             self.averager = _old_averager_class()(
@@ -615,7 +615,7 @@ class ImprovedDesign:
             request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout,
             next_chunk_timeout=cfg.next_chunk_timeout,
-            compression=cfg.compression,
+            compression=_compression(cfg.compression),
             settings=RoundSettings(min_group_size=2, verbose=cfg.verbose, **IMPROVED_OVERRIDES[cfg.mode]),
         )
 
@@ -926,7 +926,7 @@ class HivemindOptimizerDesign:
 
     def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
         sys.path.insert(0, str(REPO_ROOT))
-        from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+        from benchmarks.uint8_compression import fixed_8bit_decoding
 
         self.trainer, self.local_step, self.holds = trainer, 0, []
         self.epoch_times: list[float] = []  # when this peer entered each new global epoch

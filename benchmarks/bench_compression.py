@@ -45,15 +45,14 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from decentralized_sgd import make_compression  # noqa: E402
-from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding  # noqa: E402
+from benchmarks.uint8_compression import compression, fixed_8bit_decoding  # noqa: E402
 
 SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all")
 
 
 def compression_for(scheme: str):
-    """hivemind compression of a scheme; quantile8 uses the same size rule as make_compression('uint8'), uint8_all
-    quantizes every tensor of at least 1024 values (make_compression('uint8') sends tensors under 2**16 as fp16)."""
+    """hivemind compression of a scheme; quantile8 uses the same size rule as uint8_compression(), uint8_all
+    quantizes every tensor of at least 1024 values (uint8_compression() sends tensors under 2**16 as fp16)."""
     from hivemind.compression import (
         Float16Compression,
         Quantile8BitQuantization,
@@ -65,7 +64,7 @@ def compression_for(scheme: str):
         return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Quantile8BitQuantization())
     if scheme == "uint8_all":
         return SizeAdaptiveCompression(2**10, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
-    return make_compression("uint8" if scheme == "uint8_delta_ideal" else scheme)
+    return compression("uint8" if scheme == "uint8_delta_ideal" else scheme)
 
 
 def model_tensors(checkpoint: Path | None) -> list[torch.Tensor]:

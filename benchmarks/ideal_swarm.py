@@ -68,14 +68,14 @@ class Replica:
 
 def through_the_wire(tensors: list[torch.Tensor], wire: str) -> list[torch.Tensor]:
     """The tensors as the other side of hivemind's AllReduce reads them: compressed as the product's
-    ``--compression`` (``make_compression``: uint8 sends tensors under 2^16 values as fp16) and decoded, by hivemind's
-    own code (with the NumPy 2 fix of ``hivemind_fixes``)."""
+    ``--compression`` (uint8: ``benchmarks/uint8_compression.py``, tensors under 2^16 values as fp16) and decoded, by
+    hivemind's own code (with its NumPy 2 fix)."""
     if wire == "exact":
         return tensors
     from hivemind.compression import CompressionInfo
 
-    from decentralized_sgd.compression import make_compression
-    from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
+    from benchmarks.uint8_compression import compression as make_compression
+    from benchmarks.uint8_compression import fixed_8bit_decoding
 
     compression = make_compression(wire)
     with fixed_8bit_decoding():

@@ -10,22 +10,21 @@ Plain PyTorch + hivemind, no VISSL. The module docstrings, read in this order, a
   (a round's states, the book, the trainer's counts, the lock order), ``scheduler`` (the thread that drives rounds,
   their tensor work, the settings), ``tensors`` (what is averaged, its host staging, the result slots),
   ``state_transfer``, ``averager`` and ``supervisor`` (the averager process, and what happens when it fails);
-- optional parts: ``outer`` (the outer step), ``vetting`` with ``outliers`` and ``guard`` (diverged peers), ``secret``
+- optional parts: ``outer`` (the outer step), ``vetting`` with ``outliers`` (diverged peers), ``secret``
   (outsiders), ``starvation`` and ``hivemind_slow_peer_fixes`` (slow peers), ``dht_rejoin`` with ``address_book``
   (finding the swarm again, for whoever owns the DHT: ``swarm.start_dht``), ``compression`` (the wire);
-- hivemind work-arounds: ``hivemind_fixes`` (``FixedDHT``: a DHT that survives an averager restart),
-  ``averager_shutdown``, ``end_with_parent``.
+- hivemind work-arounds: ``hivemind_fixes`` (``FixedDHT``: a DHT that survives an averager restart; the averager's
+  end without tracebacks; docs/upstream.md lists each fix), ``end_with_parent``.
 """
 
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import keep_dht_connected
-from .hivemind_fixes import FixedDHT, keep_ctrl_c
+from .hivemind_fixes import FixedDHT
 from .optimizer import DecentralizedSGD
 
 __all__ = [
     "DecentralizedSGD",
     "FixedDHT",
-    "keep_ctrl_c",
     "keep_dht_connected",
     "make_compression",
     "schema_fingerprint",

@@ -1,81 +1,250 @@
-"""The averager process: a ``hivemind.DecentralizedAverager`` with the fixes of ``hivemind_fixes`` and
-``hivemind_slow_peer_fixes``, and two features.
+"""The averager process: hivemind's ``DecentralizedAverager`` with our work-arounds, stamps and vetting.
 
-It stamps when its AllReduce began and ended (``allreduce_stamps``), in shared memory the trainer's process reads:
-the scheduler sees hivemind's stage only at its next tick, so its own times would shorten every AllReduce by up to
-a tick and add that to our overhead in the staleness. It also stamps when the latest groupmate's part that
-it had to refuse arrived (``early_part_refused_at``): a group we were too late to trigger, whose groupmates dropped us.
+Built with hivemind's arguments only, it is hivemind's averager (nobody vets its groups). DecentralizedSGD adds:
 
-It serves the trainer's *live* state to late joiners (``get_current_state`` asks ``state_transfer``, which copies under
-its lock) instead of hivemind's default, the averager's buffers, which hold whatever the last round left there.
-And it guards its groups (``guard.GroupGuard``): outsiders and recent outliers are refused at matchmaking, a group's
-outliers are left out of its AllReduce.
+- ``state_fn``: the trainer's *live* state for late joiners (``state_transfer`` copies it under its lock) instead of
+  the averager's buffers, which hold whatever the last round left there;
+- ``allreduce_stamps``: when its AllReduce began and ended, in shared memory the trainer's process reads (the
+  scheduler sees hivemind's stage only at its next tick); ``early_part_refused_at``: when the latest groupmate's
+  part arrived that we had to refuse (a group we were too late to trigger);
+- the vetting of its groups (``vetting.GroupGuard``): outsiders and recent outliers are refused at matchmaking, a
+  group's outliers are left out of its AllReduce;
+- the slow-peer fixes (``hivemind_slow_peer_fixes``), and the work-arounds of ``hivemind_fixes``.
 
-Why not ``hivemind.optim.TrainingStateAverager(delta_rule_averaging=True)``, which implements the delta rule too:
-it takes over the optimizer (it runs ``optimizer.step()`` in its own executor, where VISSL steps LARC/AMP itself),
-runs one round at a time (its executor thread holds ``lock_averaging`` from the trigger to the end of the AllReduce,
-so the next matchmaking cannot overlap it), fills the buffers when the caller asks for a round rather than when the
-group has formed, clones the snapshot on every round, never checks that values are finite, and serves state under
-the averager's buffer lock (a late joiner then waits for a whole AllReduce). What it shares with us we reuse:
-``dump_optimizer_state`` / ``load_optimizer_state`` / ``initialize_optimizer_state_`` (``state_transfer``).
+Why not ``hivemind.optim.TrainingStateAverager(delta_rule_averaging=True)``: it runs ``optimizer.step()`` itself
+(VISSL steps LARC/AMP), holds ``lock_averaging`` from the trigger to the end of the AllReduce (no overlapping
+rounds), and serves state under the buffers' lock (a joiner waits for a whole AllReduce).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.sharedctypes
+import os
+import signal
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
 
+import hivemind
 import torch
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from .guard import GroupGuard
-from .hivemind_fixes import HivemindFixes
-from .hivemind_slow_peer_fixes import SlowPeerFixes
+from . import hivemind_fixes as fixes
+from .end_with_parent import end_with_parent
+from .hivemind_fixes import AveragerUnresponsive, LockedConnection
+from .hivemind_slow_peer_fixes import SharedCounts, SlowPeerFixes
+from .vetting import GroupGuard
+
+START_TIMEOUT_S = 120.0  # Averager(start=True): how long it may take to start (hivemind waits for ever)
 
 
 def handler_address_slot() -> multiprocessing.sharedctypes.SynchronizedArray:
-    """Shared memory for the address an averager registers its handlers from (see HivemindFixes.add_p2p_handlers);
-    one per peer, handed to each averager it starts."""
+    """Shared memory for the address an averager registers its handlers from (see ``add_p2p_handlers``): one per
+    peer, handed to each averager it starts."""
     return mp.Array(ctypes.c_char, 1024)
 
 
-class Averager(SlowPeerFixes, GroupGuard, HivemindFixes):
-    """Our averager: hivemind's, fixed, guarding its groups, serving ``state_fn()`` (``(metadata, tensors, infos)``)
-    to joiners."""
+class Averager(hivemind.DecentralizedAverager):
+    """hivemind's averager, fixed; ``state_fn()`` (``(metadata, tensors, infos)``) is what joiners download,
+    ``guard`` vets its groups (None: nobody does), ``slow_peer_fixes=False`` keeps hivemind's matchmaking."""
 
-    _rpc_handlers = None  # part of the wire protocol: handler names are "<prefix>::Averager.rpc_..."
+    _rpc_handlers = None  # hivemind caches handlers per class; the names "<prefix>::Averager.rpc_*" are the protocol
     _stub_type = None
 
-    def __init__(self, *args, state_fn: Callable[[], tuple], **kwargs):
-        self.state_fn = state_fn
-        # wall-clock stamps the averager process writes, the trainer's reads: [AllReduce began, ended, refused part]
-        self._stamps = torch.zeros(3, dtype=torch.float64).share_memory_()
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        *args: Any,
+        start: bool = False,
+        state_fn: Callable[[], tuple] | None = None,
+        trigger_grace: float = 0.0,
+        handler_address: multiprocessing.sharedctypes.SynchronizedArray | None = None,
+        slow_peer_fixes: bool = True,
+        slow_peer_counts: SharedCounts | None = None,
+        guard: GroupGuard | None = None,
+        **kwargs: Any,
+    ):
+        self.state_fn, self.trigger_grace = state_fn, trigger_grace
+        self._handler_address = handler_address if handler_address is not None else handler_address_slot()
+        self.guard = guard
+        self.slow_peers = SlowPeerFixes(slow_peer_counts) if slow_peer_fixes else None
+        self._stamps = torch.zeros(3, dtype=torch.float64).share_memory_()  # AllReduce began, ended; refused part
+        self._live_steps: set[asyncio.Task] = set()
+        self._installed = False  # the averager process's fixes on hivemind's objects (see _step)
+        super().__init__(*args, start=False, **kwargs)
+        if start:
+            self.start_in_background(START_TIMEOUT_S)
 
+    # --- averager process ---
+    def run(self) -> None:
+        """Ignore SIGINT here, not in the parent (as hivemind's run_in_background does): Ctrl-C reaches the whole
+        process group and the trainer shuts us down in order. End with the trainer, even a SIGKILLed one."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end_with_parent()
+        fixes.quiet_hivemind_logs()
+        super().run()
+
+    async def add_p2p_handlers(
+        self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None, balanced: bool = False
+    ) -> None:
+        """Remove the handlers a killed predecessor left in the p2p daemon first (see fixes.remove_handlers_of)."""
+        stale = self._handler_address.value.decode()
+        if stale:
+            self._collect_rpc_handlers()
+            names = [self._get_handle_name(namespace, handler.method_name) for handler in self._rpc_handlers]
+            await fixes.remove_handlers_of(p2p, names, stale)
+        self._handler_address.value = str(p2p._client_listen_maddr).encode()
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+
+    async def _step(self, **kwargs: Any) -> None:
+        """The first step installs the fixes on hivemind's matchmaking (created by ``_run`` before any request);
+        every step is kept alive until it ends (see fixes.hold_step)."""
+        if not self._installed:
+            fixes.no_group_fails_at_once(self._matchmaking)
+            if self.slow_peers is not None:
+                self._state_updated = self.slow_peers.install(self._matchmaking, self._state_updated)
+            self._installed = True
+        async with fixes.hold_step(self._live_steps, kwargs["step"]):
+            await super()._step(**kwargs)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        refusal = None if self.guard is None else self.guard.refuse_join(self.serializer, request, context.remote_id)
+        if refusal is not None:
+            yield refusal
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        """hivemind calls this once a group formed. The guard's verdict (the same in every member) decides whom we
+        average with; a group we are refused from, or left alone in, runs no AllReduce (and stamps none)."""
+        if self.guard is None:
+            return await self._allreduce(group_info, min_vector_size, **kwargs)
+        gathered, kept = self.guard.vet(self.serializer, group_info, self.peer_id)
+        if kept is None:
+            self._running_groups[group_info.group_id].cancel()  # registered by hivemind: ends without an AllReduce
+        else:
+            await self._allreduce(kept, min_vector_size, **kwargs)
+        return gathered  # the whole group's: the trainer reaches the same verdict (vetting.RoundVetting.judge)
+
+    async def _allreduce(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        self._stamps[0] = time.time()
+        try:
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            self._stamps[1] = time.time()
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's part may arrive before we registered the group (see fixes.wait_for_group)."""
+        request, arrived = await anext(stream), time.time()
+        if not await fixes.wait_for_group(self._running_groups, request.group_id, self.trigger_grace):
+            self._stamps[2] = max(arrived, float(self._stamps[2]))
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        pending = () if self.slow_peers is None else self.slow_peers.pending
+        await fixes.shut_down_averager(self, timeout, dht_requests=pending)
+
+    # --- trainer's process ---
     def allreduce_stamps(self) -> tuple[float, float]:
-        """Trainer's process: (began, ended) of the latest AllReduce; ended < began while it runs."""
+        """(began, ended) of the latest AllReduce (time.time()); ended < began while it runs."""
         began, ended = self._stamps[:2].tolist()
         return began, ended
 
     def early_part_refused_at(self) -> float:
-        """Trainer's process: when (time.time()) the latest groupmate's part that we refused arrived; 0.0: none."""
+        """When the latest groupmate's part that we refused arrived (time.time()); 0.0: none."""
         return float(self._stamps[2])
 
-    def early_part_refused(self, arrived: float) -> None:
-        """Averager process (see HivemindFixes.rpc_aggregate_part): keep the latest arrival."""
-        self._stamps[2] = max(arrived, float(self._stamps[2]))
-
-    async def _aggregate_with_group(self, *args: Any, **kwargs: Any) -> Any:
-        """Averager process: hivemind calls this right after it set the stage to RUNNING_ALLREDUCE."""
-        self._stamps[0] = time.time()
-        try:
-            return await super()._aggregate_with_group(*args, **kwargs)
-        finally:
-            self._stamps[1] = time.time()
-
     def get_current_state(self) -> tuple:
-        """Runs in hivemind's state-fetching thread of the trainer's process, when a peer downloads our state."""
-        return self.state_fn()
+        """hivemind's state-serving thread, when a peer downloads our state."""
+        return self.state_fn() if self.state_fn is not None else super().get_current_state()
+
+    def start_in_background(self, timeout: float) -> None:
+        """Start the process, wait (at most `timeout` s) until it serves. Not hivemind's run_in_background: it sets
+        SIGINT to SIG_IGN in the caller and cannot run outside the main thread (our restarts do)."""
+        self.start()
+        try:
+            self.wait_until_ready(timeout)
+        except concurrent.futures.TimeoutError:
+            raise AveragerUnresponsive(f"process did not start within {timeout:.0f}s") from None
+        self._outer_pipe = LockedConnection(self._outer_pipe)  # after the fork: the parent's side only
+
+    def start_step(self, *, scheduled_time: float, deadline: float, gather: Any, timeout: float) -> StepControl:
+        """hivemind's ``step(require_trigger=True, wait=False, allow_retries=False)`` with deadlines: hivemind waits
+        for the process's acknowledgement for ever (raises AveragerUnresponsive after `timeout` s here), and looks
+        for a group for ever by default (`deadline`, DHT time: a groupmate whose averager died while its p2p daemon
+        lives on would keep our matchmaking stuck)."""
+        data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
+        step = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=deadline,
+            allow_retries=False,
+            weight=1.0,
+            data_for_gather=data_for_gather,
+        )
+        future_for_init = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
+        try:
+            step.attach(*future_for_init.result(timeout=timeout))
+        except concurrent.futures.TimeoutError:
+            trigger = MPFuture()
+            trigger.cancel()
+            step.attach(trigger, MPFuture())  # a StepControl without a trigger raises in its __del__
+            step.cancel()
+            raise AveragerUnresponsive(f"did not start a round within {timeout:.0f}s") from None
+        return step
+
+    @contextlib.contextmanager
+    def buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor]]:
+        """``get_tensors()`` with a deadline: an averager killed mid-AllReduce leaves the lock taken for good."""
+        if not self.lock_averaged_tensors.acquire(timeout=timeout):
+            raise AveragerUnresponsive(f"held its buffers for over {timeout:.0f}s")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
+
+    def shutdown(self) -> None:
+        """Stop within about shutdown_timeout + 7 s, whatever the process's state: hivemind's ends with a SIGTERM
+        that a SIGSTOPped process never handles (then the program never exits). Continue it first, kill what is
+        left; for a dead one, only stop our state-serving thread (hivemind's shutdown() would log an exception)."""
+        if self.is_alive():
+            self._resume()
+            super().shutdown()
+            self.join(1.0)
+        else:
+            self._inner_pipe.send(("_SHUTDOWN", None))
+        if self.is_alive():
+            self.kill()
+            self.join(5.0)
+
+    def kill_now(self) -> None:
+        """Stop a failed averager at once: continue it if stopped, then SIGKILL."""
+        if self.is_alive():
+            self._resume()
+            self.kill()
+            self.join(5.0)
+        self._inner_pipe.send(("_SHUTDOWN", None))
+
+    def _resume(self, grace: float = 0.5) -> None:
+        """SIGCONT, and a moment to run: while the averager is stopped, its DHT process may wait for a pipe handle
+        from it (multiprocessing's resource sharer), and dies if the averager is killed then."""
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        self.join(grace)

@@ -7,25 +7,19 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    NoCompression,
-    SizeAdaptiveCompression,
-    Uniform8BitQuantization,
-)
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
-COMPRESSIONS = ("none", "fp16", "uint8")
+COMPRESSIONS = ("none", "fp16")  # 8-bit is a benchmark's (benchmarks/uint8_compression.py): see the README
 
 
-def make_compression(name: str) -> CompressionBase:
-    """Map the CLI-friendly names onto hivemind compression classes."""
+def make_compression(name: str | CompressionBase) -> CompressionBase:
+    """Map the CLI-friendly names onto hivemind compression classes; a hivemind compression is taken as it is."""
+    if isinstance(name, CompressionBase):
+        return name
     if name == "none":
         return NoCompression()
     if name == "fp16":
         return Float16Compression()
-    if name == "uint8":  # 8-bit quantization needs many values for its statistics: small tensors travel as fp16
-        return SizeAdaptiveCompression(2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
     raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {name!r}")
 
 

@@ -1,44 +1,17 @@
-"""hivemind 1.1.12 work-arounds that keep healthy peers at their pace when a groupmate's box is overloaded; the
-sibling of ``hivemind_fixes``, each naming the hivemind behaviour it covers and its upstream issue.
+"""Slow peers, an optional part: work-arounds for hivemind 1.1.12 that keep healthy peers at their pace when a
+groupmate's box is overloaded (``benchmarks/results/straggler_evidence.md`` measures why). The healthy peers lose
+their time in hivemind's DHT, not in AllReduce with the slow peer: every store waits for every replica's answer, and
+a slow node answers late but never late enough (``wait_timeout``) to be blacklisted. Four fixes:
 
-Why (measured with ``benchmarks/bench_averaging.py --regimes straggler --trace``, 5 peers, one stopped 80% of the
-time; ``benchmarks/results/straggler_evidence.md``): the healthy peers lose their time in hivemind's DHT, not in
-AllReduce with the slow peer (it is in few groups) and hardly in join requests to it. With 5 peers every DHT key
-lives on every node, each store waits for every replica's answer, and the slow node answers late but never late
-enough (``wait_timeout``, 3 s) to be blacklisted. Four hivemind behaviours put that wait on every round:
+1. ``CoalescedEvent``: hivemind declares our state for download once per averaged *tensor* per round; once a second.
+2. ``BackgroundDeclarations``: a formed group no longer waits for the withdrawal of our declaration from the DHT.
+3. ``LeaderAvoidance``: a leader that leaves join requests unanswered is skipped for a while.
+4. ``SlowReplyBlacklist``: a DHT node that answers late far more often than the others is blacklisted.
 
-1. ``DecentralizedAverager._run_allreduce_inplace_`` sets ``_state_updated`` once per averaged *tensor*, and
-   ``_declare_for_download_periodically`` answers every set with a DHT store of the ``.all_averagers`` key: one
-   store to every replica per tensor per round (21 for the benchmark's model, 267 for ResNet-50). Fix:
-   ``CoalescedEvent``, at most one wake-up per second.
-2. ``Matchmaking.look_for_group`` returns only after ``PotentialLeaders`` withdrew our declaration from the DHT
-   (``GroupKeyManager.declare_averager(looking_for_group=False)``, awaited in a ``finally``): the group has formed,
-   but the round waits for the slowest replica. Fix: ``BackgroundDeclarations`` runs that withdrawal in a task of
-   its own and returns at once (hivemind ignores its result), at most one in flight per group key, none when the
-   declaration expires before it could land. Declarations
-   stay awaited: each carries an expiration computed when hivemind calls, and in the background (this fix's first
-   version) they queued behind each other and reached a loaded swarm's DHT already expired. Shutdown waits for
-   those tasks (``averager_shutdown``), so that none reaches the DHT after the averager process is gone.
-3. A leader that does not answer a join request within ``request_timeout`` is asked again at the next declaration
-   (``PotentialLeaders.past_attempts`` lives for one search only). Fix: ``LeaderAvoidance`` skips it for a while
-   (exponential backoff), forgiven when a request to it gets a group; only a leader that times out far more often
-   than the others, and never more than a quarter of the potential leaders at once.
-4. DHT lookups wait for a node that answers late, but hivemind's ``Blacklist`` only takes nodes that did not answer
-   at all. Fix: ``SlowReplyBlacklist`` puts a node that answers late far more often than the others into that
-   blacklist, never more than a fifth of the nodes at once.
-
-A swarm that is slow everywhere (16 peers on a 2-core machine; a congested network) is not a swarm with
-a slow peer: every DHT node answers late now and then and many join requests time out. Fixes 3 and 4 therefore
-judge a node by its rate of late answers against the median rate of the others (``RelativeLateness``: when all
-are slow the median moves with them) and cap how many they exclude at once, never all (``RelativeLateness.cap``).
-Their first version counted "late" against the others' answer *times* but banned on a node's own count (2 of its
-last 4 answers late): in a loaded 16-peer swarm that banned 401 times in 120 s (7 to 56 per peer), scattering
-the DHT's replicas, and the swarm applied 11 rounds in all (no consensus) where hivemind alone reached it.
-
-Where they are patched in: 1-3 by ``SlowPeerFixes``, a mixin of our averager (``averager.Averager``), in the
-averager process and on that averager's own objects only; 4 by ``install_slow_reply_blacklist(dht)`` into the DHT a
-DecentralizedSGD is given, once per DHT (the DHT process's own node). ``SharedCounts`` carries what they did to the
-trainer's ``counters`` (names in ``SLOW_PEER_COUNTS``).
+A swarm slow everywhere (a loaded machine, a congested network) is not a swarm with a slow peer: 3 and 4 judge a
+node against the median of the others (``RelativeLateness``) and never exclude more than a share of them at once.
+``SlowPeerFixes`` installs 1-3 in an averager's process; ``install_slow_reply_blacklist`` installs 4 into a DHT.
+``SharedCounts`` carries what they did to the trainer's ``counters`` (names in ``SLOW_PEER_COUNTS``).
 """
 
 from __future__ import annotations
@@ -84,8 +57,8 @@ class SharedCounts:
 
 class CoalescedEvent(asyncio.Event):
     """An asyncio.Event whose set() wakes waiters at most once per `period` seconds; a set() in between is delayed
-    to the end of the period (never lost). Runs in the averager's event loop (fix 1).
-    Upstream: none found (the per-tensor set dates from hivemind#398); still so on hivemind's master (4bd43b7)."""
+    to the end of the period (never lost). hivemind sets ``_state_updated`` per tensor (averager.py,
+    ``_run_allreduce_inplace_``, since hivemind#398) and stores a declaration per set."""
 
     def __init__(self, period: float):
         super().__init__()
@@ -106,19 +79,12 @@ class CoalescedEvent(asyncio.Event):
 
 
 class BackgroundDeclarations:
-    """hivemind's ``GroupKeyManager.declare_averager``, its withdrawals (``looking_for_group=False``) run in a task of
-    their own (fix 2), at most one in flight per group key: a withdrawal while one is in flight replaces the one
-    still waiting (the DHT keeps the value with the latest expiration, which is the newest call's). Declarations
-    (``looking_for_group=True``) are awaited as hivemind does: hivemind's declaring loop computes each one's
-    expiration (min_matchmaking_time ahead) when it calls, so one that waited behind another store reached the
-    DHT already expired on a loaded machine, and nobody saw anybody (16 peers, declarations in the background too:
-    not one group in 120 s; the loop waiting for each store is what paces it to the DHT). Averager process, event
-    loop. ``pending``: the tasks not done yet (the averager's shutdown waits for them, and so for every call they
-    still hold). A withdrawal is not sent at all when the declaration it withdraws expires before a store could
-    land (``store_s``, how long the last declarations took): hivemind sends it anyway, and in a loaded swarm,
-    whose groups form as declarations expire, those stores only slowed the DHT further.
-    Upstream: hivemind#357 made the search wait for the withdrawal and asked whether that is wanted; still so on
-    hivemind's master (4bd43b7)."""
+    """hivemind's ``GroupKeyManager.declare_averager`` with its withdrawals (``looking_for_group=False``) run in a task
+    of their own, at most one in flight per group key (a newer one replaces the one waiting): matchmaking.py's
+    ``look_for_group`` otherwise returns only once the withdrawal reached every replica (hivemind#357). Declarations
+    stay awaited: hivemind computes each one's expiration when it calls, and queued ones reached a loaded swarm's
+    DHT already expired. A withdrawal is not sent when the declaration expires before it could land (``store_s``:
+    how long the last declarations took). ``pending``: the tasks not done yet (the shutdown waits for them)."""
 
     def __init__(self, declare_averager: Callable[..., Awaitable[bool]]):
         self._declare_averager = declare_averager
@@ -160,11 +126,10 @@ class BackgroundDeclarations:
 
 class RelativeLateness:
     """Who is late *compared with the others* (fixes 3 and 4): each node's share of late answers over its last
-    `window` answers, against the median share of the other nodes that answered within `memory_s`. A node is an
-    outlier when it has answered at least `min_answers` times, its share is at least `min_share`, and at least
-    `margin` above that median. When every node is late about as often (a loaded machine, a congested network) the
-    median moves with them and nobody is an outlier; noise can still push a few above it, which is why the callers
-    also cap how many they exclude at once (``cap``)."""
+    `window` answers, against the median share of the other nodes seen within `memory_s`. An outlier has answered at
+    least `min_answers` times, late in at least `min_share` of them and `margin` above that median. When every node
+    is late about as often the median moves with them; noise can push a few above it, so callers ``cap`` how many
+    they exclude at once."""
 
     def __init__(
         self,
@@ -213,11 +178,9 @@ class RelativeLateness:
 class LeaderAvoidance:
     """Leaders that left a join request unanswered for request_timeout are skipped for base_s, doubled after each
     further time-out up to max_s; a request that gets a group forgives (fix 3). Only a leader that times out far
-    more often than the others (``RelativeLateness``) is avoided, and never more than `max_share` of the potential
-    leaders we know, ourselves included (a peer that asks nobody leads its own group), so a swarm in which every
-    leader is slow to answer keeps asking them. Averager process, event loop.
-    Upstream: none found (hivemind#676, open, asks for straggler-aware deadlines); still so on hivemind's master
-    (4bd43b7)."""
+    more often than the others, and never more than `max_share` of the leaders we know (ourselves included). hivemind
+    asks it again at the next declaration (matchmaking.py, ``PotentialLeaders.past_attempts`` lives for one search);
+    hivemind#676 (open) asks for straggler-aware deadlines."""
 
     def __init__(
         self,
@@ -275,19 +238,13 @@ class LeaderAvoidance:
 
 
 class SlowReplyBlacklist:
-    """DHT process: a DHT node that answers find requests late far more often than the other nodes we ask goes into
-    hivemind's own blacklist, as if it had not answered (fix 4). An answer is late when it took more than `factor`
-    times the median answer time of the *other* nodes, and more than `min_s`; a node is banned when its share of
-    late answers is well above the median share of the others (``RelativeLateness``), and only while fewer than
-    `max_share` of the nodes we know are in the blacklist (never all of them). hivemind blacklists a node only after
-    wait_timeout (3 s) without an answer, but a node that answers late, by up to a second, delays every DHT get and
-    store (each waits for every replica). The blacklist's backoff does the rest. One slow answer of a busy but
-    healthy node is no reason, and neither are slow answers from every node: on a loaded machine every node answers
-    late now and then, and banning them all (as this fix did before it compared late-answer *rates*: 50 bans at one
-    peer of a 16-peer swarm in 2 minutes) scatters the DHT's replicas, so that peers no longer find each other's
-    group declarations. A blacklisted node still stores its own declarations on us: we still see it as a
-    groupmate, we just do not wait for its answers.
-    Upstream: none found (closest: hivemind#676, #624); still so on hivemind's master (4bd43b7)."""
+    """DHT process: a node that answers find requests late far more often than the others goes into hivemind's own
+    blacklist, as if it had not answered (fix 4). Late: more than `factor` times the median answer time of the
+    *other* nodes, and more than `min_s`; banned when its share of late answers is well above the others'
+    (``RelativeLateness``), and only while fewer than `max_share` of the nodes we know are blacklisted (banning
+    every late node of a loaded swarm scatters the DHT's replicas). hivemind (dht/node.py, ``Blacklist``) takes only
+    nodes that did not answer within ``wait_timeout``, while one that answers late delays every get and store. A
+    blacklisted node still stores its declarations on us: we just do not wait for its answers. hivemind#676, #624."""
 
     def __init__(
         self,
@@ -361,38 +318,25 @@ def install_slow_reply_blacklist(dht: hivemind.DHT, counts: SharedCounts, timeou
 
 
 class SlowPeerFixes:
-    """DecentralizedAverager mixin, before ``HivemindFixes`` in the bases: fixes 1-3, in the averager process.
-    ``slow_peer_fixes=False`` leaves hivemind's behaviour (the benchmark's ablation)."""
+    """Fixes 1-3 for one averager (``averager.Averager`` calls ``install`` in its process, at its first step:
+    hivemind's ``_run`` creates the matchmaking and the state event before it serves any request). ``pending``:
+    declarations still on their way to the DHT (the averager's shutdown waits for them)."""
 
-    _state_updated: asyncio.Event
-    _matchmaking: Any
-    request_timeout: float
-
-    def __init__(
-        self, *args: Any, slow_peer_fixes: bool = True, slow_peer_counts: SharedCounts | None = None, **kwargs: Any
-    ):
-        self.slow_peer_fixes = slow_peer_fixes
-        self.slow_peer_counts = slow_peer_counts if slow_peer_counts is not None else SharedCounts()
+    def __init__(self, counts: SharedCounts | None = None):
+        self.counts = counts if counts is not None else SharedCounts()
         self._declarations: BackgroundDeclarations | None = None
-        super().__init__(*args, **kwargs)
 
     @property
-    def background_dht_requests(self) -> Collection[asyncio.Task]:
-        """Averager process: declarations still on their way to the DHT (see HivemindFixes._shutdown)."""
+    def pending(self) -> Collection[asyncio.Task]:
         return () if self._declarations is None else self._declarations.pending
 
-    async def _step(self, **kwargs: Any) -> None:
-        """Averager process: the first round installs the fixes (hivemind's ``_run`` creates ``_matchmaking`` and
-        ``_state_updated`` before it serves any request), then runs as ``HivemindFixes._step``."""
-        if self.slow_peer_fixes and self._declarations is None:
-            self._install_slow_peer_fixes()
-        await super()._step(**kwargs)  # type: ignore[misc]
-
-    def _install_slow_peer_fixes(self) -> None:
-        previous, self._state_updated = self._state_updated, CoalescedEvent(STATE_DECLARE_MIN_PERIOD)
-        previous.set()  # the declaring loop may wait on the old event: wake it once, it uses the new one from then
-        key_manager = self._matchmaking.group_key_manager
+    def install(self, matchmaking: Any, state_updated: asyncio.Event) -> asyncio.Event:
+        """Patches `matchmaking`; returns the event to use instead of `state_updated` (the averager's)."""
+        state_declared = CoalescedEvent(STATE_DECLARE_MIN_PERIOD)
+        state_updated.set()  # the declaring loop may wait on the old event: wake it once, it uses the new one then
+        key_manager = matchmaking.group_key_manager
         self._declarations = BackgroundDeclarations(key_manager.declare_averager)
         key_manager.declare_averager = self._declarations.declare_averager
-        avoidance = LeaderAvoidance(self.request_timeout, self.slow_peer_counts)
-        self._matchmaking._request_join_group = avoidance.wrap(self._matchmaking._request_join_group)
+        avoidance = LeaderAvoidance(matchmaking.request_timeout, self.counts)
+        matchmaking._request_join_group = avoidance.wrap(matchmaking._request_join_group)
+        return state_declared

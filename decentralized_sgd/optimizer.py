@@ -30,11 +30,6 @@ from . import vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import note_groupmates, rejoin_count
-from .hivemind_fixes import (
-    dead_holders_release_mpfuture_locks,
-    fewer_shared_memory_requests,
-    unattached_step_controls_are_one_line,
-)
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .outer import OuterOptimizer, OuterSettings
 from .rounds import RoundBook, TrainerState
@@ -159,7 +154,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.trainer, StagingCache(self.boundary_marks), self.round_book, get_extra_state, self.outer
         )
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
-        self.checks = vetting.GroupChecks.for_tensors(self.averaged_tensors, seed=self.prefix)
+        self.guard = vetting.GroupGuard.for_tensors(
+            self.averaged_tensors.local(), seed=self.prefix, secret=swarm_secret
+        )
         self.averager_opts = dict(  # what every averager process of this peer is built with (see _make_averager)
             prefix=self.prefix,
             target_group_size=target_group_size,
@@ -174,11 +171,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             handler_address=handler_address_slot(),  # one per peer: each restart registers its handlers there
             shutdown_timeout=AVERAGER_SHUTDOWN_S,
             slow_peer_fixes=settings.slow_peer_fixes,
-            secret=swarm_secret,
         )
-        fewer_shared_memory_requests()
-        unattached_step_controls_are_one_line()
-        dead_holders_release_mpfuture_locks()  # FixedDHT did, if the caller's DHT is one
         self.starvation = self._make_starvation_monitor()
         self._supervisor = AveragerSupervisor(self._make_averager, settings.averager_timeout, self.starvation)
         self.vetting = self._make_vetting(heal_timeout=allreduce_timeout)
@@ -214,9 +207,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.dht,
             state_fn=self.state_transfer.serve,
             slow_peer_counts=self.slow_peer_counts,
-            summary_size=self.checks.sketch.size,
-            rule=self.checks.rule,
-            refusals=self.checks.refusals,
+            guard=self.guard,
             **self.averager_opts,
         )
 
@@ -227,7 +218,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _make_vetting(self, heal_timeout: float) -> vetting.RoundVetting:
         membership = MembershipCheck(self.dht, self.run, self.swarm_secret, patience=self.settings.no_group_patience)
         return vetting.RoundVetting(
-            self.checks,
+            self.guard,
             self.trainer,
             self.averaged_tensors,
             self.round_book,
@@ -235,7 +226,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.state_transfer,
             self.round_book.counters,
             self.dht.peer_id,
-            self.swarm_secret,
             membership,
             heal_timeout=heal_timeout,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -201,30 +201,21 @@ class OutlierRule:
         D         = median distance of those points to the center
         refused if  distance to center > max(multiple * D, blowup_floor * |center|, abs_floor)
 
-    ``multiple * D`` scales with the group's own spread (peers from different random inits are far apart, yet none
-    is an outlier; 6, not less: in a group of three spread peers the farthest one sits at up to ~3 D). The floor,
-    10x the weights, lets in any peer that is merely elsewhere (one that started from other values, a restart behind
-    the swarm: averaging it in is how it catches up) and refuses a blow-up (weights 1e4 against 0 and 1). The
-    references make a group of two decidable (both members sit at the same distance from their midpoint, but the
-    healthy one's reference sits on it).
+    ``multiple * D`` scales with the group's own spread (peers from different inits are far apart, yet none is an
+    outlier). The floor, 10x the weights, lets in a peer that is merely elsewhere (a restart behind the swarm catches
+    up by averaging) and refuses a blow-up. The references make a group of two decidable.
 
     **Moving too fast** (a drift), for a member with a reference::
 
-        rate      = |point - reference| / (step - reference step): how far it moved per local step since it last
-                    shared a point with the swarm
+        rate      = |point - reference| / (step - reference step)
         refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
 
-    Healthy peers move by optimizer steps, at similar rates whatever their speed (a peer 30x slower makes 30x fewer
-    steps) or the time since they last averaged; a diverging one moves faster every step. The floor (3% of the
-    weights per step, far more than an optimizer step of a trained model) keeps peers that hardly move from refusing
-    each other's noise, and keeps a young swarm from refusing a healthy peer: swav_tiny's first steps at its LR 0.55
-    move ~2% of |w| per step (seen in the VISSL swarm test: a peer at step 7 refused at 1.9% per step against the
-    others' 0.15-0.4%, when the floor was 1%). A drift of x1.05 per step is still refused at its first step when the
-    others hold still.
+    Healthy peers move by optimizer steps, at similar rates whatever their speed; a diverging one moves faster every
+    step. The floor (3% of the weights per step) keeps peers that hardly move from refusing each other's noise and a
+    young swarm (large early steps) from refusing a healthy peer.
 
-    Since at least half of the points lie within D of the center, ``multiple >= 2`` refuses fewer than half of the
-    members for being far; a member is refused for its rate only against the others' median. Members without a
-    valid summary, or whose point is not finite, are refused.
+    With ``multiple >= 2`` fewer than half of the members are refused for being far, and a member is refused for its
+    rate only against the others' median. Members without a valid summary, or whose point is not finite, are refused.
     """
 
     multiple: float = 6.0
@@ -285,41 +276,6 @@ class OutlierRule:
         return Verdict(members, outliers, distances, rates, threshold, median_distance, center)
 
 
-def judge_group(
-    payloads: Mapping[K, Any],
-    size: int,
-    rule: OutlierRule | None = None,
-    is_member: Callable[[K, Any], bool] | None = None,
-) -> tuple[dict[K, Summary | None], Verdict[K]]:
-    """The verdict of one group from its gathered payloads ``{"summary": Summary.to_wire(), "token": ...}``, the same
-    at every member (hivemind gives all of them the same gathered data). With ``is_member`` (the swarm secret), a
-    member whose token does not match is refused and its summary ignored. Returns the parsed summaries too."""
-    rule = rule or OutlierRule()
-    refused: dict[K, str] = {}
-    summaries: dict[K, Summary | None] = {}
-    for member, payload in payloads.items():
-        token = payload.get("token") if isinstance(payload, dict) else None
-        if is_member is not None and not is_member(member, token):
-            refused[member] = "no valid swarm token (not a member of this swarm)"
-            continue
-        summaries[member] = Summary.from_wire(payload.get("summary") if isinstance(payload, dict) else None, size)
-    verdict = rule.judge(summaries)
-    outliers = {
-        member: refused.get(member) or verdict.outliers[member]
-        for member in payloads
-        if member in refused or member in verdict.outliers
-    }
-    return summaries, Verdict(
-        tuple(payloads),
-        outliers,
-        verdict.distances,
-        verdict.rates,
-        verdict.threshold,
-        verdict.median_distance,
-        verdict.center,
-    )
-
-
 def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:
     """|mean of the inliers' projections - ours|: about the size of the update this round should bring us, from the
     summaries (the norm coordinate is left out: it does not average linearly). None if we are not an inlier."""
@@ -332,29 +288,19 @@ def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict
 class UpdateCheck:
     """Our side of a round: refuse an update ``averaged - snapshot`` far larger than expected.
 
-    The summaries were taken when the round started; the values that entered the AllReduce were copied later, once
-    the group formed. A peer that diverged in between (or drifts fast) is not refused by the rule, but the update it
-    causes is much larger than both what the summaries predicted and what this peer's recent rounds brought:
+    The summaries were taken when the round started, the AllReduce's values later: a groupmate that diverged (or kept
+    drifting) in between passes the rule, but the update it causes outgrows both the summaries' prediction and this
+    peer's recent rounds::
 
         limit  = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
         excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update|
 
-    ``limit`` bounds the update's exact norm (it also sees a few blown-up values that the sketch's sample misses).
-    ``excess`` bounds how far it outgrew the prediction: ``sketched`` is the update measured with the projection of
-    the summaries (``WeightSketch.project``), so that an update exactly as predicted measures ``expected`` whatever
-    the projection. Healthy groupmates exceed the prediction by what they trained and applied between their summary
-    and their fill (about a normal update); an update smaller than predicted (the group came together meanwhile)
-    always passes. A groupmate that kept drifting after a summary the rule let in does not: the rule's rate is an
-    average since the reference, so a drift that began a few still steps after it passes the floor for a while
-    (test_robust_peers under load: 6 steps of x1.05 after 7 still ones, 2.6% per step), and by the fill 11 steps
-    later the update had grown 3.8 times, within ``limit``, and moved the others by 43%. Without ``sketched``
-    (weight_by_samples: the AllReduce weights the members, the prediction does not) only ``limit`` applies.
-
-    Only once this peer has applied a round (since it started or healed): before that nothing says what is normal,
-    and a peer that joins from elsewhere must be able to catch up (its first update may be as large as the distance
-    between its weights and the swarm's). The norm costs nothing: it is the finiteness check of the update. The floor
-    (1% of the weights) keeps identical peers from refusing each other's rounding noise (fp16 transfers); it is also
-    how far one accepted round can move a peer that agreed with its group.
+    ``limit`` bounds the update's exact norm (it sees a few blown-up values the sketch misses); ``excess`` bounds how
+    far it outgrew the prediction, measured with the summaries' projection (``WeightSketch.project``), so that an
+    update exactly as predicted measures ``expected``. Without ``sketched`` (weight_by_samples: the AllReduce weights
+    the members, the prediction does not) only ``limit`` applies. Only once this peer applied a round since it
+    started or healed: a peer that joins from elsewhere must be able to catch up. The floor (1% of the weights) keeps
+    identical peers from refusing each other's rounding noise.
     """
 
     def __init__(self, multiple: float = 4.0, rel_floor: float = 0.01, history: int = 8):

@@ -283,13 +283,15 @@ class Round:
         """``stamps()``: (began, ended) of the averager's latest AllReduce, as its process wrote them (wall clock,
         exact; ours lag by up to a tick), read once this round ended: they are its own if they began after its
         trigger."""
-        if self.t_allreduce_start is None and self.control.began_allreduce:
+        if self.t_allreduce_start is None and self.t_end is None and self.control.began_allreduce:
             self.t_allreduce_start, self.allreduce_started_at = time.time(), time.monotonic()
         if self.t_end is None and self.control.done():
             self.t_end = time.time()
             began, ended = stamps() if stamps is not None else (0.0, 0.0)
             if self.t_triggered is not None and self.t_triggered <= began <= ended:
                 self.t_allreduce_start, self.t_end = began, ended
+            elif stamps is not None:  # none of its own: no AllReduce ran (a group our vetting refused)
+                self.t_allreduce_start = None
 
     @property
     def allreduce_s(self) -> float | None:

@@ -1,25 +1,17 @@
-"""A peer notices that its own box starves it of CPU, and stays out of groups until it recovers.
+"""Starvation, part of the slow-peer fixes: a peer notices that its own box starves it of CPU, and stays out of
+groups until it recovers.
 
-Why: a peer whose processes get the CPU only now and then (another job saturating the cores, a stopped process
-group, a box swapping) still looks for groups: it leads groups that then wait for it, or joins groups whose
-AllReduce waits for its parts. It cannot tell that from its own step times (a slow GPU step is fine), but it can see
-that its threads wake up late: a thread that sleeps `period` seconds and measures how much later than that it woke
-up (time in which nothing of this process ran) is a direct measure of starvation. (It does not see cores that are
-merely busy: the kernel wakes a thread that slept promptly even then. That kind of overload is met at its source:
-``run_trainer.py``'s data-loader workers run at a lower CPU priority, see ``decentralized_task``.)
+A peer whose processes get the CPU only now and then (another job on the cores, a stopped process group, a box
+swapping) still looks for groups, and the groups it leads or joins wait for it. Its step times cannot tell (a slow
+GPU step is fine), but a thread that sleeps `period` seconds and measures how much later it woke up measures
+starvation directly. That thread lives in a small process of its own (this file run as a script, standard library
+only): a thread of the trainer's process also wakes late whenever the process's other work holds the interpreter.
+(Cores that are merely busy are met at their source: the data-loader workers run at a lower priority.)
 
-That thread lives in a small process of its own (this file run as a script, standard library only, in the peer's
-process group): a thread of the trainer's own process also wakes late whenever the process's other work holds the
-interpreter (seen in the test suite: three VISSL peers on 2 cores lost 50-63% of such wake-ups for minutes, and left
-averaging, while a process next to them lost at most 11%). What a separate process measures is whether the box
-runs this peer's processes at all, which is what a swarm waits on.
-
-``StarvationMonitor`` starts that process and reads its wake-ups; ``starved`` turns True when, over the last
-`window_s`, more than `enter_share` of the time was lost to late wake-ups, and False again only after `recover_s`
-seconds in a row with less than `exit_share` lost (hysteresis: no flapping in and out of the swarm).
-DecentralizedSGD's scheduler asks ``starved`` before it starts a round: a starved peer leaves the groups it is still
-looking for, starts no round (it neither leads nor joins) and keeps training locally; ``starvation_episodes`` and
-``starved_s`` count it.
+``starved`` turns True when, over the last `window_s`, more than `enter_share` of the time was lost to late
+wake-ups, and False again only after `recover_s` seconds in a row below `exit_share` (hysteresis). The scheduler
+asks it before it starts a round: a starved peer leaves the groups it is looking for, starts no round and keeps
+training locally; ``starvation_episodes`` and ``starved_s`` count it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,13 @@
-"""The trainer's side of vetting: what a round must pass before its update is applied, and what a peer does when its
-group finds that its weights diverged. The averager process's side is ``guard``; the rules are ``outliers``.
+"""Vetting, an optional part: whom a peer averages with, what a round must pass before its update is applied, and what
+a peer does when its group finds that its weights diverged. The rules are ``outliers``; ``judge`` applies them to
+one group, the same in every member and in both processes:
+
+- the averager process (``GroupGuard``, attached to ``averager.Averager``): at matchmaking, a leader refuses the join
+  request of a peer whose gathered token does not match its libp2p-authenticated id (swarm secret) or that a recent
+  verdict refused (a refused follower asks the next leader); once a group formed, every member holds the same
+  gathered payloads, so the members ``judge`` keeps run hivemind's AllReduce among themselves and the others run
+  none (a refused peer that sends its parts anyway is turned away: it is not among their senders);
+- the trainer's process (``RoundVetting``, in the scheduler thread), below.
 
 Per round, in the scheduler thread:
 
@@ -7,17 +15,15 @@ Per round, in the scheduler thread:
    ``dsgd.lock``), the point of the average we last applied (our reference), our step, and, with a swarm secret, our
    member token. hivemind's gather hands every member the payloads of the whole group.
 2. ``judge(round, gathered)``, when the round ended: the group's verdict, the one our averager process acted on (it
-   ran the AllReduce without the outliers, see ``guard``). Logged with the numbers and counted. If we are the outlier,
+   ran the AllReduce without the outliers). Logged with the numbers and counted. If we are the outlier,
    the round is discarded and a heal is asked for.
 3. ``check_update(...)``: the update ``averaged - snapshot`` against what the summaries and our recent rounds predict
    (``outliers.UpdateCheck``: its size, and how far it outgrew the prediction, measured with the summaries' projection);
    a far larger one is discarded and our local weights are kept.
 
-The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock``: no round
-starts (``payload`` says "not now") and none not yet triggered goes on; nobody may download our state; we take a
-donor's state with ``load_state_from_peers`` (keeping our own step count) and continue. The trainer's thread, so
-that VISSL's hooks see the new weights at a step boundary, as they see an applied round (a box with several GPUs
-broadcasts them to its other ranks).
+The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock`` (so that
+VISSL's hooks see the new weights at a step boundary, as they see an applied round): no round starts, none not yet
+triggered goes on, nobody may download our state; we take a donor's state (keeping our own step count) and continue.
 
 ``on_tick()`` (every scheduler tick): the counts of join requests our averager refused, and the membership check of
 ``secret`` (a peer whose secret matches nobody's says so instead of waiting silently).
@@ -25,24 +31,31 @@ broadcasts them to its other ranks).
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
+import multiprocessing as mp
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 
-from .guard import JoinRefusals, group_verdict, member_test
-from .outliers import OutlierRule, Summary, UpdateCheck, WeightSketch, expected_update_norm
-from .rounds import Round, RoundBook, TrainerState
+from .outliers import OutlierRule, Summary, UpdateCheck, Verdict, WeightSketch, expected_update_norm
 from .secret import MembershipCheck, SwarmSecret
-from .state_transfer import StateTransfer
-from .supervisor import AveragerSupervisor
-from .tensors import AveragedTensors
+
+if TYPE_CHECKING:  # the trainer's side only names them: the averager (which imports this module) is below them
+    from .rounds import Round, RoundBook, TrainerState
+    from .state_transfer import StateTransfer
+    from .supervisor import AveragerSupervisor
+    from .tensors import AveragedTensors
 
 logger = logging.getLogger(__name__)
 
@@ -71,33 +84,118 @@ class Judgement:
     own_norm: float = 0.0  # |w| in our summary: the scale of the update check's floor
 
 
-def _token(payload: Any) -> object:
-    return payload.get("token") if isinstance(payload, dict) else None
+def judge(
+    gathered: Mapping[PeerID, Any], size: int, rule: OutlierRule | None, secret: SwarmSecret | None
+) -> tuple[dict[PeerID, Summary | None], Verdict[PeerID]]:
+    """The verdict on one group from its gathered payloads (``{"summary": Summary.to_wire(), "token": ...}``), and
+    the parsed summaries. With a secret, a member whose token does not prove it holds it is refused before its
+    weights are looked at; without a rule, that is the only test."""
+    refused: dict[PeerID, str] = {}
+    summaries: dict[PeerID, Summary | None] = {}
+    for peer, payload in gathered.items():
+        payload = payload if isinstance(payload, dict) else {}
+        if secret is not None and not secret.is_member(peer.to_bytes(), payload.get("token")):
+            refused[peer] = "no valid swarm token (not a member of this swarm)"
+        else:
+            summaries[peer] = Summary.from_wire(payload.get("summary"), size)
+    verdict = rule.judge(summaries) if rule is not None else Verdict(tuple(summaries))
+    outliers = {
+        peer: refused.get(peer) or verdict.outliers[peer]
+        for peer in gathered
+        if peer in refused or peer in verdict.outliers
+    }
+    return summaries, dataclasses.replace(verdict, members=tuple(gathered), outliers=outliers)
 
 
-@dataclass(frozen=True)
-class GroupChecks:
-    """What our averager process needs too (it judges each group before its AllReduce, see ``guard``): built before
-    it, so that the averager and ``RoundVetting`` share them."""
+class JoinRefusals:
+    """Join requests refused, counted in the averager process and read by the trainer's (``counters``); they survive
+    an averager restart (the trainer creates them)."""
 
-    sketch: WeightSketch
-    rule: OutlierRule
-    refusals: JoinRefusals  # counted by every averager process this peer starts
+    def __init__(self) -> None:
+        self.banned = mp.Value(ctypes.c_long, 0)  # from a peer refused in one of our recent groups
+        self.token = mp.Value(ctypes.c_long, 0)  # without a valid swarm token
+
+    @staticmethod
+    def count(value: Any) -> None:
+        with value.get_lock():
+            value.value += 1
+
+
+class GroupGuard:
+    """The averager process's side: whom it lets into its groups, and whom it averages with once a group formed.
+    Built in the trainer's process (its ``sketch``, ``rule`` and ``refusals`` are shared with ``RoundVetting``) and
+    handed to every averager it starts. ``ban_s``: how long a peer a verdict refused is refused at our matchmaking
+    (as leader; as a follower we may meet it in another's group, where the verdict decides again)."""
+
+    BAN_S = 30.0
+
+    def __init__(self, sketch: WeightSketch, secret: SwarmSecret | None = None, ban_s: float = BAN_S):
+        self.sketch, self.secret, self.ban_s = sketch, secret, ban_s
+        self.rule, self.refusals = OutlierRule(), JoinRefusals()
+        self._banned_until: dict[PeerID, float] = {}  # averager process only
+        self._logged_outsiders: set[PeerID] = set()
 
     @classmethod
-    def for_tensors(cls, tensors: AveragedTensors, seed: str) -> GroupChecks:
-        return cls(WeightSketch([t.numel() for t in tensors.local()], seed=seed), OutlierRule(), JoinRefusals())
+    def for_tensors(cls, tensors: Sequence[torch.Tensor], seed: str, secret: SwarmSecret | None = None) -> GroupGuard:
+        return cls(WeightSketch([t.numel() for t in tensors], seed=seed), secret)
+
+    def refuse_join(
+        self, serializer: Any, request: averaging_pb2.JoinRequest, sender: PeerID
+    ) -> averaging_pb2.MessageFromLeader | None:
+        """A leader's answer to a join request it refuses; None: let hivemind answer it."""
+        until = self._banned_until.get(sender)
+        if until is not None and until > get_dht_time():
+            JoinRefusals.count(self.refusals.banned)
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+        self._banned_until.pop(sender, None)
+        if self.secret is None:
+            return None
+        try:
+            _bandwidth, _mode, user_bytes = serializer.loads(request.gather)
+            token = serializer.loads(user_bytes).get("token")
+        except Exception:  # anything malformed: not one of ours
+            token = None
+        if self.secret.is_member(sender.to_bytes(), token):
+            return None
+        JoinRefusals.count(self.refusals.token)
+        if sender not in self._logged_outsiders:  # once per peer: it asks again every round
+            self._logged_outsiders.add(sender)
+            logger.warning(
+                f"Refused a join request from {sender}: no valid swarm token (it knows this swarm's "
+                "averaging key but not its secret)"
+            )
+        return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+
+    def vet(self, serializer: Any, group_info: GroupInfo, own: PeerID) -> tuple[dict[PeerID, Any], GroupInfo | None]:
+        """The group's gathered payloads (None for one that cannot be decoded), and the group to average with: the
+        members the verdict keeps (same group id); None if we are refused or left alone."""
+        gathered: dict[PeerID, Any] = {}
+        for peer, data in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            try:
+                gathered[peer] = serializer.loads(serializer.loads(data)[2])
+            except Exception:
+                gathered[peer] = None
+        verdict = judge(gathered, self.sketch.size, self.rule, self.secret)[1]
+        if own in verdict.outliers:
+            return gathered, None
+        until = get_dht_time() + self.ban_s
+        self._banned_until.update(dict.fromkeys(verdict.outliers, until))
+        for peer in verdict.inliers:
+            self._banned_until.pop(peer, None)
+        kept = [i for i, peer in enumerate(group_info.peer_ids) if peer not in verdict.outliers]
+        if len(kept) < 2:
+            return gathered, None
+        peers, data = (tuple(items[i] for i in kept) for items in (group_info.peer_ids, group_info.gathered))
+        return gathered, GroupInfo(group_info.group_id, peers, data)
 
 
 class RoundVetting:
-    """One peer's summaries, verdicts, update check, heal and membership check. ``run``: the averaging prefix without
-    the secret's keyed hash (the key of the membership check, shared by every secret). It is handed the parts it
-    works with: the trainer's state and tensors, the round book, the averager's supervisor and the state transfer
-    (the heal), the membership check."""
+    """The trainer's side: one peer's summaries, verdicts, update check, heal and membership check. ``guard``: the
+    averager's (its sketch, rule, secret and join counts)."""
 
     def __init__(
         self,
-        checks: GroupChecks,
+        guard: GroupGuard,
         trainer: TrainerState,
         tensors: AveragedTensors,
         book: RoundBook,
@@ -105,7 +203,6 @@ class RoundVetting:
         state: StateTransfer,
         counters: dict[str, float],
         peer_id: PeerID,
-        secret: SwarmSecret | None,
         membership: MembershipCheck | None,
         *,
         heal_timeout: float,
@@ -114,8 +211,8 @@ class RoundVetting:
         """``membership``: the check that says when our secret matches nobody's (it announces us in the DHT); None
         for a peer that has nobody to announce itself to. ``heal_timeout``: how long a heal waits for a donor."""
         self.trainer, self.tensors, self.book, self.supervisor, self.state = trainer, tensors, book, supervisor, state
-        self.counters, self.peer_id, self.secret, self.heal_timeout = counters, peer_id, secret, heal_timeout
-        self.sketch, self.rule, self.refusals = checks.sketch, checks.rule, checks.refusals
+        self.counters, self.peer_id, self.heal_timeout = counters, peer_id, heal_timeout
+        self.sketch, self.rule, self.secret, self.refusals = guard.sketch, guard.rule, guard.secret, guard.refusals
         self.update_check = update_check or UpdateCheck()
         self.membership = membership
         # the point of the last average we applied (or of a heal) and our local step it stands for: changed with
@@ -162,13 +259,9 @@ class RoundVetting:
     def judge(self, r: Round, gathered: Mapping[PeerID, Any]) -> Judgement:
         """A triggered round ended with hivemind's gathered payloads: the verdict our averager process reached too."""
         own = self.peer_id
-        summaries, verdict = group_verdict(gathered, self.sketch.size, self.rule, self.secret)
-        is_member = member_test(self.secret)
-        if any(
-            peer != own and (is_member is None or is_member(peer, _token(payload)))
-            for peer, payload in gathered.items()
-        ):
-            self._met_member = True
+        summaries, verdict = judge(gathered, self.sketch.size, self.rule, self.secret)
+        if any(peer != own and "token" not in verdict.outliers.get(peer, "") for peer in gathered):
+            self._met_member = True  # another member of the swarm (with a secret: one whose token matched)
         group = [str(peer) for peer in verdict.inliers]
         r.extra["outliers"] = [str(peer) for peer in verdict.outliers]
         if own in verdict.outliers:

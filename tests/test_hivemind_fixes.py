@@ -1,20 +1,22 @@
 """Each work-around of decentralized_sgd/hivemind_fixes.py and dht_rejoin.py on its own, against hivemind 1.1.12.
 
 Where a test shows that hivemind still has the bug, it says so: when it starts failing there, the work-around can go.
-Covered elsewhere (they need a swarm in the middle of a round): ``HivemindFixes._step`` (kept-alive step tasks),
-``rpc_aggregate_part`` (early parts) and ``_shutdown`` (finalize of running groups) by every swarm test in
-test_decentralized_sgd.py, e.g. test_next_group_forms_while_the_previous_allreduce_runs; ``keep_ctrl_c`` and
-SIGINT in the averager process by test_ctrl_c_still_stops_the_trainer_after_the_averager_started.
+Covered elsewhere (they need a swarm in the middle of a round): ``hold_step`` (kept-alive step tasks),
+``wait_for_group`` (early parts) and ``shut_down_averager`` (finalize of running groups) by every swarm test in
+test_decentralized_sgd.py, e.g. test_next_group_forms_while_the_previous_allreduce_runs; SIGINT in the averager
+process by test_ctrl_c_still_stops_the_trainer_after_the_averager_started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,44 +25,50 @@ import hivemind
 import pytest
 import torch
 from dsgd_swarm import LOCAL, make_model, wait_until
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
 from hivemind.compression.quantization import Quantization
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.mpfuture import SharedBytes
 
+from baselines.hivemind_averagers import keep_ctrl_c
+from benchmarks.uint8_compression import STOCK_EXTRACT, fixed_8bit_decoding
 from decentralized_sgd.averager import Averager, handler_address_slot
 from decentralized_sgd.dht_rejoin import rejoin_if_alone
 from decentralized_sgd.hivemind_fixes import (
+    PATCHES,
     AveragerUnresponsive,
     DeadHolderBreakingLock,
     FixedDHT,
     LockedConnection,
-    _AbandonedDepartureIsOneLine,
-    _DepartureIsOneLine,
-    _NoGroupIsNoError,
+    QuietHivemindLog,
     cancel_step_first,
-    fewer_shared_memory_requests,
-    fixed_8bit_decoding,
-    fixed_part_reducer,
-    keep_ctrl_c,
+    install,
     release_ended_step,
+    stock,
 )
 
-HIVEMIND_EXTRACT = Quantization.extract  # importing decentralized_sgd (above) must not have patched it
+
+def test_only_the_patches_this_hivemind_needs_are_installed_at_import():
+    assert hivemind.__version__ == "1.1.12" and all(patch.needed() for patch in PATCHES.values())
+    assert isinstance(MPFuture._update_lock, DeadHolderBreakingLock)
+    fixed = {key: patch.owner.__dict__[patch.name] for key, patch in PATCHES.items()}
+    install()  # once: a second install keeps the first
+    assert fixed == {key: patch.owner.__dict__[patch.name] for key, patch in PATCHES.items()}
+    assert not dataclasses.replace(PATCHES["part_reducer"], fixed_in="1.1.12").needed()
 
 
 def test_8bit_decoding_fix_applies_only_where_asked():
     import decentralized_sgd  # noqa: F401
 
-    assert Quantization.extract is HIVEMIND_EXTRACT
+    assert Quantization.extract is STOCK_EXTRACT  # the product does not patch it
     tensor = torch.randn(2**16)
     serialized = Uniform8BitQuantization().compress(tensor, CompressionInfo.from_tensor(tensor))
     with pytest.raises(TypeError):  # hivemind 1.1.12 on NumPy 2: int() of a 1-element array
         deserialize_torch_tensor(serialized)
     with fixed_8bit_decoding():
         assert (deserialize_torch_tensor(serialized) - tensor).abs().mean() < 0.05
-    assert Quantization.extract is HIVEMIND_EXTRACT
+    assert Quantization.extract is STOCK_EXTRACT
 
 
 async def _a_part_whose_first_sender_is_cancelled() -> None:
@@ -81,12 +89,11 @@ async def _a_part_whose_first_sender_is_cancelled() -> None:
 def test_a_part_finished_after_a_sender_was_cancelled_raises_nothing_with_the_fix():
     from hivemind.averaging.partition import TensorPartReducer
 
-    hivemind_check = TensorPartReducer.check_current_part_finished
-    with pytest.raises(asyncio.InvalidStateError):  # hivemind 1.1.12: set_result on the cancelled future
-        asyncio.run(_a_part_whose_first_sender_is_cancelled())
-    with fixed_part_reducer():
-        asyncio.run(_a_part_whose_first_sender_is_cancelled())
-    assert TensorPartReducer.check_current_part_finished is hivemind_check
+    fixed = TensorPartReducer.check_current_part_finished
+    with stock("part_reducer"), pytest.raises(asyncio.InvalidStateError):  # hivemind 1.1.12: set_result on the
+        asyncio.run(_a_part_whose_first_sender_is_cancelled())  # cancelled future
+    asyncio.run(_a_part_whose_first_sender_is_cancelled())
+    assert TensorPartReducer.check_current_part_finished is fixed
 
 
 def test_rounds_without_a_group_are_not_logged_as_errors_by_the_averager_process():
@@ -94,9 +101,9 @@ def test_rounds_without_a_group_are_not_logged_as_errors_by_the_averager_process
 
     error = AllreduceException("Averaging step failed: could not find a group")
     record = logging.LogRecord("hivemind.averaging.averager", logging.ERROR, __file__, 0, error, (), None)
-    assert not _NoGroupIsNoError().filter(record)  # what hivemind's _step logs, with a traceback, for every such round
+    assert not QuietHivemindLog().filter(record)  # what hivemind's _step logs, with a traceback, for every such round
     record.msg = AllreduceException("Averaging step failed: something else")
-    assert _NoGroupIsNoError().filter(record)
+    assert QuietHivemindLog().filter(record)
 
 
 def _record(logger_name: str, function: str, message: object, error: BaseException) -> logging.LogRecord:
@@ -111,29 +118,29 @@ def test_a_departure_is_one_line_and_other_errors_keep_their_traceback():
 
     broken_off = AllreduceException("All-reduce was terminated during iteration")
     record = _record("hivemind.averaging.averager", "_aggregate_with_group", broken_off, broken_off)
-    assert _DepartureIsOneLine().filter(record)  # kept, as one line
+    assert QuietHivemindLog().filter(record)  # kept, as one line
     assert record.exc_info is None and record.getMessage() == "All-reduce was terminated during iteration"
     reset = ConnectionResetError(104, "Connection reset by peer")
     record = _record("hivemind.p2p.p2p_daemon", "_handle_stream", "Exception while receiving requests:", reset)
-    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    assert QuietHivemindLog().filter(record) and record.exc_info is None
     assert record.getMessage() == f"Exception while receiving requests: {reset!r}"
     daemon_gone = FileNotFoundError(2, "No such file or directory")  # Ctrl-C ended our p2p daemon first
     record = _record("hivemind.utils.asyncio", "await_cancelled", "Exception in <Task ...>:", daemon_gone)
-    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    assert QuietHivemindLog().filter(record) and record.exc_info is None
     bug = KeyError("a bug")
     record = _record("hivemind.averaging.averager", "_aggregate_with_group", bug, bug)
-    assert _DepartureIsOneLine().filter(record) and record.exc_info is not None  # not a departure: full traceback
+    assert QuietHivemindLog().filter(record) and record.exc_info is not None  # not a departure: full traceback
     race = AssertionError()  # what a task that hivemind cancelled raised meanwhile: its work was abandoned anyway
     record = _record("hivemind.utils.asyncio", "await_cancelled", "Exception in <Task ...>:", race)
-    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    assert QuietHivemindLog().filter(record) and record.exc_info is None
     slow = TimeoutError()  # a donor too busy to send its next part in time: hivemind tries the next one
     record = _record(
         "hivemind.averaging.averager", "_load_state_from_peers", f"Failed to download state from Qm - {slow!r}", slow
     )
-    assert _DepartureIsOneLine().filter(record) and record.exc_info is None
+    assert QuietHivemindLog().filter(record) and record.exc_info is None
     assert record.getMessage() == "Failed to download state from Qm - TimeoutError()"
     ours = _record("decentralized_sgd.scheduler", "_tick", "unexpected", daemon_gone)
-    assert _DepartureIsOneLine().filter(ours) and ours.exc_info is not None  # only hivemind's own records
+    assert QuietHivemindLog().filter(ours) and ours.exc_info is not None  # only hivemind's own records
 
 
 def test_an_abandoned_task_that_failed_on_a_departure_is_one_warning_and_other_errors_keep_their_traceback():
@@ -143,7 +150,7 @@ def test_an_abandoned_task_that_failed_on_a_departure_is_one_warning_and_other_e
     handler.emit = records.append
     asyncio_logger = logging.getLogger("asyncio")
     asyncio_logger.addHandler(handler)
-    asyncio_logger.addFilter(one_line := _AbandonedDepartureIsOneLine())
+    asyncio_logger.addFilter(one_line := QuietHivemindLog())
 
     async def find_peers_or_notify_cancel(error: BaseException) -> None:
         try:
@@ -201,7 +208,6 @@ def make_averager(dht: hivemind.DHT, address=None) -> Averager:
         target_group_size=2,
         min_matchmaking_time=1.0,
         request_timeout=0.5,
-        state_fn=lambda: (None, [], None),
         trigger_grace=1.0,
         handler_address=address if address is not None else handler_address_slot(),
         shutdown_timeout=1.0,
@@ -254,6 +260,29 @@ def test_a_round_that_found_no_group_ends_at_its_deadline_without_a_trigger(dht)
         assert not control.triggered and "could not find a group" in repr(control.exception())
         release_ended_step(control)
         assert control.triggered  # what StepControl.__del__ checks before it warns
+    finally:
+        averager.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_hiveminds_own_round_without_a_group_looks_formed(dht):
+    """The bug ``no_group_fails_at_once`` covers, on stock hivemind: alone, a round's matchmaking ends without a
+    group, and hivemind reports AWAITING_TRIGGER, what a formed group shows, instead of ending the round."""
+    with keep_ctrl_c():  # hivemind's run_in_background would leave pytest deaf to Ctrl-C
+        averager = hivemind.DecentralizedAverager(
+            [torch.zeros(3)],
+            dht,
+            prefix="stock_no_group",
+            target_group_size=2,
+            min_matchmaking_time=0.5,
+            request_timeout=0.2,
+            start=True,
+        )
+    try:
+        control = averager.step(wait=False, require_trigger=True, timeout=1.5)
+        wait_until(lambda: control.stage == AveragingStage.AWAITING_TRIGGER, 30, lambda: control.stage.name)
+        assert not control.done()  # matchmaking is over, yet the round waits for a trigger
+        control.cancel()
     finally:
         averager.shutdown()
 
@@ -348,7 +377,7 @@ def _send_a_result(future: MPFuture) -> None:
 def test_a_process_killed_holding_hiveminds_future_lock_blocks_the_others_only_without_the_fix(monkeypatch, fixed):
     """A process killed inside an MPFuture update (here: a zombie, not reaped yet, as our supervisor's kill leaves
     the averager for a moment) and another one that then sends a result to this process."""
-    monkeypatch.setattr(MPFuture, "_update_lock", DeadHolderBreakingLock(poll_s=0.2) if fixed else mp.Lock())
+    monkeypatch.setattr(MPFuture, "_update_lock", DeadHolderBreakingLock(mp.Lock(), poll_s=0.2) if fixed else mp.Lock())
     fork = mp.get_context("fork")
     holder = fork.Process(target=_take_the_update_lock_and_die)
     holder.start()
@@ -417,51 +446,45 @@ def test_hivemind_futures_take_their_shared_memory_in_large_blocks_unless_the_us
         monkeypatch.setattr(SharedBytes, name, getattr(SharedBytes, name))
     monkeypatch.delenv("HIVEMIND_SHM_BUFFER_SIZE", raising=False)
     SharedBytes._buffer = None
-    fewer_shared_memory_requests()
+    SharedBytes.next()
+    assert len(SharedBytes._buffer) == 16  # hivemind's own
+    install()
+    SharedBytes._buffer = None
     SharedBytes.next()
     assert len(SharedBytes._buffer) == 4096
 
     monkeypatch.setenv("HIVEMIND_SHM_BUFFER_SIZE", "64")  # the user's own value wins
+    install()
     SharedBytes._buffer = None
-    fewer_shared_memory_requests()
     SharedBytes.next()
     assert len(SharedBytes._buffer) == 64
+
+
+def _collect_a_step_control_without_a_trigger() -> None:
+    step = StepControl(
+        scheduled_time=get_dht_time(), deadline=float("inf"), allow_retries=False, weight=1.0, data_for_gather=b""
+    )
+    del step
+    gc.collect()
 
 
 def test_a_step_control_collected_without_its_trigger_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     """A round whose step failed as it began (torch's shared-memory manager timed out) leaves hivemind a StepControl
     without a trigger; collected, it printed "Exception ignored in: StepControl.__del__" and a traceback (seen in the
-    demo's peer log on a loaded machine). Now one WARNING; other unraisable errors still reach the hook before."""
-    from decentralized_sgd.hivemind_fixes import unattached_step_controls_are_one_line
-
+    demo's peer log on a loaded machine). Now one WARNING."""
     seen = []
     previous = sys.unraisablehook
     sys.unraisablehook = seen.append
     try:
-        unattached_step_controls_are_one_line()
-        unattached_step_controls_are_one_line()  # once: the second call keeps the first hook
+        with stock("step_control_del"):
+            _collect_a_step_control_without_a_trigger()
+        assert [type(u.exc_value) for u in seen] in ([AssertionError], [AttributeError])  # hivemind 1.1.12
         with caplog.at_level(logging.WARNING, logger="decentralized_sgd.hivemind_fixes"):
-            step = StepControl(
-                scheduled_time=get_dht_time(),
-                deadline=float("inf"),
-                allow_retries=False,
-                weight=1.0,
-                data_for_gather=b"",
-            )
-            del step
-            gc.collect()
-
-            class Other:
-                def __del__(self) -> None:
-                    raise ValueError("not a step control")
-
-            other = Other()
-            del other
-            gc.collect()
+            _collect_a_step_control_without_a_trigger()
     finally:
         sys.unraisablehook = previous
     assert caplog.text.count("StepControl of a round that failed as it began was collected without a trigger") == 1
-    assert [type(u.exc_value) for u in seen] == [ValueError]
+    assert len(seen) == 1
 
 
 SMALL_GROUPS = dict(start=True, target_group_size=2, min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
@@ -538,3 +561,48 @@ def test_the_baselines_serve_their_state_as_copies_and_leave_the_donors_tensors_
             averager.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+# A fresh interpreter: a plain hivemind.DHT forked before decentralized_sgd was even imported, then a DecentralizedSGD
+# on it. Prints whether the DHT process found MPFuture's update lock taken while the trainer held its own.
+_PLAIN_DHT_FIRST = """
+import functools, os, sys, time
+import hivemind, torch
+from hivemind.utils import MPFuture
+
+async def try_the_update_lock(path, _dht, _node):  # DHT process: is the lock it was forked with free now?
+    lock = MPFuture._update_lock
+    raw = getattr(lock, "_lock", lock)  # hivemind's lock, wrapped or not
+    taken = not raw.acquire(block=False)
+    if not taken:
+        raw.release()
+    with open(path + ".tmp", "w") as f:
+        f.write("taken" if taken else "free")
+    os.replace(path + ".tmp", path)
+
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+sys.path.insert(0, {repo!r})
+from decentralized_sgd import DecentralizedSGD
+model = torch.nn.Linear(2, 1)
+dsgd = DecentralizedSGD(torch.optim.SGD(model.parameters(), lr=0.1), dht, prefix="lock_order", model=model)
+with MPFuture._update_lock:
+    future = dht.run_coroutine(functools.partial(try_the_update_lock, {path!r}), return_future=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists({path!r}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+future.result(timeout=60)
+dsgd.shutdown()
+dht.shutdown()
+print("DHT process found the lock", open({path!r}).read())
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_dht_started_before_decentralized_sgd_shares_its_mpfuture_lock(tmp_path):
+    """A DecentralizedSGD on a plain hivemind.DHT (forked before it installed DeadHolderBreakingLock): the DHT
+    process and the trainer must still write MPFuture updates under one lock."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _PLAIN_DHT_FIRST.format(repo=repo, path=str(tmp_path / "lock"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=140)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "DHT process found the lock taken" in result.stdout, (result.stdout + result.stderr)[-3000:]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from decentralized_sgd.outliers import (
     OutlierRule,
@@ -15,8 +17,9 @@ from decentralized_sgd.outliers import (
     UpdateCheck,
     WeightSketch,
     expected_update_norm,
-    judge_group,
 )
+from decentralized_sgd.secret import SwarmSecret
+from decentralized_sgd.vetting import judge
 
 SHAPES = [(64, 32), (64,), (128, 64), (128,), (10, 128)]
 
@@ -249,22 +252,22 @@ def test_update_check_refuses_an_update_that_outgrew_the_prediction():
 
 
 @pytest.mark.timeout(60)
-def test_judge_group_refuses_members_without_a_token_before_looking_at_their_weights():
-    sk = sketch()
+def test_judge_refuses_members_without_a_token_before_looking_at_their_weights():
+    sk, secret = sketch(), SwarmSecret(b"ours")
+    peers = {name: PeerID(os.urandom(34)) for name in ("h0", "h1", "bad", "intruder", "junk")}
     good = {
-        name: {"summary": summary.to_wire(), "token": f"token-{name}".encode()}
+        peers[name]: {"summary": summary.to_wire(), "token": secret.member_token(peers[name].to_bytes())}
         for name, summary in summaries(
             {"h0": weights(value=0.0), "h1": weights(value=1.0), "bad": weights(value=1e4)}
         ).items()
     }
-    payloads = {**good, "intruder": {"summary": good["h1"]["summary"], "token": b"guessed"}, "junk": 42}
-
-    def is_member(name: str, token: object) -> bool:
-        return token == f"token-{name}".encode()
-
-    parsed, verdict = judge_group(payloads, sk.size, is_member=is_member)
-    assert set(verdict.outliers) == {"bad", "intruder", "junk"} and verdict.inliers == ("h0", "h1")
-    assert "token" in verdict.outliers["intruder"] and "intruder" not in parsed
-    assert "distance" in verdict.explain("bad") and "median |w|" in verdict.explain("bad")
-    parsed, verdict = judge_group({**good, "junk": 42}, sk.size)  # no secret: no tokens needed, junk still refused
-    assert set(verdict.outliers) == {"bad", "junk"} and parsed["junk"] is None
+    stolen = {"summary": good[peers["h1"]]["summary"], "token": good[peers["h1"]]["token"]}  # another peer's token
+    payloads = {**good, peers["intruder"]: stolen, peers["junk"]: 42}
+    parsed, verdict = judge(payloads, sk.size, OutlierRule(), secret)
+    assert set(verdict.outliers) == {peers["bad"], peers["intruder"], peers["junk"]}
+    assert verdict.inliers == (peers["h0"], peers["h1"]) and verdict.members == tuple(payloads)
+    assert "token" in verdict.outliers[peers["intruder"]] and peers["intruder"] not in parsed
+    assert "distance" in verdict.explain(peers["bad"]) and "median |w|" in verdict.explain(peers["bad"])
+    parsed, verdict = judge({**good, peers["junk"]: 42}, sk.size, OutlierRule(), None)  # no secret: no tokens
+    assert set(verdict.outliers) == {peers["bad"], peers["junk"]} and parsed[peers["junk"]] is None
+    assert not judge(payloads, sk.size, None, None)[1].outliers  # neither rule nor secret: nobody is refused

@@ -146,7 +146,7 @@ class Peer(DecentralizedSGD):
 
     def _make_averager(self) -> HivemindsSide:
         if self.hivemind is None:  # one for the peer's life: a restart gets it back
-            self.hivemind = HivemindsSide(self.param.numel(), self.checks.sketch, self.peer_id)
+            self.hivemind = HivemindsSide(self.param.numel(), self.guard.sketch, self.peer_id)
         return self.hivemind
 
     def _make_starvation_monitor(self) -> None:

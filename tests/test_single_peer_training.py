@@ -1,5 +1,5 @@
 """One peer trains SwAV with the stock VISSL trainer on real images, checkpoints, resumes after a crash, and ends
-quietly (no traceback at the end of a normal run: see decentralized_sgd/averager_shutdown.py)."""
+quietly (no traceback at the end of a normal run: see decentralized_sgd/hivemind_fixes.py)."""
 
 from __future__ import annotations
 
