@@ -178,6 +178,12 @@ class _Rounds:
         with self._lock:
             self._finished.append(record)
 
+    def in_flight(self) -> list[tuple[dict, StepControl | None]]:
+        """(record, StepControl) of each round started and not applied yet: a benchmark's timeline polls their
+        stages and writes them into the records."""
+        with self._lock:
+            return [(record, control) for record, (control,) in self._open]
+
     def controls_in_flight(self) -> list[StepControl]:
         """The StepControls of the rounds started and not finished yet."""
         with self._lock:

@@ -22,6 +22,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
 from hivemind.p2p import PeerID
@@ -48,9 +49,22 @@ class _StampedLock:
         self.lock.release()
 
 
-class _TrainingAverager(ServesStateAsCopies, TrainingAverager):
+class _KeepsControl(DecentralizedAverager):
+    """Under TrainingAverager in the MRO: its step waits inside ``DecentralizedAverager.step``, so nobody sees the
+    round's StepControl; this starts that step without waiting, keeps its control in ``control`` (the round's stage:
+    a benchmark's timeline polls it) and waits for it as hivemind would."""
+
+    control: StepControl | None = None
+
+    def step(self, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+        control = super().step(*args, wait=False, **kwargs)
+        self.control = control
+        return control.result() if wait else control
+
+
+class _TrainingAverager(ServesStateAsCopies, TrainingAverager, _KeepsControl):
     """hivemind's TrainingAverager with a shutdown that prints no traceback (see averager_shutdown), serving copies of
-    the state (``ServesStateAsCopies``)."""
+    the state (``ServesStateAsCopies``), its round's StepControl in sight (``_KeepsControl``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
@@ -101,6 +115,7 @@ class OldDesignAverager:
         self.lock = threading.RLock()
         self.local_step = 0
         self.records: list[dict] = []
+        self.current: dict | None = None  # the record of the round in flight
         self.counters: dict[str, float] = {"rounds_applied": 0, "rounds_failed": 0}
         self._applied_at_last_step = 0
         buffers = [b for b in (model.buffers() if model is not None else ()) if b.is_floating_point()]
@@ -164,7 +179,7 @@ class OldDesignAverager:
         while not self._stop.is_set():
             stamped = _StampedLock(self.lock, self)
             record: dict[str, Any] = {"round": len(self.records), "t_start": time.time(), "error": None}
-            gathered = None
+            self.current, gathered = record, None
             try:
                 gathered = self.averager.step(data_lock=stamped)
             except Exception as error:  # a failed round is data, not a crash
@@ -177,6 +192,7 @@ class OldDesignAverager:
                 record["staleness_steps"] = stamped.steps[1] - stamped.steps[0]
             self.counters["rounds_applied" if record["applied"] else "rounds_failed"] += 1
             self.records.append(record)
+            self.current = None
             if self.records_path:
                 with open(self.records_path, "a") as file:
                     file.write(json.dumps(record) + "\n")
