@@ -22,7 +22,7 @@ Metrics (relative to the norm of the exact mean, all tensors together):
     spread_after: mean pairwise ||result_i - result_j|| (exact averaging leaves 0), / the spread before.
 
 Usage:
-    python benchmarks/bench_compression.py [--peers 3] [--levels 1e-2 1e-3 1e-4] [--schemes ...] [--checkpoint PATH]
+    python -m benchmarks.bench_compression [--peers 3] [--levels 1e-2 1e-3 1e-4] [--schemes ...] [--checkpoint PATH]
         [--json PATH] [--markdown PATH]
 """
 
@@ -42,11 +42,8 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from decentralized_sgd import make_compression  # noqa: E402
-from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding  # noqa: E402
+from decentralized_sgd import make_compression
+from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
 
 SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all")
 

@@ -4,7 +4,7 @@
 Not a test (tests/test_eval.py checks that the streaming vote equals the exact one): a benchmark that shows the
 bank no longer has to fit in memory, and what each 1,000 queries cost on this machine's CPUs.
 
-    nice -n 19 python benchmarks/bench_knn.py --bank /tmp/knn_bank.npy --json benchmarks/results/knn.json \
+    nice -n 19 python -m benchmarks.bench_knn --bank /tmp/knn_bank.npy --json benchmarks/results/knn.json \
         --markdown benchmarks/results/knn.md
 
 The bank (random unit vectors, ~10.6 GB) is written once in chunks as a .npy and memory-mapped; each
@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.common import commit_label
 
 
 def write_bank(path: Path, rows: int, dim: int, num_classes: int, chunk: int = 65536) -> None:
@@ -76,12 +75,6 @@ def measure(bank_path: Path, queries: int, memory_gb: float, num_classes: int) -
         "predictions": len(predictions),
         "torch_threads": torch.get_num_threads(),
     }
-
-
-def git_commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
 
 
 def markdown(report: dict) -> str:
@@ -137,7 +130,8 @@ def main() -> int:
         out = subprocess.run(
             [
                 sys.executable,
-                __file__,
+                "-m",
+                "benchmarks.bench_knn",
                 "--bank",
                 str(args.bank),
                 "--queries",
@@ -156,7 +150,7 @@ def main() -> int:
     import os
 
     report = {
-        "commit": git_commit(),
+        "commit": commit_label(),
         "rows": args.rows,
         "dim": args.dim,
         "queries": args.queries,

@@ -3,9 +3,9 @@
 budget of samples that one box trains alone and that a swarm shares (the swarm-wide schedule, run_trainer.py's
 default), as a DDP run's epochs count its global batch.
 
-    python benchmarks/bench_learning.py --json benchmarks/results/learning.json \
+    python -m benchmarks.bench_learning --json benchmarks/results/learning.json \
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
-    python benchmarks/bench_learning.py --quick --modes alone swarm      # minutes: digits + swav_tiny, 1 seed
+    python -m benchmarks.bench_learning --quick --modes alone swarm      # minutes: digits + swav_tiny, 1 seed
 
 Dataset: Fashion-MNIST exported as ``data/fashion/{train,val}/<class>/*.png`` (60k / 10k; ``make data-fashion``),
 config ``swav_fashion`` (``--data_path``, ``--config`` to change; ``--quick`` uses the digits and ``swav_tiny``).
@@ -103,24 +103,20 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from statistics import mean, stdev
+from statistics import mean
 from typing import Any
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from demo import markdown_table  # noqa: E402
-from run_eval import IMAGE_SUFFIXES, knn_top1  # noqa: E402
-from vissl_swarm.local_swarm import (  # noqa: E402
+from benchmarks.common import REPO, crossing, git_state, markdown_table, paired_difference, pyplot, save_figure, spread
+from run_eval import IMAGE_SUFFIXES, knn_top1
+from vissl_swarm.local_swarm import (
     LocalPeer,
     read_jsonl,
     start_swarm_together,
@@ -437,23 +433,6 @@ def estimated_seconds(mode: str, plan: Plan, eval_images: int, pace_s: float = 0
         + plan.expected_steps(mode) * max(SECONDS_PER_STEP[mode], pace_s)
         + evaluations * eval_images * EVAL_S_PER_IMAGE
     )
-
-
-def git_state() -> dict:
-    """The commit the numbers come from, whether the working tree differed from it, and in which files (several
-    people work in one checkout: the files say whose changes the trainers ran with)."""
-
-    def git(*words: str) -> str:
-        try:
-            return subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    changed = git("status", "--porcelain").splitlines()
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changed), "changed": changed}
-
-
-# --------------------------------------------------------------------------------------------------- evaluation
 
 
 def load_split(folder: Path, transform: Any, indices: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1034,15 +1013,10 @@ def mean_curve(boxes: list[list[dict]], initial: InitialModel) -> list[dict]:
     return points
 
 
-def crossing(curve: list[dict], target: float, axis: str) -> float | None:
-    """Where the curve first reaches ``target`` kNN, linear between its points; None if it never does."""
-    for before, after in itertools.pairwise(curve):
-        if after["knn"] >= target:
-            if before["knn"] >= target or after["knn"] == before["knn"]:
-                return before[axis] if before["knn"] >= target else after[axis]
-            share = (target - before["knn"]) / (after["knn"] - before["knn"])
-            return round(before[axis] + share * (after[axis] - before[axis]), 1)
-    return None
+def reached(curve: list[dict], target: float, axis: str) -> float | None:
+    """Where the curve first reaches ``target`` kNN along ``axis`` (steps or samples); None if it never does."""
+    at = crossing([(point[axis], point["knn"]) for point in curve], target)
+    return None if at is None else round(at, 1)
 
 
 def trunk_distance(paths: list[Path]) -> float | None:
@@ -1173,12 +1147,6 @@ def run_one(
 # ----------------------------------------------------------------------------------------------------- reports
 
 
-def spread(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return mean(values), (stdev(values) if len(values) > 1 else None)
-
-
 def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
     """Mean ± std over the seeds that finished; the steps (and samples) at which a seed's curve reaches the same
     seed's alone kNN."""
@@ -1191,7 +1159,7 @@ def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
     if mode in FLOOR_ROWS:
         return summary
     reach = [
-        (crossing(run["curve"], alone[run["seed"]], "steps"), crossing(run["curve"], alone[run["seed"]], "samples"))
+        (reached(run["curve"], alone[run["seed"]], "steps"), reached(run["curve"], alone[run["seed"]], "samples"))
         for run in done
         if run["seed"] in alone
     ]
@@ -1279,12 +1247,7 @@ def markdown(summaries: list[dict]) -> str:
 def plot(summaries: list[dict], path: Path, title: str) -> None:
     """kNN and held-out loss (rows) against samples of the swarm and steps per box (columns), mean ± std over seeds;
     the floors as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    figure, axes = pyplot().subplots(2, 2, figsize=(12, 8))
     for summary in summaries:
         if not summary["seeds"]:
             continue
@@ -1317,10 +1280,7 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
             axis.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     figure.suptitle(title)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def paired_differences(runs: list[dict]) -> list[dict]:
@@ -1329,15 +1289,15 @@ def paired_differences(runs: list[dict]) -> list[dict]:
     done = {(run["mode"], run["seed"]): run for run in runs if "error" not in run}
     differences = []
     for variant, reference in PAIRED:
-        seeds = sorted(seed for mode, seed in done if mode == variant and (reference, seed) in done)
-        if not seeds:
-            continue
-        entry: dict[str, Any] = {"variant": variant, "reference": reference, "seeds": seeds}
+        entry: dict[str, Any] = {"variant": variant, "reference": reference}
         for key in ("knn", "heldout_loss"):
-            per_seed = [done[(variant, seed)][key] - done[(reference, seed)][key] for seed in seeds]
-            value, std = spread(per_seed)
-            entry[key] = {"mean": _rounded(value), "std": _rounded(std), "per_seed": [_rounded(d) for d in per_seed]}
-        differences.append(entry)
+            arm = {
+                mode: {seed: run[key] for (m, seed), run in done.items() if m == mode} for mode in (variant, reference)
+            }
+            entry[key] = paired_difference(arm[variant], arm[reference])
+        if entry["knn"] is not None:
+            entry["seeds"] = entry["knn"]["seeds"]
+            differences.append(entry)
     return differences
 
 

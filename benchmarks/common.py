@@ -75,6 +75,12 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changed), "changed": changed}
 
 
+def commit_label() -> str:
+    """The short commit, with "+changes" if the working tree differed from it: for a table's header."""
+    state = git_state()
+    return (state["commit"] or "?")[:10] + ("+changes" if state["dirty"] else "")
+
+
 def machine() -> dict:
     """What else ran: the machine is shared, so a result keeps its load with it."""
     return {"cpus": os.cpu_count(), "loadavg": [round(load, 2) for load in os.getloadavg()]}

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import bench_learning
 
-import bench_learning  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def finite(value: float) -> bool:
@@ -49,7 +48,7 @@ def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, 
         "--plot",
         str(reports["png"]),
     ]
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
+    command = [sys.executable, "-m", "benchmarks.bench_learning", *arguments]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "expected about" in proc.stdout
@@ -107,10 +106,10 @@ def test_crossing_interpolates_and_says_not_reached() -> None:
         {"steps": 10, "samples": 480, "knn": 0.7},
         {"steps": 20, "samples": 960, "knn": 0.9},
     ]
-    assert bench_learning.crossing(curve, 0.8, "steps") == 15.0
-    assert bench_learning.crossing(curve, 0.8, "samples") == 720.0
-    assert bench_learning.crossing(curve, 0.5, "steps") == 0
-    assert bench_learning.crossing(curve, 0.95, "steps") is None
+    assert bench_learning.reached(curve, 0.8, "steps") == 15.0
+    assert bench_learning.reached(curve, 0.8, "samples") == 720.0
+    assert bench_learning.reached(curve, 0.5, "steps") == 0
+    assert bench_learning.reached(curve, 0.95, "steps") is None
 
 
 @pytest.mark.long
@@ -125,7 +124,7 @@ def test_bench_learning_quick_churn_box_comes_back_with_the_swarms_state(digits_
     arguments = ["--quick", "--data_path", str(digits_dir), "--modes", "swarm_churn", "--curve_points", "4"]
     arguments += ["--churn_pace_s", "0.3"]
     arguments += ["--out", str(out), "--json", str(report), "--markdown", str(tmp_path / "churn.md")]
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
+    command = [sys.executable, "-m", "benchmarks.bench_learning", *arguments]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
