@@ -83,6 +83,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 
+from baselines.steps_in_flight import KeepsStepsInFlight
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.averager_shutdown import shut_down_averager
 from decentralized_sgd.hivemind_fixes import (
@@ -216,7 +217,7 @@ class _PendingStores:
         return len(self._tasks())
 
 
-class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
+class _ObservedStateAverager(KeepsStepsInFlight, ServesStateAsCopies, TrainingStateAverager):
     """hivemind's TrainingStateAverager, observed: which round started, with which StepControl, and when its
     result was applied (:class:`_Rounds`); and an averager process that ends without tracebacks. Every override
     calls hivemind's own method: behaviour unchanged, except that the state is served as copies (a crash fix,
@@ -227,7 +228,6 @@ class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
 
     def __init__(self, *, rounds: _Rounds, **kwargs: Any) -> None:
         self._rounds = rounds
-        self._steps: set[StepControl] = set()  # steps in flight, seen from the averager's process
         super().__init__(**kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,13 +284,6 @@ class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
         logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNoError())
         log_departures_in_one_line()
         super().run()
-
-    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
-        self._steps.add(step)
-        try:
-            await super()._step(step=step, **kwargs)
-        finally:
-            self._steps.discard(step)
 
     async def _shutdown(self, timeout: float | None) -> None:
         """Leave as our averagers do (``averager_shutdown``), and wait (bounded) for the DHT stores this process

@@ -27,11 +27,13 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
 from hivemind.p2p import PeerID
 
+from baselines.steps_in_flight import KeepsStepsInFlight
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.averager_shutdown import shut_down_averager
 from decentralized_sgd.hivemind_fixes import ServesStateAsCopies, fixed_8bit_decoding
 
 logger = logging.getLogger(__name__)
+TIMEOUTS = {"min_matchmaking_time": 5.0, "request_timeout": 3.0, "allreduce_timeout": 60.0, "next_chunk_timeout": 10.0}
 
 
 class _StampedLock:
@@ -62,23 +64,12 @@ class _KeepsControl(DecentralizedAverager):
         return control.result() if wait else control
 
 
-class _TrainingAverager(ServesStateAsCopies, TrainingAverager, _KeepsControl):
+class _TrainingAverager(KeepsStepsInFlight, ServesStateAsCopies, TrainingAverager, _KeepsControl):
     """hivemind's TrainingAverager with a shutdown that prints no traceback (see averager_shutdown), serving copies of
     the state (``ServesStateAsCopies``), its round's StepControl in sight (``_KeepsControl``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._steps: set[StepControl] = set()  # steps in flight, seen from the averager's process
-        super().__init__(*args, **kwargs)
-
-    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
-        self._steps.add(step)
-        try:
-            await super()._step(step=step, **kwargs)
-        finally:
-            self._steps.discard(step)
 
     def run(self) -> None:
         """Averager process: decode 8-bit parts with hivemind's NumPy 2 bug fixed (see hivemind_fixes)."""
@@ -103,14 +94,12 @@ class OldDesignAverager:
         prefix: str,
         model: torch.nn.Module | None = None,
         target_group_size: int = 4,
-        min_matchmaking_time: float = 5.0,
-        request_timeout: float = 3.0,
-        allreduce_timeout: float = 60.0,
-        next_chunk_timeout: float = 10.0,
         compression: str = "none",
         records_path: str | None = None,
-        **_ignored: Any,
+        **options: Any,
     ) -> None:
+        """``options``: TrainingAverager's timeouts (``TIMEOUTS``, by default as there); the task's other options
+        (a staleness bound, the optimizer state, client mode, ...) have no counterpart in the old design."""
         self.dht, self.records_path = dht, records_path
         self.lock = threading.RLock()
         self.local_step = 0
@@ -131,11 +120,8 @@ class OldDesignAverager:
             start=True,
             target_group_size=target_group_size,
             min_group_size=2,
-            min_matchmaking_time=min_matchmaking_time,
-            request_timeout=request_timeout,
-            allreduce_timeout=allreduce_timeout,
-            next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression),
+            **{key: options.get(key, default) for key, default in TIMEOUTS.items()},
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._average_forever, name="old-design-averaging", daemon=True)

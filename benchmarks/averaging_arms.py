@@ -138,16 +138,7 @@ class OldDesign:
 
         self.trainer, self.holds = trainer, []  # per step: the wait for the data lock (the averager's snapshot/apply)
         self.averager = OldDesignAverager(
-            trainer.opt,
-            dht,
-            prefix=prefix,
-            model=trainer.model,
-            target_group_size=cfg.target_group_size,
-            min_matchmaking_time=cfg.min_matchmaking_time,
-            request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout,
-            next_chunk_timeout=cfg.next_chunk_timeout,
-            compression=cfg.compression,
+            trainer.opt, dht, prefix=prefix, model=trainer.model, **cfg.averager_options()
         )
         self.watch = StageWatch(self._open)
 
@@ -205,15 +196,10 @@ class ImprovedDesign:
             ablations=ABLATIONS[cfg.mode],
             prefix=prefix,
             model=trainer.model,
-            target_group_size=cfg.target_group_size,
             min_group_size=2,
-            min_matchmaking_time=cfg.min_matchmaking_time,
-            request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout,
-            next_chunk_timeout=cfg.next_chunk_timeout,
-            compression=cfg.compression,
             verbose=cfg.verbose,
             start=True,
+            **cfg.averager_options(),
         )
 
     @property
@@ -260,14 +246,9 @@ class HivemindOptimizerDesign:
             prefix=prefix,
             box_batch=trainer.batch_size,
             model=trainer.model,
-            target_group_size=cfg.target_group_size,
-            min_matchmaking_time=cfg.min_matchmaking_time,
-            request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout,
-            next_chunk_timeout=cfg.next_chunk_timeout,
-            compression=cfg.compression,
             load_state_timeout=cfg.allreduce_timeout,
             target_batch=target,
+            **cfg.averager_options(),
         )
         self.opt = self.averager.hivemind_optimizer
         self.timer = StepTimer(trainer.opt)  # after hivemind's zero-gradient step that creates optimizer state

@@ -144,6 +144,17 @@ class RunConfig:
     trace_dir: str | None = None  # time hivemind's matchmaking / DHT / AllReduce calls (benchmarks/hivemind_trace.py)
     hivemind_target_batch_size: int | None = None  # hivemind_optimizer: set by the orchestrator per regime
 
+    def averager_options(self) -> dict[str, Any]:
+        """The settings every arm's averager takes alike (DecentralizedSGD's names, which the baselines share)."""
+        return dict(
+            target_group_size=self.target_group_size,
+            min_matchmaking_time=self.min_matchmaking_time,
+            request_timeout=self.request_timeout,
+            allreduce_timeout=self.allreduce_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+            compression=self.compression,
+        )
+
     @property
     def spec(self) -> Regime:
         return REGIMES[self.regime]

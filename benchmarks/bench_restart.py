@@ -26,24 +26,11 @@ import time
 from pathlib import Path
 from tempfile import mkdtemp
 
-from benchmarks.common import REPO, commit_label, markdown_table
+from benchmarks.common import REPO, commit_label, fast_round_flags, markdown_table
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until
 
-FLAGS = [
-    "--run_id",
-    "restart",
-    "--target_group_size",
-    "3",
-    "--min_matchmaking_time",
-    "2",
-    "--averaging_timeout",
-    "20",
-    "--next_chunk_timeout",
-    "4",
-    "--compression",
-    "none",
-]
+FLAGS = fast_round_flags("restart")
 OVERRIDES = [
     "config.DATA.TRAIN.DATA_LIMIT=160",
     "config.OPTIMIZER.num_epochs=3000",

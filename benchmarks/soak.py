@@ -33,26 +33,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from tempfile import mkdtemp
 
-from benchmarks.common import REPO, git_state, kill_sessions, markdown_table, session_pids, write_json, write_text
+from benchmarks.common import (
+    REPO,
+    fast_round_flags,
+    git_state,
+    kill_sessions,
+    markdown_table,
+    session_pids,
+    write_json,
+    write_text,
+)
 from vissl_swarm.local_swarm import LocalPeer, start_swarm, stop_all, wait_until
 
-# fast rounds on a small machine, as in tests/test_swarm_training.py
-FLAGS = [
-    "--run_id",
-    "soak",
-    "--target_group_size",
-    "3",
-    "--min_matchmaking_time",
-    "2",
-    "--averaging_timeout",
-    "20",
-    "--next_chunk_timeout",
-    "4",
-    "--compression",
-    "none",
-    "--schedule",
-    "local",
-]
+FLAGS = [*fast_round_flags("soak"), "--schedule", "local"]
 STEPS_PER_EPOCH = 10  # DATA_LIMIT 160 / batch 16
 DEFINITIONS = {
     "soak window": "from the end of the warm-up (every peer applied a round, then --settle s) to the moment the "
@@ -81,43 +74,15 @@ DEFINITIONS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=15.0, help="length of the soak, after the warm-up")
-    parser.add_argument(
-        "--fault_fraction",
-        type=float,
-        default=0.67,
-        help="faults only during this first part of the soak; the rest is a quiet tail",
-    )
-    parser.add_argument(
-        "--kill_every",
-        type=float,
-        nargs=2,
-        default=[45.0, 90.0],
-        metavar=("MIN", "MAX"),
-        help="seconds from a start (or restart) to the next kill, uniform in [MIN, MAX]",
-    )
-    parser.add_argument(
-        "--down_for",
-        type=float,
-        nargs=2,
-        default=[10.0, 25.0],
-        metavar=("MIN", "MAX"),
-        help="seconds a killed peer stays down, uniform in [MIN, MAX]",
-    )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=30.0,
-        help="seconds after the last restart before "
-        "success_ratio_after_faults starts counting (the restarted peer rejoins)",
-    )
-    parser.add_argument(
-        "--settle",
-        type=float,
-        default=30.0,
-        help="seconds after every peer's first applied round before the soak (and RSS) starts",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="which peer is killed when, and for how long")
+    add = parser.add_argument
+    add("--minutes", type=float, default=15.0, help="length of the soak, after the warm-up")
+    add("--fault_fraction", type=float, default=0.67, help="faults in this first share of the soak, then quiet")
+    pair = dict(type=float, nargs=2, metavar=("MIN", "MAX"))
+    add("--kill_every", **pair, default=[45.0, 90.0], help="seconds from a (re)start to the next kill, uniform")
+    add("--down_for", **pair, default=[10.0, 25.0], help="seconds a killed peer stays down, uniform")
+    add("--grace", type=float, default=30.0, help="seconds after the last restart before the 'after faults' counts")
+    add("--settle", type=float, default=30.0, help="seconds after every peer's first round before the soak starts")
+    add("--seed", type=int, default=0, help="which peer is killed when, and for how long")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -125,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         "settle and a 10 s grace (overrides those options); its exit status says only whether it ran through, "
         "as a minute is too short for the targets",
     )
-    parser.add_argument("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (make data)")
-    parser.add_argument("--out", type=Path, default=None, help="checkpoints and logs (default: a new temp folder)")
-    parser.add_argument("--json", type=Path, default=None, help="write the report here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    add("--data_path", type=Path, default=REPO / "data/digits", help="exported digits (make data)")
+    add("--out", type=Path, default=None, help="checkpoints and logs (default: a new temp folder)")
+    add("--json", type=Path, default=None, help="write the report here")
+    add("--markdown", type=Path, default=None, help="write the table here")
     return parser
 
 
