@@ -40,13 +40,9 @@ Modes:
                       what the system costs, ideal − ddp what periodic averaging costs (the table "Where the gap to
                       ddp goes").
 
-Paced steps: an averaging peer's step lasts at least ``--min_step_s`` (15 ms; the rest of the step is a sleep), as
-a box whose accelerator takes a fixed time per step. Why: unpaced, on a 2-core machine shared with other work, the
-3 peers' ~5 ms CPU steps ran at very different speeds (one peer finished its 1250 steps in 9 s, another in 30 s), so
-peers trained much of their run without partners, a peer's schedule position (local steps x 3) no longer matched
-the swarm's, and steps per round ranged from 22 to 312 between runs of the same setting: the LR rules could not be
-compared. Paced, the peers keep step and the averaging frequency is set by the regime. Alone and ddp are not paced
-(no averaging runs beside them; ddp is synchronous). Nothing is measured in wall time either way.
+Paced steps: an averaging peer's step lasts at least ``--min_step_s`` (the rest is a sleep), as a box whose
+accelerator takes a fixed time per step: unpaced, on a shared 2-core machine, the peers ran at very different speeds
+and steps per round varied tenfold between runs. Alone and ddp are not paced.
 
 The SWARM-WIDE schedule: in every swarm mode the budget S is the swarm's total, so each of the 3 equal peers
 trains S/3 samples, and the LR schedule's position is the swarm's samples: a peer's local steps times the swarm's
@@ -78,37 +74,14 @@ Experiments (``--experiments``):
   outer      DecentralizedSGD's outer optimizer (``--outer_momentum``, ``--outer_lr``, ``--outer_nesterov``: Nesterov
              b 0.5, a 0.7 by default), swarm and ideal, main and slowed regimes, each beside the same without it.
 
-Recorded: test accuracy at ``--curve_points`` points along each peer's run (and its initial model) against the
-samples the whole swarm processed and against steps per peer; per peer the local steps per applied averaging round
-(hivemind_optimizer: per successful state averaging, counted from its log); per run the mean over peers. The JSON
-holds the git commit (``git rev-parse HEAD`` and a dirty flag), the dataset, the settings, every run and peer.
-The table gives, per variant, the final test accuracy (mean over a run's peers, then mean ± std over seeds), the
-speed-up over alone (alone's steps to the end of its run / the steps per peer at which the variant's mean curve
-first reaches alone's mean final accuracy, interpolated linearly; "not reached" if never; and the same for alone's
-accuracy at half and at a third of its run: a swarm that ends short of alone's final accuracy still shows how far
-it got, and a third of alone's run is the steps a swarm peer takes, so a speed-up below 1x there means the swarm
-did worse than one peer alone in the same steps), and the final accuracy against ddp's at the same samples.
-Nothing is measured in wall time: the averaging frequency depends on the machine's load, so steps per round are
-reported as measured. Run it under ``nice -n 10``; every peer runs with OMP_NUM_THREADS=1.
+Recorded: test accuracy at ``--curve_points`` points along each peer's run against the samples of the swarm and the
+steps per peer, local steps per applied round, the git state. The table gives the final accuracy (mean ± std over
+seeds) and the speed-up over alone (alone's steps / the steps at which the variant's curve first reaches alone's
+final accuracy). Nothing is measured in wall time. Run it under ``nice -n 10``.
 
-``--quick``: 24k samples, 1 seed, 4 curve points, the ``--modes`` given (default alone swarm), and every averaging
-peer's step paced to at least 100 ms, so that a swarm peer trains long enough (~25 s) to average a few times on any
-machine. Paced to 40 ms (~10 s), a swarm's peers applied 11, 11, 10 rounds and 3, 3, 1 beside the test suite, and
-one peer none in a suite's run; the pace is a sleep: it costs no CPU. ``--resume JSON``: keep that file's finished
-runs (same settings) and run only the rest of the plan.
-
-Defaults and how they were chosen (on this 2-core machine, loaded by other work): peak LR 0.025 at B = 32 is the
-best of 0.0125 / 0.025 / 0.05 / 0.1 for alone (S = 180k, 1-2 seeds: 0.895 / 0.901 / 0.894 / 0.871); --swarm_lr sqrt
-was the best of the three rules in a 1-seed trial (box 0.880, sqrt 0.884, linear 0.879 at S = 180k); the lr table
-is the measurement (those trials were not paced). S = 120k keeps the whole benchmark near 100 minutes on the
-loaded machine while alone's curve is still rising at a third of its run (0.868 at a third, 0.90 at the end, S =
-180k). --hivemind_target_batch_size 6144 (64 steps of the 3 peers' 32 samples): paced, hivemind's progress tracker
-lands near this nominal epoch (72 local steps per epoch, 1 seed at 25 ms steps). That is ~3x the local steps of one
-DecentralizedSGD round here (~25), but a smaller target is not usable: at 2304 (24 steps' worth, about one round)
-the tracker, which extrapolates every peer's throughput between its 0.5 s refreshes, started a new epoch every few
-local steps, and each epoch's averaging blocks hivemind's trainer (its local step waits for the pending round:
-state_averager.step with the delta rule): > 360 rounds and 8 minutes into a run that trains 19 s, we stopped it.
-Unpaced, 6144 gave epochs every ~13 steps. Steps per round are reported as measured.
+``--quick``: 24k samples, 1 seed, 4 curve points, ``--modes`` (default alone swarm), averaging steps paced to at
+least 100 ms so that a swarm peer averages a few times on any machine. ``--resume JSON``: keep that file's finished
+runs and run only the rest of the plan. How the defaults were chosen: benchmarks/results/optimizer.md.
 """
 
 from __future__ import annotations
