@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import math
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import git_state, parse_with_quick, write_json, write_text
 from decentralized_sgd import make_compression
 from decentralized_sgd.hivemind_fixes import fixed_8bit_decoding
 
@@ -224,7 +224,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    return parser.parse_args(argv)
+    return parse_with_quick(parser, argv, levels=[1e-3], schemes=["fp16", "uint8"])
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -248,12 +248,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             )
     table = markdown(rows)
     print(table)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(table + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:]}, indent=1))
+    write_text(args.markdown, table)
+    write_json(args.json, {"rows": rows, "argv": sys.argv[1:], "git": git_state()})
     return rows
 
 

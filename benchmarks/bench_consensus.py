@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import commit_label
+from benchmarks.common import commit_label, parse_with_quick, write_json, write_text
 from tests.dsgd_swarm import Swarm, averaged_tensors, make_model
 
 MODES = {"fixes": {}, "no_slow_peer_fixes": {"slow_peer_fixes": False}}  # DecentralizedSGD kwargs of each mode
@@ -170,17 +170,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each mode")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, peers=4, group=2, deadline=60.0)
     report: dict[str, Any] = dict(commit=commit_label(), started=time.strftime("%F %T %Z"), argv=sys.argv[1:], runs=[])
     for mode in args.modes:
         for _ in range(args.repeat):
             run = run_swarm(args.peers, args.group, args.deadline, args.tolerance, **MODES[mode])
             report["runs"].append({"mode": mode, **run})
             print(json.dumps(report["runs"][-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(markdown(report))
+    write_json(args.json, report)
+    write_text(args.markdown, markdown(report))
     print(markdown(report))
 
 

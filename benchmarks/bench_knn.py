@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit_label
+from benchmarks.common import commit_label, parse_with_quick
 
 
 def write_bank(path: Path, rows: int, dim: int, num_classes: int, chunk: int = 65536) -> None:
@@ -118,7 +118,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--measure_one", type=float, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, rows=20_000, dim=256, queries=200, num_classes=10, memory_gb=[0.005])
     if args.measure_one is not None:
         print(json.dumps(measure(args.bank, args.queries, args.measure_one, args.num_classes)))
         return 0

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, git_state
+from benchmarks.common import REPO, git_state, parse_with_quick
 from tests.nat_testbed import run_orchestrator
 
 SCENARIO = REPO / "tests" / "nat_scenario.py"
@@ -133,7 +133,7 @@ def main() -> None:
         default=None,
         help="keep each run's folder (logs, records, summary.json) here; default: a temporary one",
     )
-    args = parser.parse_args()
+    args = parse_with_quick(parser, scenarios=["a"], modes=["public"], measure_s=20.0)
     meta = {
         "commit": git_state()["commit"],
         "dirty": git_state()["dirty"],

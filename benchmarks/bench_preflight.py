@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netns
-from benchmarks.common import REPO, commit_label
+from benchmarks.common import REPO, commit_label, parse_with_quick
 from vissl_swarm import preflight
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm_together, wait_until
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the boxes' folders (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_with_quick(parser, sys.argv[1:] if argv is None else argv, seconds=20.0, regimes=["wan"])
     if args.seconds <= 0 or args.boxes < 2 or args.mbit <= 0:
         parser.error("--seconds and --mbit must be positive, --boxes at least 2")
     if not (args.data_path / "train").is_dir():

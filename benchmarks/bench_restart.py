@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from tempfile import mkdtemp
 
-from benchmarks.common import REPO, commit_label, fast_round_flags, markdown_table
+from benchmarks.common import REPO, commit_label, fast_round_flags, markdown_table, parse_with_quick
 from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until
 
@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--down_for", type=float, default=5.0, help="seconds between the kill and the restart")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, repeats=1)
     out = Path(mkdtemp(prefix="bench_restart_"))
     runs = []
     for repeat in range(args.repeats):

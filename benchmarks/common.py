@@ -65,6 +65,19 @@ def fast_round_flags(run_id: str) -> list[str]:
     return ["--run_id", run_id, *flags.split(), "--compression", "none"]
 
 
+def parse_with_quick(parser: Any, argv: Sequence[str] | None = None, **smaller: Any) -> Any:
+    """Parse, with ``--quick``: the benchmark's whole code path in at most ~3 minutes on 2 cores, by giving the
+    options in ``smaller`` these values wherever the command line left them at their defaults."""
+    shown = ", ".join(f"--{key} {' '.join(map(str, v)) if isinstance(v, list) else v}" for key, v in smaller.items())
+    parser.add_argument("--quick", action="store_true", help=f"the whole code path in minutes: {shown}")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in smaller.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    return args
+
+
 # --------------------------------------------------------------------------------------------------- provenance
 
 

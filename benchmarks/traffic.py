@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import commit_label
+from benchmarks.common import commit_label, parse_with_quick
 from vissl_swarm import vissl_compat
 
 vissl_compat.apply()
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="*", default=None, help="config names (default: every one in configs/)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = parse_with_quick(parser, argv, configs=["swav_tiny", "swav_resnet50"])
     names = args.configs or config_names()
     unknown = sorted(set(names) - set(config_names()))
     if unknown:
