@@ -224,7 +224,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    return parse_with_quick(parser, argv, levels=[1e-3], schemes=["fp16", "uint8"])
+    return parse_with_quick(parser, argv, levels=[1e-3], schemes=["uint8"])
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from benchmarks.common import write_json
+from benchmarks.common import decentralized_sgd, write_json
 from benchmarks.optimizer_churn import (
     CHECKPOINT_EVERY,
     PROGRESS_EVERY,
@@ -175,10 +175,8 @@ def start_dht(config: PeerConfig, user_dht: bool) -> Any:
 class SwarmDriver(Driver):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: PeerConfig, spec: RunSpec):
         super().__init__(model, optimizer)
-        from decentralized_sgd import DecentralizedSGD
-
         self.dht = start_dht(config, user_dht=False)
-        self.dsgd = DecentralizedSGD(
+        self.dsgd = decentralized_sgd(
             optimizer,
             self.dht,
             prefix=f"benchopt_{Path(config.run_dir).name}",
