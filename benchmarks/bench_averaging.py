@@ -103,7 +103,16 @@ from benchmarks.averaging_setup import (
     hivemind_startup_s,
     hivemind_target_batch_size,
 )
-from benchmarks.common import REPO, git_state, pyplot, save_figure, write_json, write_text
+from benchmarks.common import (
+    OUTCOME_COLORS,
+    REPO,
+    git_state,
+    pyplot,
+    round_outcome,
+    save_figure,
+    write_json,
+    write_text,
+)
 
 QUICK_REGIMES = ("sim_full",)
 QUICK_MODES = ("none", "old", "improved", "hivemind_optimizer")
@@ -295,8 +304,10 @@ def plot_timeline(
                 for name, a, b in round_spans(record, offset, t_open=peer["t1"]) + _old_copy_spans(record):
                     ax.broken_barh([(a - t0, b - a)], (lane, 0.45), color=SPAN_COLORS[name], alpha=0.85)
                 t_applied = _to_wall(record.get("t_applied", record.get("t_end")), offset)
-                if record.get("applied") and t_applied is not None:
-                    ax.plot(t_applied - t0, lane + 0.22, "k.", markersize=4)
+                outcome = "in flight" if record.get("in_flight") else round_outcome(record)
+                if t_applied is not None and outcome != "in flight":  # applied: a dot; else x in the outcome's color
+                    marker = ("." if outcome == "applied" else "x", OUTCOME_COLORS[outcome])
+                    ax.plot(t_applied - t0, lane + 0.22, marker[0], color=marker[1], markersize=4)
             ticks = [t - t0 for t in peer["step_times"]]
             ax.vlines(ticks, base - 0.25, base - 0.05, color="black", linewidth=0.5)
         ax.set_yticks([row * 1.5 + 0.5 for row in range(len(run["peers"]))])
@@ -306,7 +317,8 @@ def plot_timeline(
         ax.axvspan(0, first["t0"] - t_train, color="0.9", zorder=0)
         ax.set_xlim(0, first["t1"] - t_train)
         ax.set_xlabel(
-            "seconds since training began (shaded: warm-up, not measured; ticks: local steps, dots: result applied)"
+            "seconds since training began (shaded: warm-up; ticks: local steps; dots: applied; x: failed in red, "
+            "no group or cancelled in gray)"
         )
     handles = [Patch(color=c, label=n) for n, c in SPAN_COLORS.items()]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles))

@@ -164,6 +164,24 @@ def mean_std(value: float | None, std: float | None, digits: int = 4) -> str:
     return fmt(value, digits) + ("" if std is None else f" ± {std:.{digits}f}")
 
 
+# ------------------------------------------------------------------------------------------------------ rounds
+
+OUTCOME_COLORS = {"applied": "tab:green", "no group": "0.75", "cancelled": "0.6", "failed": "tab:red"}
+
+
+def round_outcome(record: dict) -> str:
+    """applied, no group, cancelled or failed. A round that found no group (a box alone, e.g. before the others
+    started) is no failure: the trainer counts it apart (``rounds_no_group``), and so must a picture of the rounds."""
+    error = record.get("error") or ""
+    if record.get("applied"):
+        return "applied"
+    if record.get("state") == "CANCELLED" or record.get("cancelled") or "CancelledError" in error:
+        return "cancelled"
+    if "could not find a group" in error or ("state" in record and record.get("t_group_formed") is None):
+        return "no group"
+    return "failed"
+
+
 # ------------------------------------------------------------------------------------------------------ outputs
 
 
