@@ -62,7 +62,10 @@ DEFINITIONS = {
     "incarnation while it was up, gaps ending in the soak window, including "
     "from its last applied round to its kill / the end; a restarted peer's "
     "own downtime and its time to rejoin are excluded (see rejoin_seconds)",
-    "rejoin_seconds": "from a restart to that incarnation's first applied round (null: it never rejoined)",
+    "rejoin_seconds": "from a restart to that incarnation's first applied round, before it ended (null: it never "
+    "rejoined)",
+    "killed_before_rejoining": "restarts killed again before their first applied round (the next kill came sooner "
+    "than the restart could rejoin); restarts_rejoined is measured against the other restarts",
     "nonfinite_events": "round records whose error says 'not finite' (local snapshot or averaged result) plus "
     "progress.jsonl lines whose loss is NaN or inf, whole run, all peers",
     "survivor_crashes": "times a peer process exited while the harness had not killed or stopped it",
@@ -325,10 +328,11 @@ def report(soak: Soak) -> dict:
     rejoins: list[float | None] = []
     for fault in soak.faults:
         inc = next(i for i in soak.incarnations if i.peer == fault["peer"] and i.started == fault["restarted_at"])
-        applied = [
-            applied_at(r) for r in by_peer[inc.peer].rounds() if r.get("applied") and r["t_start"] >= inc.started
-        ]
+        up_to = inc.ended or stop
+        rounds = by_peer[inc.peer].rounds()
+        applied = [applied_at(r) for r in rounds if r.get("applied") and inc.started <= r["t_start"] < up_to]
         fault["rejoin_seconds"] = round(min(applied) - inc.started, 1) if applied else None
+        fault["killed_before_rejoining"] = not applied and inc.end == "killed"
         rejoins.append(fault["rejoin_seconds"])
     faults_over = start
     if last is not None:
@@ -399,6 +403,7 @@ def report(soak: Soak) -> dict:
         "rss_growth_ratio": rss_ratio,
         "faults": len(soak.faults),
         "restarts_rejoined": sum(r is not None for r in rejoins),
+        "killed_before_rejoining": sum(f["killed_before_rejoining"] for f in soak.faults),
         "rejoin_seconds_max": max((r for r in rejoins if r is not None), default=None),
         "aborted": soak.aborted,
         "timeline_s": {
@@ -412,6 +417,7 @@ def report(soak: Soak) -> dict:
                 "killed_at": round(f["killed_at"] - t0, 1),
                 "restarted_at": round(f["restarted_at"] - t0, 1),
                 "rejoin_seconds": f["rejoin_seconds"],
+                "killed_before_rejoining": f["killed_before_rejoining"],
             }
             for f in soak.faults
         ],
@@ -433,6 +439,7 @@ def targets(result: dict) -> list[dict]:
         return {"metric": metric, "value": result[metric], "target": target, "met": ok}
 
     ratio_after, growth = result["success_ratio_after_faults"], result["rss_growth_ratio"]
+    could = result["faults"] - result["killed_before_rejoining"]  # the restarts that lived long enough to rejoin
     return [
         check("survivor_crashes", "0", result["survivor_crashes"] == 0),
         check("nonfinite_events", "0", result["nonfinite_events"] == 0),
@@ -444,7 +451,8 @@ def targets(result: dict) -> list[dict]:
         check("rounds_attempted_after_faults", "—", None),
         check("max_seconds_without_applied_round", "—", None),
         check("faults", "—", None),
-        check("restarts_rejoined", f"{result['faults']}", result["restarts_rejoined"] == result["faults"]),
+        check("restarts_rejoined", f"{could}", result["restarts_rejoined"] == could),
+        check("killed_before_rejoining", "—", None),
         check("rejoin_seconds_max", "—", None),
     ]
 
@@ -461,7 +469,9 @@ def markdown(result: dict) -> str:
         f"{' with local changes' if config['git']['dirty'] else ''}; a shared, loaded machine: {config['cpus']} "
         f"cores, load average at the end {load}. Rounds that succeeded once the faults were over: "
         f"{result['rounds_succeeded_after_faults']} of {result['rounds_attempted_after_faults']} "
-        f"(success_ratio_after_faults {result['success_ratio_after_faults']})."
+        f"(success_ratio_after_faults {result['success_ratio_after_faults']}). Peers up until the harness stopped "
+        f"them: {', '.join(p['peer'] for p in result['peers'] if p['incarnations'][-1]['end'] == 'stopped')} "
+        f"(final steps {', '.join(str(p['final_step']) for p in result['peers'])})."
         + (f" **Ended early: {result['aborted']}.**" if result["aborted"] else "")
     )
     rows = [
