@@ -30,15 +30,15 @@ def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
         for run in done
         if run["seed"] in alone
     ]
-    reached = [pair for pair in reach if pair[0] is not None]
+    reaching = [pair for pair in reach if pair[0] is not None]
     summary.update(
         heldout_loss_mean=_rounded(mean(run["heldout_loss"] for run in done)),
         steps_per_box_mean=round(mean(s for run in done for s in run["steps_per_box"]), 1),
         samples_of_swarm_mean=round(mean(run["samples_of_swarm"] for run in done), 1),
-        seeds_reaching_alone=len(reached),
+        seeds_reaching_alone=len(reaching),
         seeds_compared_with_alone=len(reach),
-        steps_to_alone_mean=_rounded(mean(p[0] for p in reached), 1) if reached else None,
-        samples_to_alone_mean=_rounded(mean(p[1] for p in reached), 1) if reached else None,
+        steps_to_alone_mean=_rounded(mean(p[0] for p in reaching), 1) if reaching else None,
+        samples_to_alone_mean=_rounded(mean(p[1] for p in reaching), 1) if reaching else None,
         curve=curve_over_seeds([run["curve"] for run in done]),
     )
     if mode in SWARM_MODES:
@@ -86,15 +86,15 @@ def markdown(summaries: list[dict]) -> str:
         if summary["seeds"]:
             row["kNN top-1 (mean ± std)"] = f"{summary['knn_mean']:.4f} ± {cell(summary['knn_std'], 4)}"
         if summary["seeds"] and summary["mode"] not in FLOOR_ROWS:
-            reached, compared = summary["seeds_reaching_alone"], summary["seeds_compared_with_alone"]
+            reaching, compared = summary["seeds_reaching_alone"], summary["seeds_compared_with_alone"]
             to_alone = (
                 "—"
                 if not compared
                 else (
                     "not reached"
-                    if not reached
+                    if not reaching
                     else f"{summary['steps_to_alone_mean']:g}"
-                    + (f" ({reached}/{compared} seeds)" if reached < compared else "")
+                    + (f" ({reaching}/{compared} seeds)" if reaching < compared else "")
                 )
             )
             row.update(
