@@ -129,7 +129,32 @@ class NoAveraging:
         pass
 
 
-class OldDesign:
+class BaselineArm:
+    """What the baselines' arms share: their averager (``averager``), whose rounds in flight a ``StageWatch``
+    (``watch``, made by the subclass) stamps, and whose records are read with their stage durations."""
+
+    averager: Any
+    watch: StageWatch
+
+    @property
+    def local_step(self) -> int:
+        return self.averager.local_step
+
+    def begin(self) -> None:
+        self.watch.start()
+
+    def records(self) -> list[dict]:
+        return [StageWatch.view(record) for record in list(self.averager.records)]
+
+    def in_flight(self) -> list[dict]:
+        return [StageWatch.open_view(record) for record, _ in self.watch.in_flight()]
+
+    def shutdown(self) -> None:
+        self.watch.stopped.set()
+        self.averager.shutdown()
+
+
+class OldDesign(BaselineArm):
     """``baselines.old_design``: a background thread loops ``TrainingAverager.step(data_lock=lock)``; the trainer
     holds the same lock for its optimizer step (and its forward/backward with real autograd)."""
 
@@ -145,13 +170,6 @@ class OldDesign:
     def _open(self) -> list[tuple[dict, Any]]:
         current = self.averager.current
         return [] if current is None else [(current, self.averager.averager.control)]
-
-    @property
-    def local_step(self) -> int:
-        return self.averager.local_step
-
-    def begin(self) -> None:
-        self.watch.start()
 
     def train_step(self) -> None:
         """With real autograd the trainer holds the lock from forward to step: an in-place apply between them breaks
@@ -169,20 +187,13 @@ class OldDesign:
         time.sleep(0)  # let a waiting averager thread take the lock (a real loop would fetch data here)
 
     def records(self) -> list[dict]:
-        records = [StageWatch.view(record) for record in list(self.averager.records)]
+        records = super().records()
         for record in records:  # the averager copies inside the trainer's next step (0-based index: steps done)
             record["copy_step_indices"] = [record[k] for k in ("step_at_snapshot", "step_at_apply") if k in record]
         return records
 
-    def in_flight(self) -> list[dict]:
-        return [StageWatch.open_view(record) for record, _ in self._open()]
-
     def counters(self) -> dict:
         return {"rounds": len(self.averager.records)}
-
-    def shutdown(self) -> None:
-        self.watch.stopped.set()
-        self.averager.shutdown()
 
 
 class ImprovedDesign:
@@ -227,7 +238,7 @@ class ImprovedDesign:
         self.opt.shutdown()
 
 
-class HivemindOptimizerDesign:
+class HivemindOptimizerDesign(BaselineArm):
     """``baselines.hivemind_optimizer``: hivemind.Optimizer(use_local_updates=True), parameters averaged in the
     background once every global epoch (average_state_every=1) with the delta rule, set up as a knowledgeable user
     would (the baseline's docstring); target_batch_size from ``hivemind_target_batch_size``."""
@@ -255,13 +266,6 @@ class HivemindOptimizerDesign:
         self.epoch = self.opt.local_epoch
         self.watch = StageWatch(self.opt.rounds.in_flight)
 
-    @property
-    def local_step(self) -> int:
-        return self.averager.local_step
-
-    def begin(self) -> None:
-        self.watch.start()
-
     def train_step(self) -> None:
         self.trainer.compute()
         self.holds.append(self.timer.hold(lambda: self.opt.step(batch_size=self.trainer.batch_size)))
@@ -270,22 +274,12 @@ class HivemindOptimizerDesign:
             self.epoch = self.opt.local_epoch
             self.epoch_times.append(time.time())
 
-    def records(self) -> list[dict]:
-        return [StageWatch.view(record) for record in list(self.averager.records)]
-
-    def in_flight(self) -> list[dict]:
-        return [StageWatch.open_view(record) for record, _ in self.opt.rounds.in_flight()]
-
     def counters(self) -> dict:
         return {
             "rounds": len(self.averager.records),
             "epochs": self.opt.local_epoch,
             "state_loads": self.opt.state_downloads,
         }
-
-    def shutdown(self) -> None:
-        self.watch.stopped.set()
-        self.averager.shutdown()
 
 
 def make_driver(cfg: RunConfig, trainer: Any, dht: Any) -> Any:
