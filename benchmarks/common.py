@@ -18,7 +18,6 @@ from statistics import mean, stdev
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 
 
 # ------------------------------------------------------------------------------------------------------ processes
@@ -100,14 +99,6 @@ def commit_label() -> str:
     return (state["commit"] or "?")[:10] + ("+changes" if state["dirty"] else "")
 
 
-def machine() -> dict:
-    """What else ran: the machine is shared, so a result keeps its load with it."""
-    return {"cpus": os.cpu_count(), "loadavg": [round(load, 2) for load in os.getloadavg()]}
-
-
-# --------------------------------------------------------------------------------------------------- statistics
-
-
 def spread(values: Sequence[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (None where undefined)."""
     values = [value for value in values if value is not None]
@@ -158,15 +149,6 @@ def fmt(value: float | None, digits: int = 4, signed: bool = False) -> str:
     if value is None:
         return "—"
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
-
-
-def mean_std(value: float | None, std: float | None, digits: int = 4) -> str:
-    return fmt(value, digits) + ("" if std is None else f" ± {std:.{digits}f}")
-
-
-# ------------------------------------------------------------------------------------------------------ rounds
-
-OUTCOME_COLORS = {"applied": "tab:green", "no group": "0.75", "cancelled": "0.6", "failed": "tab:red"}
 
 
 def round_outcome(record: dict) -> str:
