@@ -99,6 +99,9 @@ def commit_label() -> str:
     return (state["commit"] or "?")[:10] + ("+changes" if state["dirty"] else "")
 
 
+# --------------------------------------------------------------------------------------------------- statistics
+
+
 def spread(values: Sequence[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (None where undefined)."""
     values = [value for value in values if value is not None]
@@ -149,6 +152,11 @@ def fmt(value: float | None, digits: int = 4, signed: bool = False) -> str:
     if value is None:
         return "—"
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+# ------------------------------------------------------------------------------------------------------ rounds
+
+OUTCOME_COLORS = {"applied": "tab:green", "no group": "0.75", "cancelled": "0.6", "failed": "tab:red"}
 
 
 def round_outcome(record: dict) -> str:
