@@ -9,6 +9,7 @@ test_gpu_check.py's. ``make test-long`` lists every test it passed (``-rp``): th
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
     "traffic": ([], ["meta.commit", "rows.0.config", "rows.0.values", "rows.0.sent_per_round_mb_group4"]),
 }
 
+NEEDS = {"bench_nat": ("unshare", "nsenter", "ip", "iptables"), "bench_preflight": ("unshare", "ip", "tc")}
+
 
 def field(result: dict, path: str) -> object:
     value: object = result
@@ -61,6 +64,9 @@ def field(result: dict, path: str) -> object:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("benchmark", list(QUICK))
 def test_quick(benchmark: str, tmp_path: Path) -> None:
+    missing_tools = [tool for tool in NEEDS.get(benchmark, ()) if shutil.which(tool) is None]
+    if missing_tools:  # as the NAT tests: the short summary says why (make test-tools installs iptables)
+        pytest.skip(f"{benchmark} needs {', '.join(missing_tools)}")
     arguments, fields = QUICK[benchmark]
     out = tmp_path / f"{benchmark}.json"
     nat_json = tmp_path / "nat.json"  # bench_nat writes <--out>.json
