@@ -15,40 +15,23 @@ instant (a file barrier), from the same initial model (``torch.manual_seed(seed)
 each peer has its own data order (peer ``i`` of seed ``s`` shuffles with ``1000·s + i``).
 
 Modes:
-  alone               one peer trains the whole budget: S samples at batch B, the LR schedule over its own steps.
-  swarm               3 peers with ``decentralized_sgd.DecentralizedSGD`` (default settings but target_group_size 3,
-                      compression none, ``min_matchmaking_time`` 1 s). A full group forms as soon as its 3 peers are
-                      in (min_matchmaking_time only holds back a group that is not full), so on loopback rounds
-                      follow one another every few tenths of a second: ~20 local steps per round, as measured.
-  old                 the same with the old design, ``baselines.old_design.OldDesignAverager`` (hivemind's
-                      TrainingAverager one round at a time); its lock is held from forward to step
-                      (``needs_lock_for_forward``: it applies a round from its own thread).
-  hivemind_optimizer  ``hivemind.Optimizer(use_local_updates=True)`` set up as its docstring tells a user: its own
-                      DHT, a run_id, batch_size_per_step=B, target_batch_size = the swarm's samples in as few
-                      local steps as hivemind can keep up with (``--hivemind_target_batch_size``, see "Defaults":
-                      its global epoch, at which it averages parameters, ``average_state_every=1``; it cannot be
-                      made as short as one of DecentralizedSGD's rounds), matchmaking_time = the regime's
-                      min_matchmaking_time, averaging_timeout 15 s. Its LR is driven by this loop from the swarm
-                      position at every step, as in the other modes, and no ``scheduler`` is passed: hivemind steps a
-                      scheduler once per global epoch (``target_batch_size`` samples), which would turn the cosine
-                      into a staircase of ~a dozen steps and make this mode's schedule differ from the others'.
-  ddp                 torch.distributed over gloo, 3 local processes on 127.0.0.1: synchronous, global batch 3B,
-                      S/3 samples per process, the LR scaled linearly for the global batch (x3): the reference.
-  ideal               the swarm's 3 peers as replicas in one process (``ideal_swarm``), averaged exactly and all
-                      together every H local steps (``--ideal_period``, ``--slowed_ideal_period``: the swarm's
-                      measured median steps per round in each regime), no hivemind: swarm − ideal at the same H is
-                      what the system costs, ideal − ddp what periodic averaging costs (the table "Where the gap to
-                      ddp goes").
+  alone               one peer trains the whole budget: S samples at batch B.
+  swarm               3 peers with DecentralizedSGD (target_group_size 3, compression none, min_matchmaking_time 1 s).
+  old                 the old design, ``baselines.old_design`` (its lock held from forward to step).
+  hivemind_optimizer  ``hivemind.Optimizer(use_local_updates=True)`` as its docstring tells a user, averaging at every
+                      global epoch of ``--hivemind_target_batch_size`` samples; its LR driven by this loop, no
+                      ``scheduler`` (hivemind steps one per epoch: a staircase).
+  ddp                 3 synchronous gloo processes, global batch 3B, the LR scaled linearly: the reference.
+  ideal               the swarm's 3 peers as replicas in one process (``ideal_swarm``), averaged exactly every H
+                      local steps (the swarm's measured median): swarm − ideal is what the system costs, ideal − ddp
+                      what periodic averaging costs.
 
 Paced steps: an averaging peer's step lasts at least ``--min_step_s`` (the rest is a sleep), as a box whose
 accelerator takes a fixed time per step: unpaced, on a shared 2-core machine, the peers ran at very different speeds
 and steps per round varied tenfold between runs. Alone and ddp are not paced.
 
-The SWARM-WIDE schedule: in every swarm mode the budget S is the swarm's total, so each of the 3 equal peers
-trains S/3 samples, and the LR schedule's position is the swarm's samples: a peer's local steps times the swarm's
-total batch per step (for equal peers local_samples x 3). That is what the product's swarm schedule gives equal
-boxes (the schedule follows the swarm's progress, not the box's own). The position is nominal: it assumes the
-peers advance at the same pace, which the start barrier and equal work make nearly true.
+The swarm-wide schedule: in every swarm mode the budget S is the swarm's total (each of 3 equal peers trains S/3)
+and the LR schedule's position is the swarm's samples (a peer's local steps times the swarm's batch per step).
 
 How each peer's LR scales with the swarm's total batch (``--swarm_lr``), with peak LR ``lr`` for
 batch B (``--lr``) and a box's own LR ``lr·b/B`` for its batch b (linear per box, as ``recipe.scale_lr``):
@@ -59,17 +42,10 @@ batch B (``--lr``) and a box's own LR ``lr·b/B`` for its batch b (linear per bo
 Experiments (``--experiments``):
   main       the modes (``--modes``; default all) at ``--swarm_lr`` (>= 5 seeds).
   lr         swarm at every rule of ``--lr_rules`` (the main rule's runs are shared with main).
-  weighting  the unequal swarm: peer 2 at batch 2B, peers 0 and 1 at B and twice as slow per sample (each of their
-             steps is followed by a sleep as long as the step: all three step at about the same rate, as boxes of
-             which one is twice as fast; the sleep costs no CPU and nothing is measured in wall time). The budget
-             is still S: the 2B peer trains S/2, the others S/4 each, all the same number of steps, and the schedule
-             position is local steps x 4B. DecentralizedSGD with equal weights against ``weight_by_samples=True``
-             (each peer weighted by its samples since the previous round).
-  slowed     swarm with target_group_size 4 (never full with 3 peers, so a group forms only after
-             min_matchmaking_time) and ``--slowed_min_matchmaking_time`` (4 s): rounds far apart, ~100-400 local
-             steps per round on this machine, the ratio real ResNet-50 boxes at 100 Mbit/s see; at every rule of
-             ``--slowed_lr_rules``: does the LR result carry over? (A larger min_matchmaking_time alone would change
-             nothing: the groups are full.)
+  weighting  peer 2 at batch 2B, peers 0 and 1 at B and paced to the same step rate: equal weights against
+             ``weight_by_samples=True``.
+  slowed     target_group_size 4 (never full) and ``--slowed_min_matchmaking_time``: rounds ~100-400 local steps
+             apart, the ratio of real ResNet-50 boxes at 100 Mbit/s; at every rule of ``--slowed_lr_rules``.
   ideal      the ideal swarm in both regimes (``--seeds`` seeds).
   outer      DecentralizedSGD's outer optimizer (``--outer_momentum``, ``--outer_lr``, ``--outer_nesterov``: Nesterov
              b 0.5, a 0.7 by default), swarm and ideal, main and slowed regimes, each beside the same without it.
