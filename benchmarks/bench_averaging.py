@@ -30,18 +30,11 @@ Regimes (default: the first four):
         peer in its own network namespace behind a link shaped to 100 Mbit/s or 1 Gbit/s each way (benchmarks/netns.py;
         the script re-executes itself inside `unshare -rn`); compression fp16 and uint8. Reported against the cap
         min(60 / min_matchmaking_time, 60 / AllReduce s) rounds/min and staleness against AllReduce steps + 1.
-Modes:   none, old, improved, no_delta, no_refresh, no_pipeline, fill_at_boundary (improved, but a round is filled
-         at the first trainer step boundary after its group formed: the earlier behaviour),
-         no_slow_peer_fixes (improved without the fixes for an overloaded groupmate),
-         fill_at_once (improved, but a formed round never waits for a step boundary due within boundary_wait_share
-         of an AllReduce: wan_100mbit only),
-         hivemind_optimizer (hivemind.Optimizer(use_local_updates=True), set up as a knowledgeable user would:
-         matchmaking_time = our min_matchmaking_time, averaging_timeout = our allreduce_timeout, the same compression,
-         average_state_every=1, and target_batch_size = the swarm's samples in one min_matchmaking_time, so that a
-         global epoch, hence a chance to average, comes about as often as our rounds can; the rate is the one the
-         `improved` run of the same regime trained at, else `none`'s, else the nominal one; see
-         hivemind_target_batch_size). Each regime runs the modes that make sense for it (REGIMES[...].modes);
-         --modes picks among them.
+Modes:   none, old, improved, hivemind_optimizer (target_batch_size: the swarm's samples in one
+         min_matchmaking_time, at the rate the `improved` run of the regime trained at: hivemind_target_batch_size),
+         and improved with one switch off: no_delta, no_refresh, no_pipeline, fill_at_boundary (filled at the next
+         step boundary), no_slow_peer_fixes, fill_at_once (never waits for a boundary due within boundary_wait_share
+         of an AllReduce: wan_100mbit only). Each regime runs the modes that make sense for it; --modes picks.
 Each run trains for a warm-up (10 s; --quick 3 s; 1 s for `none`; hivemind_optimizer at least its start-up,
 hivemind_startup_s: 10 s + 2 x min_matchmaking_time) in which averaging already runs, then measures a
 window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up. Regimes with a perturbation measure a second
@@ -49,22 +42,12 @@ window of the same length after a settling pause, with the last peer perturbed.
 --quick: the code path of every arm in about 2 minutes: sim_full with none, old, improved and hivemind_optimizer
 (unless --regimes / --modes say otherwise), 1M params, min_matchmaking_time 2 s, short windows.
 
-Metrics (per run; rounds count if they finished inside the measured window):
-    samples_per_s_per_peer, throughput_ratio (vs `none` of the same regime), rounds_per_min (applied rounds per
-    peer per minute of window), rounds_per_min_steady (60 / mean interval between a peer's applied rounds: no
-    start-up bias in short windows), staleness_steps (local steps between the snapshot that went into AllReduce and
-    the apply), duty_cycle (union over time of matchmaking / awaiting trigger / AllReduce spans per peer, / window),
-    group_size_mean, rounds_failed, formed_to_end_s_mean (group formed to round end). Perturbed regimes: the same
-    for the healthy peers in the perturbed window, `reference` (the healthy peers in the reference window),
-    `perturbed_peer` (the perturbed one), with_perturbed_peer_share (healthy rounds whose group held it).
-    hold_s_total / hold_ms_per_step / hold_s_max / hold_share: how long averaging held the trainer, per peer over the
-    steps that ended in the window (whole steps, as for the rate; share: of those steps' time): the time its
-    optimizer-step call took beyond the inner torch optimizer's step (timed by the inner optimizer's own step hooks,
-    in whatever thread runs it); for `old`, the wait for the data lock. epochs_per_min
-    (hivemind_optimizer): global epochs the peer went through, i.e. chances to average.
-    The old design and hivemind_optimizer are baselines/ (what run_trainer.py --averager runs), their round
-    stages polled from their StepControls (averaging_arms.StageWatch).
-    Peer logs go to $TMPDIR/bench_averaging_logs/.
+Metrics (per run; rounds count if they finished inside the measured window; averaging_metrics.py defines each):
+    samples/s per peer and its ratio to `none`, rounds/min (and steady: 60 / mean interval between applied rounds),
+    staleness (local steps between the snapshot that went into the AllReduce and the apply), duty cycle, group size,
+    failed rounds, group formed to round end, how long averaging held the trainer (hold_*: its optimizer-step call
+    beyond the inner optimizer's step; for `old`, the wait for the data lock), and in the perturbed regimes the same
+    for the healthy peers against their reference window. Peer logs go to $TMPDIR/bench_averaging_logs/.
 """
 
 from __future__ import annotations
