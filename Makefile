@@ -68,7 +68,7 @@ test: venv data test-tools
 	@echo "make test leaves out the tests marked long (several trainers for minutes, benchmarks' smoke runs): make test-long runs them"
 
 test-long: venv data test-tools
-	$(PYTEST) -m long tests
+	$(PYTEST) -rp -m long tests
 
 # The NAT tests build masquerading routers in network namespaces (tests/nat_testbed.py) and need iptables: installed
 # here if missing and we are root with apt-get; elsewhere they are skipped, and the short summary says why.
@@ -103,7 +103,7 @@ GPU_BUNDLE ?= gpu_bundle
 .PHONY: gpu-check gpu-bundle
 
 gpu-check: venv
-	$(PY) benchmarks/gpu_check.py --out benchmarks/results
+	$(PY) -m benchmarks.gpu_check --out benchmarks/results
 
 gpu-bundle: venv
 	$(PY) scripts/gpu_bundle.py --python-version $(GPU_PYTHON) --out $(GPU_BUNDLE)

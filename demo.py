@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from statistics import mean
 
+from benchmarks.common import OUTCOME_COLORS, markdown_table, pyplot, round_outcome, save_figure
 from vissl_swarm.local_swarm import REPO, LocalPeer, start_swarm, stop_all, wait_until
 
 MARKER = ".made_by_demo"  # in --out: the folder is ours to empty
@@ -86,20 +87,10 @@ def summarize(peers: list[LocalPeer]) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    header = list(rows[0])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(row[key]) for key in header) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def plot(peers: list[LocalPeer], path: Path) -> None:
-    import matplotlib
+    from matplotlib.patches import Patch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (loss_axis, timeline_axis) = plt.subplots(2, 1, figsize=(10, 7))
+    figure, (loss_axis, timeline_axis) = pyplot().subplots(2, 1, figsize=(10, 7))
     t0 = min((peer.started_at for peer in peers), default=0.0)
     for index, peer in enumerate(peers):
         progress = peer.progress()
@@ -108,19 +99,20 @@ def plot(peers: list[LocalPeer], path: Path) -> None:
             start, end = record.get("t_start"), record.get("t_end")
             if start is None or end is None:
                 continue
-            color = "tab:green" if record.get("applied") else "tab:red"
+            color = OUTCOME_COLORS[round_outcome(record)]
             timeline_axis.barh(index, end - start, left=start - t0, height=0.6, color=color, alpha=0.5)
     loss_axis.set(xlabel="step", ylabel="SwAV loss", title="loss of each peer")
     loss_axis.legend()
     timeline_axis.set(
         xlabel="seconds",
         ylabel="peer",
-        title="averaging rounds (green: applied, red: failed)",
+        title="averaging rounds of each peer",
         yticks=range(len(peers)),
         yticklabels=[peer.name for peer in peers],
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    legend = [Patch(color=color, alpha=0.5, label=outcome) for outcome, color in OUTCOME_COLORS.items()]
+    timeline_axis.legend(handles=legend, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(legend), fontsize=8)
+    save_figure(figure, path, dpi=100)
 
 
 def empty_out_dir(out: Path) -> None:

@@ -84,6 +84,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 
 from baselines.hivemind_averagers import ServesStateAsCopies
+from baselines.steps_in_flight import KeepsStepsInFlight
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.hivemind_fixes import (
     cancel_step_first,
@@ -177,6 +178,12 @@ class _Rounds:
         with self._lock:
             self._finished.append(record)
 
+    def in_flight(self) -> list[tuple[dict, StepControl | None]]:
+        """(record, StepControl) of each round started and not applied yet: a benchmark's timeline polls their
+        stages and writes them into the records."""
+        with self._lock:
+            return [(record, control) for record, (control,) in self._open]
+
     def controls_in_flight(self) -> list[StepControl]:
         """The StepControls of the rounds started and not finished yet."""
         with self._lock:
@@ -209,7 +216,7 @@ class _PendingStores:
         return len(self._tasks())
 
 
-class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
+class _ObservedStateAverager(KeepsStepsInFlight, ServesStateAsCopies, TrainingStateAverager):
     """hivemind's TrainingStateAverager, observed: which round started, with which StepControl, and when its
     result was applied (:class:`_Rounds`); and an averager process that ends without tracebacks. Every override
     calls hivemind's own method: behaviour unchanged, except that the state is served as copies (a crash fix,
@@ -220,7 +227,6 @@ class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
 
     def __init__(self, *, rounds: _Rounds, **kwargs: Any) -> None:
         self._rounds = rounds
-        self._steps: set[StepControl] = set()  # steps in flight, seen from the averager's process
         super().__init__(**kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -276,13 +282,6 @@ class _ObservedStateAverager(ServesStateAsCopies, TrainingStateAverager):
         looks for a group in vain, every time."""
         quiet_hivemind_logs()
         super().run()
-
-    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
-        self._steps.add(step)
-        try:
-            await super()._step(step=step, **kwargs)
-        finally:
-            self._steps.discard(step)
 
     async def _shutdown(self, timeout: float | None) -> None:
         """Leave as our averagers do (``shut_down_averager``), and wait (bounded) for the DHT stores this process

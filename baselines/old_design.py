@@ -22,15 +22,18 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.training_averager import TrainingAverager
 from hivemind.p2p import PeerID
 
 from baselines.hivemind_averagers import ServesStateAsCopies
+from baselines.steps_in_flight import KeepsStepsInFlight
 from decentralized_sgd import make_compression, schema_fingerprint
 from decentralized_sgd.hivemind_fixes import shut_down_averager
 
 logger = logging.getLogger(__name__)
+TIMEOUTS = {"min_matchmaking_time": 5.0, "request_timeout": 3.0, "allreduce_timeout": 60.0, "next_chunk_timeout": 10.0}
 
 
 class _StampedLock:
@@ -48,23 +51,25 @@ class _StampedLock:
         self.lock.release()
 
 
-class _TrainingAverager(ServesStateAsCopies, TrainingAverager):
+class _KeepsControl(DecentralizedAverager):
+    """Under TrainingAverager in the MRO: its step waits inside ``DecentralizedAverager.step``, so nobody sees the
+    round's StepControl; this starts that step without waiting, keeps its control in ``control`` (the round's stage:
+    a benchmark's timeline polls it) and waits for it as hivemind would."""
+
+    control: StepControl | None = None
+
+    def step(self, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+        control = super().step(*args, wait=False, **kwargs)
+        self.control = control
+        return control.result() if wait else control
+
+
+class _TrainingAverager(KeepsStepsInFlight, ServesStateAsCopies, TrainingAverager, _KeepsControl):
     """hivemind's TrainingAverager with a shutdown that prints no traceback (``shut_down_averager``), serving copies of
-    the state (``ServesStateAsCopies``)."""
+    the state (``ServesStateAsCopies``), its round's StepControl in sight (``_KeepsControl``)."""
 
     _rpc_handlers = None  # hivemind caches handlers per class and names them after it: collect this class's own
     _stub_type = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._steps: set[StepControl] = set()  # steps in flight, seen from the averager's process
-        super().__init__(*args, **kwargs)
-
-    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
-        self._steps.add(step)
-        try:
-            await super()._step(step=step, **kwargs)
-        finally:
-            self._steps.discard(step)
 
     async def _shutdown(self, timeout: float | None) -> None:
         # the trainer has no handle on TrainingAverager.step's StepControl: cancel the steps from here
@@ -84,18 +89,17 @@ class OldDesignAverager:
         prefix: str,
         model: torch.nn.Module | None = None,
         target_group_size: int = 4,
-        min_matchmaking_time: float = 5.0,
-        request_timeout: float = 3.0,
-        allreduce_timeout: float = 60.0,
-        next_chunk_timeout: float = 10.0,
         compression: str = "none",
         records_path: str | None = None,
-        **_ignored: Any,
+        **options: Any,
     ) -> None:
+        """``options``: TrainingAverager's timeouts (``TIMEOUTS``, by default as there); the task's other options
+        (a staleness bound, the optimizer state, client mode, ...) have no counterpart in the old design."""
         self.dht, self.records_path = dht, records_path
         self.lock = threading.RLock()
         self.local_step = 0
         self.records: list[dict] = []
+        self.current: dict | None = None  # the record of the round in flight
         self.counters: dict[str, float] = {"rounds_applied": 0, "rounds_failed": 0}
         self._applied_at_last_step = 0
         buffers = [b for b in (model.buffers() if model is not None else ()) if b.is_floating_point()]
@@ -111,11 +115,8 @@ class OldDesignAverager:
             start=True,
             target_group_size=target_group_size,
             min_group_size=2,
-            min_matchmaking_time=min_matchmaking_time,
-            request_timeout=request_timeout,
-            allreduce_timeout=allreduce_timeout,
-            next_chunk_timeout=next_chunk_timeout,
             compression=make_compression(compression),
+            **{key: options.get(key, default) for key, default in TIMEOUTS.items()},
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._average_forever, name="old-design-averaging", daemon=True)
@@ -159,7 +160,7 @@ class OldDesignAverager:
         while not self._stop.is_set():
             stamped = _StampedLock(self.lock, self)
             record: dict[str, Any] = {"round": len(self.records), "t_start": time.time(), "error": None}
-            gathered = None
+            self.current, gathered = record, None
             try:
                 gathered = self.averager.step(data_lock=stamped)
             except Exception as error:  # a failed round is data, not a crash
@@ -172,6 +173,7 @@ class OldDesignAverager:
                 record["staleness_steps"] = stamped.steps[1] - stamped.steps[0]
             self.counters["rounds_applied" if record["applied"] else "rounds_failed"] += 1
             self.records.append(record)
+            self.current = None
             if self.records_path:
                 with open(self.records_path, "a") as file:
                     file.write(json.dumps(record) + "\n")

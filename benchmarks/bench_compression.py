@@ -22,7 +22,7 @@ Metrics (relative to the norm of the exact mean, all tensors together):
     spread_after: mean pairwise ||result_i - result_j|| (exact averaging leaves 0), / the spread before.
 
 Usage:
-    python benchmarks/bench_compression.py [--peers 3] [--levels 1e-2 1e-3 1e-4] [--schemes ...] [--checkpoint PATH]
+    python -m benchmarks.bench_compression [--peers 3] [--levels 1e-2 1e-3 1e-4] [--schemes ...] [--checkpoint PATH]
         [--json PATH] [--markdown PATH]
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import math
 import sys
@@ -42,10 +41,8 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.uint8_compression import compression, fixed_8bit_decoding  # noqa: E402
+from benchmarks.common import git_state, parse_with_quick, write_json, write_text
+from benchmarks.uint8_compression import compression, fixed_8bit_decoding
 
 SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all")
 
@@ -226,7 +223,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    return parser.parse_args(argv)
+    return parse_with_quick(parser, argv, levels=[1e-3], schemes=["uint8"])
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -250,12 +247,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             )
     table = markdown(rows)
     print(table)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(table + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:]}, indent=1))
+    write_text(args.markdown, table)
+    write_json(args.json, {"rows": rows, "argv": sys.argv[1:], "git": git_state()})
     return rows
 
 

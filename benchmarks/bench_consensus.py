@@ -21,7 +21,7 @@ rounds without a group that hivemind reported as formed, throughout the run: res
 ``--repeat`` runs each mode that many times (a failure share of one run of ~140 rounds is a handful of rounds).
 
 Usage:
-    python benchmarks/bench_consensus.py [--peers 16] [--group 4] [--deadline 120] [--modes fixes no_slow_peer_fixes]
+    python -m benchmarks.bench_consensus [--peers 16] [--group 4] [--deadline 120] [--modes fixes no_slow_peer_fixes]
         [--tolerance 0.01] [--repeat 1] [--json PATH] [--markdown PATH]
 """
 
@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -40,10 +39,8 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from dsgd_swarm import Swarm, averaged_tensors, make_model  # noqa: E402
+from benchmarks.common import commit_label, parse_with_quick, write_json, write_text
+from tests.dsgd_swarm import Swarm, averaged_tensors, make_model
 
 MODES = {"fixes": {}, "no_slow_peer_fixes": {"slow_peer_fixes": False}}  # DecentralizedSGD kwargs of each mode
 PER_PEER = (
@@ -122,14 +119,6 @@ def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwarg
     return result
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
-    return out.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def markdown(report: dict[str, Any]) -> str:
     def mmm(stat: dict) -> str:
         return f"{stat['min']:g} / {stat['median']:g} / {stat['max']:g} ({stat['total']:g})"
@@ -139,7 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
         return f"{run[counter]['total']:g} of {run['rounds_ended']} ({fraction:.1%})"
 
     lines = [
-        f"# Consensus of {report['runs'][0]['peers']} peers (`benchmarks/bench_consensus.py`)",
+        f"# Consensus of {report['runs'][0]['peers']} peers (`python -m benchmarks.bench_consensus`)",
         "",
         f"commit `{report['commit']}`, {report['started']}, {os.cpu_count()} CPUs; per peer: min / median / "
         "max (swarm total)",
@@ -181,17 +170,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each mode")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
-    report: dict[str, Any] = dict(commit=git_commit(), started=time.strftime("%F %T %Z"), argv=sys.argv[1:], runs=[])
+    args = parse_with_quick(parser, peers=4, group=2, deadline=60.0)
+    report: dict[str, Any] = dict(commit=commit_label(), started=time.strftime("%F %T %Z"), argv=sys.argv[1:], runs=[])
     for mode in args.modes:
         for _ in range(args.repeat):
             run = run_swarm(args.peers, args.group, args.deadline, args.tolerance, **MODES[mode])
             report["runs"].append({"mode": mode, **run})
             print(json.dumps(report["runs"][-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(markdown(report))
+    write_json(args.json, report)
+    write_text(args.markdown, markdown(report))
     print(markdown(report))
 
 

@@ -4,7 +4,7 @@
 Not a test (tests/test_eval.py checks that the streaming vote equals the exact one): a benchmark that shows the
 bank no longer has to fit in memory, and what each 1,000 queries cost on this machine's CPUs.
 
-    nice -n 19 python benchmarks/bench_knn.py --bank /tmp/knn_bank.npy --json benchmarks/results/knn.json \
+    nice -n 19 python -m benchmarks.bench_knn --bank /tmp/knn_bank.npy --json benchmarks/results/knn.json \
         --markdown benchmarks/results/knn.md
 
 The bank (random unit vectors, ~10.6 GB) is written once in chunks as a .npy and memory-mapped; each
@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.common import commit_label, parse_with_quick
 
 
 def write_bank(path: Path, rows: int, dim: int, num_classes: int, chunk: int = 65536) -> None:
@@ -78,12 +77,6 @@ def measure(bank_path: Path, queries: int, memory_gb: float, num_classes: int) -
     }
 
 
-def git_commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
-
-
 def markdown(report: dict) -> str:
     lines = [
         f"# Streaming kNN: {report['rows']:,} x {report['dim']} float32 bank ({report['bank_gb']} GB, "
@@ -125,7 +118,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--measure_one", type=float, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, rows=20_000, dim=256, queries=200, num_classes=10, memory_gb=[0.005])
     if args.measure_one is not None:
         print(json.dumps(measure(args.bank, args.queries, args.measure_one, args.num_classes)))
         return 0
@@ -137,7 +130,8 @@ def main() -> int:
         out = subprocess.run(
             [
                 sys.executable,
-                __file__,
+                "-m",
+                "benchmarks.bench_knn",
                 "--bank",
                 str(args.bank),
                 "--queries",
@@ -156,7 +150,7 @@ def main() -> int:
     import os
 
     report = {
-        "commit": git_commit(),
+        "commit": commit_label(),
         "rows": args.rows,
         "dim": args.dim,
         "queries": args.queries,

@@ -9,29 +9,24 @@ boxes ``--force_reachability public``: libp2p's AutoNAT never dials private addr
 NATed box never finds itself private, nor a public box public, which its relay service waits for).
 
 Writes benchmarks/results/nat.{md,json} (the JSON holds the git commit and every scenario's summary). Run:
-``python benchmarks/bench_nat.py`` (needs unshare, nsenter, ip and iptables; about 3 min per row on a busy machine).
+``python -m benchmarks.bench_nat`` (needs unshare, nsenter, ip and iptables; about 3 min per row on a busy machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.common import REPO, git_state, parse_with_quick
+from tests.nat_testbed import run_orchestrator
+
 SCENARIO = REPO / "tests" / "nat_scenario.py"
-sys.path.insert(0, str(REPO / "tests"))
-from nat_testbed import run_orchestrator  # noqa: E402
 
 MODES = ("public", "none", "client_mode", "auto_relay", "auto_relay_private")
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
 def run_one(scenario: str, mode: str, out: Path, measure_s: float) -> dict:
@@ -138,10 +133,10 @@ def main() -> None:
         default=None,
         help="keep each run's folder (logs, records, summary.json) here; default: a temporary one",
     )
-    args = parser.parse_args()
+    args = parse_with_quick(parser, scenarios=["a"], modes=["public"], measure_s=20.0)
     meta = {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain")),
+        "commit": git_state()["commit"],
+        "dirty": git_state()["dirty"],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "measure_s": args.measure_s,
     }

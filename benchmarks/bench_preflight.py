@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The pre-flight (``run_trainer.py --preflight``) of real swav_tiny boxes on loopback and on a shaped link.
 
-    .venv/bin/python benchmarks/bench_preflight.py --json benchmarks/results/preflight.json \\
+    .venv/bin/python -m benchmarks.bench_preflight --json benchmarks/results/preflight.json \\
         --markdown benchmarks/results/preflight.md
 
 Why: the pre-flight advises settings from what the links do; this runs it where the link is known. Regimes:
@@ -17,21 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import netns  # noqa: E402
-
-from vissl_swarm import preflight  # noqa: E402
-from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm_together, wait_until  # noqa: E402
+from benchmarks import netns
+from benchmarks.common import REPO, commit_label, parse_with_quick
+from vissl_swarm import preflight
+from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm_together, wait_until
 
 RESNET50 = "swav_resnet50"
 FLAGS = ["--run_id", "benchpf", "--load_state_timeout", "0"]  # the README's defaults otherwise
@@ -45,7 +40,7 @@ def resnet50_values() -> int:
         for row in json.loads(path.read_text())["rows"]:
             if row["config"] == RESNET50:
                 return int(row["values"])
-    import traffic
+    from benchmarks import traffic
 
     return traffic.averaged_values(RESNET50)["values"]
 
@@ -139,7 +134,7 @@ def advice_line(advice: list[dict]) -> str:
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
-        f"`benchmarks/bench_preflight.py {' '.join(meta['argv'])}` at {meta['commit']} ({meta['started']}, "
+        f"`python -m benchmarks.bench_preflight {' '.join(meta['argv'])}` at {meta['commit']} ({meta['started']}, "
         f"load before {meta['loadavg_before']}, {meta['cpus']} cores); {meta['resnet50_values']:,} values for "
         f"{RESNET50}.",
         "",
@@ -178,14 +173,6 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
-    return commit.stdout.strip() + ("+changes" if dirty else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=90.0, help="--preflight SECONDS of each box")
@@ -196,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the boxes' folders (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_with_quick(parser, sys.argv[1:] if argv is None else argv, seconds=20.0, regimes=["wan"])
     if args.seconds <= 0 or args.boxes < 2 or args.mbit <= 0:
         parser.error("--seconds and --mbit must be positive, --boxes at least 2")
     if not (args.data_path / "train").is_dir():
@@ -204,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if not netns.inside():
         meta_argv = sys.argv[1:] if argv is None else argv
         os.environ["BENCH_LOADAVG_BEFORE"] = json.dumps([round(x, 2) for x in os.getloadavg()])
-        os.environ["BENCH_COMMIT"] = git_commit()  # git may not read the repository inside the user namespace
-        netns.reexec_inside([str(Path(__file__).resolve()), *meta_argv])
+        os.environ["BENCH_COMMIT"] = commit_label()  # git may not read the repository inside the user namespace
+        netns.reexec_inside(["-m", "benchmarks.bench_preflight", *meta_argv])
     netns.create_bridge()
     meta = {
         "argv": sys.argv[1:] if argv is None else argv,

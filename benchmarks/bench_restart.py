@@ -3,7 +3,7 @@
 
 Not a test (tests/test_swarm_training.py checks the outcome): a benchmark that times it.
 
-    python benchmarks/bench_restart.py --repeats 3 --json benchmarks/results/restart.json \
+    python -m benchmarks.bench_restart --repeats 3 --json benchmarks/results/restart.json \
         --markdown benchmarks/results/restart.md
 
 Three ``swav_tiny`` boxes train on the digits on 127.0.0.1: box0 as the README's first box (an identity file, a fixed
@@ -21,33 +21,16 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from tempfile import mkdtemp
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO, commit_label, fast_round_flags, markdown_table, parse_with_quick
+from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
+from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until
 
-from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook  # noqa: E402
-from demo import markdown_table  # noqa: E402
-from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until  # noqa: E402
-
-FLAGS = [
-    "--run_id",
-    "restart",
-    "--target_group_size",
-    "3",
-    "--min_matchmaking_time",
-    "2",
-    "--averaging_timeout",
-    "20",
-    "--next_chunk_timeout",
-    "4",
-    "--compression",
-    "none",
-]
+FLAGS = fast_round_flags("restart")
 OVERRIDES = [
     "config.DATA.TRAIN.DATA_LIMIT=160",
     "config.OPTIMIZER.num_epochs=3000",
@@ -106,17 +89,14 @@ def main() -> int:
     parser.add_argument("--down_for", type=float, default=5.0, help="seconds between the kill and the restart")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, repeats=1)
     out = Path(mkdtemp(prefix="bench_restart_"))
     runs = []
     for repeat in range(args.repeats):
         runs.append(one_restart(args.data_path, out / f"run{repeat}", args.down_for))
         print(f"run {repeat}: {runs[-1]}", flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
     summary = {
-        "commit": commit,
+        "commit": commit_label(),
         "repeats": args.repeats,
         "down_for_s": args.down_for,
         "runs": runs,
@@ -132,7 +112,8 @@ def main() -> int:
     if args.markdown:
         args.markdown.write_text(
             f"# A restarted first box: seconds from its start to its first step and to its first round\n\n"
-            f"`python benchmarks/bench_restart.py --repeats {args.repeats}` at commit {commit} (3 swav_tiny boxes on "
+            f"`python -m benchmarks.bench_restart --repeats {args.repeats}` at commit {summary['commit']} (3 swav_tiny "
+            f"boxes on "
             f"127.0.0.1, 2 cores; box0 killed with SIGKILL once all averaged, started again {args.down_for:g} s "
             f"later)\n\n{table}\n\nmedian to the first round: {summary['first_round_s_median']} s, max "
             f"{summary['first_round_s_max']} s\n"

@@ -17,8 +17,8 @@ trainer is ``benchmarks/measured_trainer.py`` (``run_trainer.py`` with one more 
 of steps), the second peer ``benchmarks/simulated_peer.py``.
 
 Usage:
-    python benchmarks/gpu_check.py [--out benchmarks/results] [--configs C ...] [--window_steps N]
-    python benchmarks/gpu_check.py --cpu_smoke --out DIR     # the same code path on a CPU, with swav_tiny
+    python -m benchmarks.gpu_check [--out benchmarks/results] [--configs C ...] [--window_steps N]
+    python -m benchmarks.gpu_check --cpu_smoke --out DIR     # the same code path on a CPU, with swav_tiny
 """
 
 from __future__ import annotations
@@ -36,11 +36,8 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from vissl_swarm.local_swarm import LOOPBACK, LocalPeer, read_jsonl, stop_all, wait_until  # noqa: E402
+from benchmarks.common import REPO
+from vissl_swarm.local_swarm import LOOPBACK, LocalPeer, read_jsonl, stop_all, wait_until
 
 CONFIGS = ("swav_resnet50", "swav_vit_small")
 RUN_ID = "gpucheck"

@@ -16,7 +16,7 @@ averager, if they start later), these coroutines; each call appends one JSON lin
     get_averagers  GroupKeyManager.get_averagers: {s, found}
     allreduce      DecentralizedAverager._aggregate_with_group: {s, ok, group}
 
-`python benchmarks/hivemind_trace.py TRACE_DIR BENCH_JSON [SUMMARY_JSON]` summarizes a perturbed run of
+`python -m benchmarks.hivemind_trace TRACE_DIR BENCH_JSON [SUMMARY_JSON]` summarizes a perturbed run of
 bench_averaging.py (run with --trace TRACE_DIR --json BENCH_JSON --json-peers): per window (reference / perturbed),
 the healthy peers' calls of each kind, by whom they waited for (the perturbed peer or a healthy one).
 """

@@ -2,8 +2,8 @@
 """Screen the ideal swarm's levers (``ideal_swarm``) at bench_optimizer's recipe: one deterministic run per job, a
 job per line of the output, then a table of each variant against the plain ideal at the same period.
 
-    .venv/bin/python benchmarks/ideal_sweep.py run --plan screening --seeds 5 --out benchmarks/results/ideal_sweep.jsonl
-    .venv/bin/python benchmarks/ideal_sweep.py table benchmarks/results/ideal_sweep.jsonl \
+    .venv/bin/python -m benchmarks.ideal_sweep run --plan screening --seeds 5 --out benchmarks/results/ideal_sweep.jsonl
+    .venv/bin/python -m benchmarks.ideal_sweep table benchmarks/results/ideal_sweep.jsonl \
         > benchmarks/results/ideal_sweep.md
 
 Why apart from bench_optimizer: these runs need no hivemind and no pacing, take ~22 s each on one thread whatever
@@ -27,8 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, stdev
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+from benchmarks.common import git_state
 
 OUTER_KEYS = ("b", "a", "nesterov")
 BASE_KEYS = ("rule", "period", "samples")  # a variant's plain ideal: the same of these, no lever
@@ -96,9 +95,8 @@ def run_job(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    import bench_optimizer as bench
-    from ideal_swarm import IdealOptions, train_ideal
-
+    from benchmarks import optimizer_plan as bench
+    from benchmarks.ideal_swarm import IdealOptions, train_ideal
     from decentralized_sgd.outer import OuterSettings
 
     options = {key: value for key, value in job.items() if key not in ("seed", *BASE_KEYS, *OUTER_KEYS)}
@@ -167,7 +165,7 @@ def main() -> int:
     if args.job is not None:
         print(json.dumps(run_job(json.loads(args.job))))
         return 0
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    commit = git_state()["commit"]
     done = set()
     if args.out.exists():
         done = {(variant_of(row), row["seed"]) for row in map(json.loads, args.out.read_text().splitlines())}
@@ -176,7 +174,18 @@ def main() -> int:
     print(f"{len(jobs)} jobs, ~22 s each on one thread", flush=True)
     for index, job in enumerate(jobs):  # a process per job: two of these commands can share a 2-core machine
         result = subprocess.run(
-            [sys.executable, __file__, "run", "--plan", args.plan, "--out", str(args.out), "--job", json.dumps(job)],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.ideal_sweep",
+                "run",
+                "--plan",
+                args.plan,
+                "--out",
+                str(args.out),
+                "--job",
+                json.dumps(job),
+            ],
             capture_output=True,
             text=True,
             check=True,

@@ -8,20 +8,15 @@ verdict at every member) and checks each update on its own side. This script put
 group (members' weights as constant vectors, 16 values each), the value the healthy members end the round with.
 
 Usage:
-    python benchmarks/robust_aggregation.py    # prints a Markdown table (numpy and torch only; a second)
+    python -m benchmarks.robust_aggregation    # prints a Markdown table (numpy and torch only; a second)
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from decentralized_sgd.outliers import OutlierRule, Summary, WeightSketch  # noqa: E402
+from decentralized_sgd.outliers import OutlierRule, Summary, WeightSketch
 
 SIZE = 16
 CASES = {  # name: (members' values, the values of their references or None, the healthy members)

@@ -19,7 +19,7 @@ from pathlib import Path
 import hivemind
 import torch
 
-from decentralized_sgd import DecentralizedSGD
+from benchmarks.common import decentralized_sgd
 from vissl_swarm.local_swarm import LOOPBACK
 
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[LOOPBACK], start=True)
     tensors = [torch.nn.Parameter(torch.zeros(shape)) for shape in schema["shapes"]]
     base_prefix = schema["prefix"].rsplit("_", 1)[0]
-    averaging = DecentralizedSGD(
+    averaging = decentralized_sgd(
         torch.optim.SGD(tensors, lr=0.0),
         dht,
         prefix=base_prefix,

@@ -1,4 +1,4 @@
-"""Smoke test for benchmarks/bench_averaging.py: the whole multi-process code path on a tiny setting.
+"""Smoke test for ``python -m benchmarks.bench_averaging``: the whole multi-process code path on a tiny setting.
 
 No timing assertions: this only proves the benchmark runs, cleans up, writes the documented JSON shape, that
 DecentralizedSGD actually completed averaging rounds, and that the hivemind_optimizer arm (hivemind.Optimizer with
@@ -38,7 +38,8 @@ def test_bench_averaging_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "bench_averaging.py"),
+        "-m",
+        "benchmarks.bench_averaging",
         "--quick",
         "--regimes",
         "sim_full",

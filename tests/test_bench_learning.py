@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import bench_learning, learning_churn, learning_eval, learning_report
 
-import bench_learning  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def finite(value: float) -> bool:
@@ -49,7 +48,7 @@ def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, 
         "--plot",
         str(reports["png"]),
     ]
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
+    command = [sys.executable, "-m", "benchmarks.bench_learning", *arguments]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "expected about" in proc.stdout
@@ -107,10 +106,10 @@ def test_crossing_interpolates_and_says_not_reached() -> None:
         {"steps": 10, "samples": 480, "knn": 0.7},
         {"steps": 20, "samples": 960, "knn": 0.9},
     ]
-    assert bench_learning.crossing(curve, 0.8, "steps") == 15.0
-    assert bench_learning.crossing(curve, 0.8, "samples") == 720.0
-    assert bench_learning.crossing(curve, 0.5, "steps") == 0
-    assert bench_learning.crossing(curve, 0.95, "steps") is None
+    assert learning_eval.reached(curve, 0.8, "steps") == 15.0
+    assert learning_eval.reached(curve, 0.8, "samples") == 720.0
+    assert learning_eval.reached(curve, 0.5, "steps") == 0
+    assert learning_eval.reached(curve, 0.95, "steps") is None
 
 
 @pytest.mark.long
@@ -125,7 +124,7 @@ def test_bench_learning_quick_churn_box_comes_back_with_the_swarms_state(digits_
     arguments = ["--quick", "--data_path", str(digits_dir), "--modes", "swarm_churn", "--curve_points", "4"]
     arguments += ["--churn_pace_s", "0.3"]
     arguments += ["--out", str(out), "--json", str(report), "--markdown", str(tmp_path / "churn.md")]
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *arguments]
+    command = [sys.executable, "-m", "benchmarks.bench_learning", *arguments]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -160,11 +159,11 @@ def test_paired_differences_are_seed_by_seed_and_skip_failed_runs() -> None:
         {"mode": "swarm_churn", "seed": 1, "knn": 0.60, "heldout_loss": 5.6},
         {"mode": "swarm_churn", "seed": 2, "error": "box2 was not back"},
     ]
-    (entry,) = bench_learning.paired_differences(runs)
+    (entry,) = learning_report.paired_differences(runs)
     assert (entry["variant"], entry["reference"], entry["seeds"]) == ("swarm_churn", "swarm", [0, 1])
     assert entry["knn"]["per_seed"] == [-0.02, 0.0] and entry["knn"]["mean"] == -0.01
     assert entry["heldout_loss"]["per_seed"] == [0.1, 0.0] and entry["heldout_loss"]["std"] > 0
-    assert "swarm_churn − swarm, seed by seed (n=2" in bench_learning.differences_markdown([entry])
+    assert "swarm_churn − swarm, seed by seed (n=2" in learning_report.differences_markdown([entry])
 
 
 def test_churn_summary_counts_the_box_s_lost_and_trained_steps() -> None:
@@ -176,7 +175,7 @@ def test_churn_summary_counts_the_box_s_lost_and_trained_steps() -> None:
         "swarm_samples_at_kill": 4000,
         "swarm_samples_at_rejoin": 8000,
     }
-    churn = bench_learning.churn_summary(record, [150, 148, 70], batch=32, budget=12000)
+    churn = learning_churn.churn_summary(record, [150, 148, 70], batch=32, budget=12000)
     assert churn["steps_after_rejoin"] == 38 and churn["lost_steps"] == 10
     assert churn["lost_samples_of_box"] == 320 and churn["lost_samples_of_swarm"] == 96
     assert churn["share_of_steps"] == round(80 / 378, 4) and churn["away_share_of_budget"] == round(4000 / 12000, 4)
@@ -202,7 +201,7 @@ def test_restart_due_when_the_others_speed_brings_two_thirds_within_a_start_up()
         return LoggedSteps([{"time": t, "own_samples": 100 * t, "swarm_samples": position} for t in range(seconds + 1)])
 
     others = [box(4, 5000), box(4, 5000)]  # 200 samples/s together: 8000 is 15 s away
-    assert not bench_learning.restart_due(others, 8000, startup_s=10.0, killed_at=0.0)
-    assert bench_learning.restart_due(others, 8000, startup_s=16.0, killed_at=0.0)
-    assert not bench_learning.restart_due([box(2, 5000)] * 2, 8000, startup_s=99.0, killed_at=0.0)  # too soon to tell
-    assert bench_learning.restart_due([box(1, 8000)] * 2, 8000, startup_s=0.0, killed_at=0.0)  # two thirds reached
+    assert not learning_churn.restart_due(others, 8000, startup_s=10.0, killed_at=0.0)
+    assert learning_churn.restart_due(others, 8000, startup_s=16.0, killed_at=0.0)
+    assert not learning_churn.restart_due([box(2, 5000)] * 2, 8000, startup_s=99.0, killed_at=0.0)  # too soon to tell
+    assert learning_churn.restart_due([box(1, 8000)] * 2, 8000, startup_s=0.0, killed_at=0.0)  # two thirds reached

@@ -64,7 +64,8 @@ def test_quick_alone_and_swarm(tmp_path: Path) -> None:
     out, reports = tmp_path / "runs", {name: tmp_path / f"optimizer.{name}" for name in ("json", "md", "png")}
     command = [
         sys.executable,
-        str(ROOT / "benchmarks" / "bench_optimizer.py"),
+        "-m",
+        "benchmarks.bench_optimizer",
         "--quick",
         "--modes",
         "alone",

@@ -3,18 +3,12 @@ ideal_sweep.py measure against. No DHT, no processes: three replicas of a small 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from ideal_swarm import IdealOptions, Replica, average_round  # noqa: E402
-
-from decentralized_sgd.outer import OuterSettings  # noqa: E402
+from benchmarks.ideal_swarm import IdealOptions, Replica, average_round
+from decentralized_sgd.outer import OuterSettings
 
 
 def replicas(values: list[float]) -> list[Replica]:

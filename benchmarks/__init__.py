@@ -1,0 +1,1 @@
+"""The benchmarks: run each from the repository root as a module, e.g. ``python -m benchmarks.soak --quick``."""

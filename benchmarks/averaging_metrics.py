@@ -1,0 +1,362 @@
+"""bench_averaging's metrics: per peer over a measured window (rate, rounds/min, staleness, duty cycle, how long
+averaging held the trainer), pooled per run, and the targets the team set for ``improved``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+
+from benchmarks.averaging_setup import RunConfig
+
+
+def _to_wall(value: float | None, offset: float) -> float | None:
+    """Records may use time.time() or time.monotonic(); bring both to wall time (monotonic values are small)."""
+    if value is None:
+        return None
+    return float(value) + offset if value < 1e9 else float(value)
+
+
+def round_spans(record: dict, offset: float, t_open: float | None = None) -> list[tuple[str, float, float]]:
+    """(stage, start, end) spans of one round: matchmaking, awaiting trigger, AllReduce (wall clock).
+
+    Prefers absolute stage times; falls back to chaining durations. Stages of an in-flight round end at `t_open`.
+    """
+    t_start = _to_wall(record.get("t_matchmaking_start", record.get("t_start")), offset)
+    if t_start is None:
+        return []
+    end = _to_wall(record.get("t_end"), offset) or t_open or t_start
+    mm, aw, ar = (record.get(k) for k in ("matchmaking_s", "awaiting_trigger_s", "allreduce_s"))
+    t_group = _to_wall(record.get("t_group_formed"), offset) or (t_start + mm if mm is not None else None)
+    t_allreduce = _to_wall(record.get("t_allreduce_start"), offset) or (
+        t_group + aw if t_group is not None and aw is not None else None
+    )
+    spans = [("matchmaking", t_start, t_group if t_group is not None else end)]
+    if t_group is not None:
+        spans.append(("awaiting", t_group, t_allreduce if t_allreduce is not None else end))
+    if t_allreduce is not None:
+        spans.append(("allreduce", t_allreduce, t_allreduce + ar if ar is not None else end))
+    return [(name, a, b) for name, a, b in spans if b > a]
+
+
+def _union_length(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of intervals clipped to [lo, hi] (pipelined rounds overlap; count wall time once)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in clipped:
+        if cur_b is None or a > cur_b:
+            total += (cur_b - cur_a) if cur_b is not None else 0.0
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    return total + ((cur_b - cur_a) if cur_b is not None else 0.0)
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _staleness(record: dict) -> float | None:
+    if record.get("staleness_steps") is not None:
+        return float(record["staleness_steps"])
+    if record.get("step_at_apply") is not None and record.get("step_at_snapshot") is not None:
+        return float(record["step_at_apply"] - record["step_at_snapshot"])
+    return None
+
+
+def _copy_step_indices(record: dict) -> list[int]:
+    """0-based indices of the local steps that paid for this round's copies (snapshot/fill and apply).
+
+    DecentralizedSGD copies inside on_step_end of step number `step_at_*` (1-based), i.e. index step_at_* - 1.
+    """
+    if "copy_step_indices" in record:
+        return list(record["copy_step_indices"])
+    return [record[k] - 1 for k in ("step_at_snapshot", "step_at_apply") if record.get(k) is not None]
+
+
+def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: frozenset[str] = frozenset()) -> dict:
+    """One peer's numbers over its window [peer[window[0]], peer[window[1]]]; rounds count if they finished inside it.
+    with_others: of its applied rounds, how many had a peer of `others` in the group."""
+    t0, t1, offset = peer[window[0]], peer[window[1]], peer["clock_offset"]
+    window = t1 - t0
+    step_times = peer["step_times"]
+    # duration of every local step since training began; those that ended inside the window are measured
+    all_durations = [b - a for a, b in pairwise([peer.get("t_train", t0)] + step_times)]
+    measured = [i for i, t in enumerate(step_times) if t0 < t <= t1]
+    in_window = [r for r in peer["records"] if t0 <= (_to_wall(r.get("t_end"), offset) or math.inf) <= t1]
+    applied = [r for r in in_window if r.get("applied")]
+    ends = sorted(_to_wall(r["t_end"], offset) for r in applied)
+    busy = [(a, b) for r in peer["records"] + peer.get("in_flight", []) for _, a, b in round_spans(r, offset, t1)]
+
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in applied if r.get(key) is not None]
+
+    durations = [all_durations[i] for i in measured]
+    measured_set = set(measured)
+    formed_to_end = [
+        r["awaiting_trigger_s"] + r["allreduce_s"]
+        for r in applied
+        if r.get("awaiting_trigger_s") is not None and r.get("allreduce_s") is not None
+    ]
+    copy_steps = {i for r in applied for i in _copy_step_indices(r) if i in measured_set}
+    holds = peer.get("hold_s") or []
+    held = [holds[i] for i in measured if i < len(holds)]
+    epoch_times = peer.get("epoch_times")
+
+    return {
+        # whole steps over the time they took: no error from a step cut in half by the window's edges
+        "rate": len(durations) * peer["batch_size"] / sum(durations) if durations else 0.0,
+        "rounds_per_min": len(applied) / (window / 60.0),
+        "round_interval": _mean([b - a for a, b in pairwise(ends)]),
+        "duty": _union_length(busy, t0, t1) / window,
+        "applied": len(applied),
+        "failed": sum(1 for r in in_window if r.get("error")),
+        "skipped": sum(1 for r in in_window if not r.get("applied") and not r.get("error")),
+        "step_durations": durations,
+        "copy_step_durations": [all_durations[i] for i in sorted(copy_steps)],
+        "other_step_durations": [all_durations[i] for i in measured if i not in copy_steps],
+        "staleness": [s for s in map(_staleness, applied) if s is not None],
+        "group_size": [float(r["group_size"]) for r in applied if r.get("group_size")],
+        "allreduce_s": values("allreduce_s"),
+        "matchmaking_s": values("matchmaking_s"),
+        "awaiting_s": values("awaiting_trigger_s"),
+        "formed_to_end_s": formed_to_end,
+        "with_others": sum(1 for r in applied if others & set(r.get("group") or ())),
+        "hold": held,
+        "hold_total": sum(held),
+        "hold_share": sum(held) / sum(durations) if durations else None,
+        "epochs_per_min": (
+            None if epoch_times is None else sum(1 for t in epoch_times if t0 < t <= t1) / (window / 60.0)
+        ),
+    }
+
+
+def summarize_peers(
+    peers: list[dict], window: tuple[str, str] = ("t0", "t1"), others: frozenset[str] = frozenset()
+) -> dict:
+    """Per-run metrics over one window: rates and duty cycle averaged over peers, per-round values pooled over peers.
+    with_perturbed_peer_share: the share of applied rounds whose group held one of `others`."""
+    if not peers:
+        return {}
+    per_peer = [_peer_metrics(peer, window, others) for peer in peers]
+
+    def pooled(key: str) -> list[float]:
+        return [v for m in per_peer for v in m[key]]
+
+    step_mean, allreduce_mean = _mean(pooled("step_durations")), _mean(pooled("allreduce_s"))
+    applied_total = sum(m["applied"] for m in per_peer)
+    counters: dict[str, float] = {}
+    for peer in peers:
+        for key, value in (peer.get("counters") or {}).items():
+            if isinstance(value, (int, float)):
+                counters[key] = counters.get(key, 0) + value
+    return {
+        "window_s": _mean([peer[window[1]] - peer[window[0]] for peer in peers]),  # longer if a window was extended
+        "samples_per_s_per_peer": _mean([m["rate"] for m in per_peer]),
+        "rounds_per_min": _mean([m["rounds_per_min"] for m in per_peer]),
+        "staleness_steps_mean": _mean(pooled("staleness")),
+        "staleness_steps_p95": _percentile(pooled("staleness"), 0.95),
+        "duty_cycle": _mean([m["duty"] for m in per_peer]),
+        "group_size_mean": _mean(pooled("group_size")),
+        "rounds_applied": sum(m["applied"] for m in per_peer),
+        "rounds_failed": sum(m["failed"] for m in per_peer),
+        "rounds_skipped": sum(m["skipped"] for m in per_peer),
+        "round_interval_s": _mean([m["round_interval"] for m in per_peer if m["round_interval"] is not None]),
+        "rounds_per_min_steady": _mean([60 / m["round_interval"] for m in per_peer if m["round_interval"]]),
+        "step_s_mean": step_mean,
+        "step_s_p95": _percentile(pooled("step_durations"), 0.95),
+        "allreduce_s_mean": allreduce_mean,
+        "matchmaking_s_mean": _mean(pooled("matchmaking_s")),
+        "awaiting_s_mean": _mean(pooled("awaiting_s")),
+        "formed_to_end_s_mean": _mean(pooled("formed_to_end_s")),
+        "with_perturbed_peer_share": (
+            sum(m["with_others"] for m in per_peer) / applied_total if others and applied_total else None
+        ),
+        "all_finite": all(peer.get("finite", True) for peer in peers),
+        "allreduce_steps_mean": allreduce_mean / step_mean if allreduce_mean is not None and step_mean else None,
+        # trainer-side cost of averaging: steps that did (or waited for) a snapshot/fill or apply vs the others
+        "copy_step_s_mean": _mean(pooled("copy_step_durations")),
+        "other_step_s_median": _percentile(pooled("other_step_durations"), 0.5),
+        "loss_tail": _mean([p["loss_tail"] for p in peers if p.get("loss_tail") is not None]),
+        # how long averaging held the trainer, over the steps that ended in the window (whole steps, as for the rate):
+        # per peer in all, per step, the longest, and as a share of those steps' time
+        "hold_s_total": _mean([m["hold_total"] for m in per_peer]),
+        "hold_ms_per_step": None if not pooled("hold") else 1000 * _mean(pooled("hold")),
+        "hold_s_max": max(pooled("hold"), default=None),
+        "hold_share": _mean([m["hold_share"] for m in per_peer if m["hold_share"] is not None]),
+        "epochs_per_min": _mean([m["epochs_per_min"] for m in per_peer if m["epochs_per_min"] is not None]),
+        "counters": counters or None,
+        "peers": peers,
+    }
+
+
+COMPACT_KEYS = (
+    "samples_per_s_per_peer",
+    "rounds_per_min",
+    "rounds_per_min_steady",
+    "staleness_steps_mean",
+    "group_size_mean",
+    "rounds_applied",
+    "rounds_failed",
+    "formed_to_end_s_mean",
+    "allreduce_s_mean",
+    "matchmaking_s_mean",
+    "awaiting_s_mean",
+    "with_perturbed_peer_share",
+    "all_finite",
+    "hold_s_total",
+    "hold_ms_per_step",
+    "epochs_per_min",
+    "counters",
+)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize_run(cfg: RunConfig, peers: list[dict]) -> dict:
+    """summarize_peers, plus what each regime is about: in perturbed regimes the healthy peers' perturbed window
+    (the main numbers) against their reference window and the perturbed peer; with links, the cap on rounds/min."""
+    if not peers:
+        return {}
+    if not cfg.spec.perturbation:
+        summary = summarize_peers(peers)
+    else:
+        slow = [p for p in peers if p["rank"] == cfg.perturbed_rank]
+        healthy = [p for p in peers if p["rank"] != cfg.perturbed_rank]
+        slow_ids = frozenset(p["peer_id"] for p in slow if p.get("peer_id"))
+        reference = summarize_peers(healthy, ("t0", "t1"), slow_ids)
+        summary = summarize_peers(healthy, ("t2", "t3"), slow_ids)
+        summary["reference"] = {key: reference.get(key) for key in COMPACT_KEYS}
+        summary["perturbed_peer"] = {
+            key: value for key, value in summarize_peers(slow, ("t2", "t3")).items() if key in COMPACT_KEYS
+        }
+        summary["rounds_per_min_vs_reference"] = _ratio(summary["rounds_per_min"], reference["rounds_per_min"])
+        summary["rounds_per_min_steady_vs_reference"] = _ratio(
+            summary["rounds_per_min_steady"], reference["rounds_per_min_steady"]
+        )
+        summary["all_finite"] = all(p.get("finite", True) for p in peers)
+        summary["peers"] = peers
+    if cfg.spec.link_mbit and summary.get("allreduce_s_mean"):
+        # one AllReduce at a time, and a group that cannot fill forms no sooner than min_matchmaking_time
+        summary["rounds_per_min_cap"] = min(60 / cfg.min_matchmaking_time, 60 / summary["allreduce_s_mean"])
+        for key in ("rounds_per_min", "rounds_per_min_steady"):
+            summary[f"{key}_vs_cap"] = _ratio(summary[key], summary["rounds_per_min_cap"])
+    if summary.get("allreduce_steps_mean") is not None:
+        summary["staleness_bound"] = summary["allreduce_steps_mean"] + 1
+    return summary
+
+
+def add_throughput_ratios(runs: list[dict]) -> None:
+    """throughput_ratio = samples/s of a mode divided by `none` of the same regime (None if no baseline ran)."""
+    baseline = {r["regime"]: r.get("samples_per_s_per_peer") for r in runs if r["mode"] == "none"}
+    for run in runs:
+        base, rate = baseline.get(run["regime"]), run.get("samples_per_s_per_peer")
+        run["throughput_ratio"] = rate / base if base and rate is not None else None
+
+
+def _check(regime: str, text: str, value: float | None, threshold: float | None, at_most: bool) -> dict:
+    met = None if value is None or threshold is None else (value <= threshold if at_most else value >= threshold)
+    return {"regime": regime, "target": text, "value": value, "threshold": threshold, "met": met}
+
+
+def uneven_targets(runs: list[dict]) -> list[dict]:
+    """Issue 11's goals for `improved` in the regimes that ran: an uneven peer does not slow the others, and on a
+    100 Mbit/s link the rounds keep up with the cap."""
+    results = []
+    for run in runs:
+        if run["mode"] != "improved" or run.get("skipped") or run.get("error"):
+            continue
+        regime = run["regime"]
+        label = regime if run["compression"] == "none" else f"{regime}/{run['compression']}"
+        if regime == "straggler":
+            results += [
+                _check(
+                    label, "healthy rounds/min >= 0.7 x unthrottled", run.get("rounds_per_min_vs_reference"), 0.7, False
+                ),
+                _check(label, "no failed round among the healthy peers", run.get("rounds_failed"), 0, True),
+                _check(label, "every peer's tensors finite", float(bool(run.get("all_finite"))), 1.0, False),
+            ]
+        elif regime == "slow_step":
+            reference = (run.get("reference") or {}).get("formed_to_end_s_mean")
+            results.append(
+                _check(
+                    label,
+                    "fast peers' group formed -> round end <= all-fast + 0.1 s",
+                    run.get("formed_to_end_s_mean"),
+                    None if reference is None else reference + 0.1,
+                    True,
+                )
+            )
+        elif regime == "wan_100mbit":
+            results += [
+                _check(label, "steady rounds/min >= 0.95 x cap", run.get("rounds_per_min_steady_vs_cap"), 0.95, False),
+                _check(
+                    label,
+                    "staleness mean <= AllReduce steps + 1",
+                    run.get("staleness_steps_mean"),
+                    run.get("staleness_bound"),
+                    True,
+                ),
+            ]
+    return results
+
+
+def evaluate_targets(runs: list[dict], regime: str = "sim_not_full") -> list[dict]:
+    """The team's goals for `improved` vs `old` (brief); None where a needed run is missing."""
+    cells = {(r["regime"], r["mode"]): r for r in runs if r.get("compression", "none") == "none"}
+    if (regime, "improved") not in cells and (regime, "old") not in cells:
+        return uneven_targets(runs)
+    new, old = cells.get((regime, "improved"), {}), cells.get((regime, "old"), {})
+
+    def get(run: dict, key: str) -> float | None:
+        return run.get(key)
+
+    def scaled(value: float | None, factor: float, offset: float = 0.0) -> float | None:
+        return None if value is None else value * factor + offset
+
+    checks = [  # (description, value, threshold, value must be <= threshold)
+        (
+            "staleness mean <= AllReduce steps + 1",
+            get(new, "staleness_steps_mean"),
+            scaled(get(new, "allreduce_steps_mean"), 1.0, 1.0),
+            True,
+        ),
+        (
+            "staleness mean <= 0.5 x old",
+            get(new, "staleness_steps_mean"),
+            scaled(get(old, "staleness_steps_mean"), 0.5),
+            True,
+        ),
+        ("rounds/min >= 1.8 x old", get(new, "rounds_per_min"), scaled(get(old, "rounds_per_min"), 1.8), False),
+        (
+            "steady-state rounds/min (60 / interval between applied rounds) >= 1.8 x old",
+            get(new, "rounds_per_min_steady"),
+            scaled(get(old, "rounds_per_min_steady"), 1.8),
+            False,
+        ),
+        ("throughput ratio >= 0.97", get(new, "throughput_ratio"), 0.97, False),
+        ("duty cycle >= 0.95", get(new, "duty_cycle"), 0.95, False),
+    ]
+    results = [_check(regime, *check) for check in checks]
+    return results + uneven_targets(runs)
+
+
+def targets_markdown(targets: list[dict]) -> str:
+    lines = ["", "Targets (improved):"]
+    for t in targets:
+        mark = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
+        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        threshold = "n/a" if t["threshold"] is None else f"{t['threshold']:.3g}"
+        lines.append(f"- {mark}: [{t['regime']}] {t['target']} (observed {value}, threshold {threshold})")
+    return "\n".join(lines)
