@@ -61,13 +61,31 @@ class Swarm:
         return box
 
 
+def other_recipe(words: list[str]) -> list[str]:
+    return [word for word in words if word != "config.OPTIMIZER.num_epochs=1000"] + ["--swarm_lr", "box"]
+
+
 @pytest.fixture(scope="module")
 def swarm_of_one(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    running = Swarm(tmp_path_factory.mktemp("one_recipe"), digits_dir)
+    """The first box, then, once its join.txt is written, three boxes at once (their start-ups overlap): one of another
+    recipe, one as its join line says, one with another secret."""
+    out = tmp_path_factory.mktemp("one_recipe")
+    running = Swarm(out, digits_dir)
     try:
+        wait_until(lambda: (running.first.checkpoint_dir / swarm.JOIN_FILE).exists(), 240, running.first.exit_message)
+        running.start("other_recipe", other_recipe)
+        running.start("joiner")
+        (out / "other.key").write_text("not the swarm's secret\n")
+        running.start(
+            "other_secret", extra=["--swarm_secret_file", str(out / "other.key"), "--alone_warning_after", "10"]
+        )
         yield running
     finally:
         stop_all(running.boxes)
+
+
+def named(running: Swarm, name: str) -> LocalPeer:
+    return next(box for box in running.boxes if box.name == name)
 
 
 def log_lines(box: LocalPeer) -> list[str]:
@@ -93,45 +111,42 @@ def test_the_join_line_is_in_join_txt_and_last_at_start(swarm_of_one: Swarm) -> 
 
 
 def test_a_box_of_another_recipe_refuses_naming_each_value_to_pass(swarm_of_one: Swarm) -> None:
-    def other_recipe(words: list[str]) -> list[str]:
-        return [word for word in words if word != "config.OPTIMIZER.num_epochs=1000"] + ["--swarm_lr", "box"]
-
-    box = swarm_of_one.start("other_recipe", other_recipe)
-    wait_until(lambda: not box.is_running(), 180, "the box of another recipe ending")
-    log = box.log_text()
-    assert box.process.returncode == 2, log[-3000:]
+    refused = named(swarm_of_one, "other_recipe")
+    wait_until(lambda: not refused.is_running(), 180, "the box of another recipe ending")
+    log = refused.log_text()
+    assert refused.process.returncode == 2, log[-3000:]
     assert "pass config.OPTIMIZER.num_epochs=1000" in log and "pass --swarm_lr sqrt (this box has box)" in log, log
-    assert "Traceback" not in log and not (box.checkpoint_dir / "averaging_rounds.jsonl").exists()
+    assert "Traceback" not in log and not refused.checkpoint_dir.exists()
 
 
 def test_a_box_from_the_join_line_averages_under_the_swarms_budget(swarm_of_one: Swarm) -> None:
-    box = swarm_of_one.start("joiner")
+    joiner = named(swarm_of_one, "joiner")
     joined = wait_until(
-        lambda: re.search(r"Joined the swarm at its position: (\d+) samples of (\d+)", box.log_text()),
+        lambda: re.search(r"Joined the swarm at its position: (\d+) samples of (\d+)", joiner.log_text()),
         240,
-        lambda: f"the joiner's state download: {box.exit_message()}",
+        lambda: f"the joiner's state download: {joiner.exit_message()}",
     )
     assert int(joined.group(2)) == BUDGET
-    wait_until(lambda: box.applied_rounds(), 120, lambda: f"an averaging round of the joiner: {box.exit_message()}")
-    assert f"the swarm's budget is {BUDGET} samples" in box.log_text()
+    wait_until(
+        lambda: joiner.applied_rounds(), 120, lambda: f"an averaging round of the joiner: {joiner.exit_message()}"
+    )
+    assert f"the swarm's budget is {BUDGET} samples" in joiner.log_text()
 
 
-def test_a_box_with_another_secret_is_told_so_on_itself(swarm_of_one: Swarm, tmp_path: Path) -> None:
-    key = tmp_path / "other.key"
-    key.write_text("not the swarm's secret\n")
-    box = swarm_of_one.start("other_secret", extra=["--swarm_secret_file", str(key), "--alone_warning_after", "10"])
+def test_a_box_with_another_secret_is_told_so_on_itself(swarm_of_one: Swarm) -> None:
+    other = named(swarm_of_one, "other_secret")
     told = wait_until(
-        lambda: [text for text in log_lines(box) if "no peer of this swarm accepts our secret" in text],
+        lambda: [text for text in log_lines(other) if "no peer of this swarm accepts our secret" in text],
         240,
-        lambda: f"the box with another secret told so: {box.exit_message()}",
+        lambda: f"the box with another secret told so: {other.exit_message()}",
     )
     assert "without one" in told[0] and "--swarm_secret_file" in told[0], told
-    assert not box.applied_rounds()
-    box.stop()
+    assert not other.applied_rounds()
+    other.stop()
 
 
 def test_a_restarted_box_replaces_its_record_and_a_ctrl_c_leaves_the_count_at_once(swarm_of_one: Swarm) -> None:
-    first, box = swarm_of_one.first, next(b for b in swarm_of_one.boxes if b.name == "joiner")
+    first, box = swarm_of_one.first, named(swarm_of_one, "joiner")
     wait_until(lambda: box.is_running() and box.applied_rounds(), 240, "the joiner averaging")
     box.kill()  # a crash: its record stays in the DHT until it expires
     restarted_at = time.time()
