@@ -448,10 +448,15 @@ def checkpoint_folder(config_name: str, overrides: list[str]) -> Path:
     return Path(given[-1] if given else OmegaConf.load(config_path(config_name)).config.CHECKPOINT.DIR)
 
 
-def remove_if_empty(folder: Path, new: bool) -> None:
-    """Remove the checkpoint folder this run made if it is still empty: a box that never trained leaves nothing."""
-    if new and folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
+def remove_if_new(folder: Path, new: bool) -> None:
+    """A box that never trained leaves nothing behind: the checkpoint folder this run made goes, with the address
+    book its DHT may have started there (anything else in it stays)."""
+    from decentralized_sgd.address_book import KNOWN_PEERS_FILE
+
+    if new and folder.is_dir():
+        (folder / KNOWN_PEERS_FILE).unlink(missing_ok=True)
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def report_fatal_errors() -> None:
@@ -528,12 +533,12 @@ def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | 
             dht = swarm.start_dht(settings)
         except swarm.SwarmError as error:
             print(f"error: {error}", file=sys.stderr)
-            remove_if_empty(Path(config.CHECKPOINT.DIR), new_folder)
+            remove_if_new(Path(config.CHECKPOINT.DIR), new_folder)
             return 3
         if refusal := another_recipe(dht, settings):
             print(f"error: {refusal}", file=sys.stderr)
             dht.shutdown()
-            remove_if_empty(Path(config.CHECKPOINT.DIR), new_folder)
+            remove_if_new(Path(config.CHECKPOINT.DIR), new_folder)
             return 2
         swarm.use_shared_dht(dht)
     save_config(config)
