@@ -92,7 +92,7 @@ def log_lines(box: LocalPeer) -> list[str]:
     return box.log_text().splitlines()
 
 
-pytestmark = [pytest.mark.xdist_group("swarm_scenarios"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.xdist_group("swarm_scenarios"), pytest.mark.timeout(600)]  # the first one starts the swarm
 
 
 def test_the_join_line_is_in_join_txt_and_last_at_start(swarm_of_one: Swarm) -> None:
