@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,15 +96,15 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         self.schedule: SwarmSchedule | None = None
         self.schedule_position = 0  # the swarm's samples as of the last step boundary
         self.swarm_batch = 0  # the summed batch of the boxes training now (0 until the first step)
-        self.swarm_progress: SwarmProgress | None = None
+        self.swarm_progress: SwarmProgress | None = None  # this box's record in the swarm (count and status)
+        self.join_line = ""  # what another box runs to join (also in CHECKPOINT.DIR/join.txt)
         self._checkpoint_progress: dict | None = None  # the counts a resumed checkpoint held
         self._checkpoint_outer: dict | None = None  # the outer optimizer's anchor and buffer a checkpoint held
 
     @property
     def run_prefix(self) -> str:
-        """The run's name in the swarm: peers with the same run id and config share it (averaging and progress)."""
-        settings = self.swarm_settings
-        return f"{settings.run_id}_{settings.config_name or 'swav'}".replace(".", "_")
+        """The run's name in the swarm (``SwarmSettings.run_prefix``): averaging, state downloads and counts."""
+        return self.swarm_settings.run_prefix
 
     @property
     def where(self) -> float:
@@ -135,7 +136,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         """VISSL's state, plus the swarm's counts: a restarted box resumes the swarm's position from its checkpoint
         (and a final checkpoint says whether the swarm's budget was done)."""
         state = super().get_classy_state(deep_copy=deep_copy)
-        if self.swarm_progress is not None:
+        if self.swarm_progress is not None and self.schedule is not None:
             state["swarm_progress"] = {
                 **self.swarm_progress.state_dict(),
                 "position": self.schedule_position,
@@ -222,8 +223,17 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         _averaging_tasks.append(self)
         if hasattr(self.decentralized_sgd, "load_outer_state_dict"):  # the checkpoint's weights are loaded by now
             self.decentralized_sgd.load_outer_state_dict(self._checkpoint_outer)
+        box_batch = int(self.datasets["train"].get_global_batchsize())
+        self.swarm_progress = SwarmProgress(
+            self.dht,
+            self.run_prefix,
+            box_batch,
+            run_id=settings.run_id,
+            config=settings.config_name,
+            recipe=settings.recipe,
+            secret=settings.secret(),
+        )
         if self.schedule is not None:
-            self.swarm_progress = SwarmProgress(self.dht, self.run_prefix, self.schedule.box_batch)
             restored = self.swarm_progress.load_state_dict(self._checkpoint_progress)
             if restored:
                 logging.info(
@@ -231,7 +241,10 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
                     f"from the checkpoint ({restored} boxes' counts)"
                 )
         logging.info(f"Averaging with the swarm as {self.dht.peer_id}; rounds are logged to {records_path}")
-        print(f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}", flush=True)
+        self.join_line = f"To join this swarm, run on another box:\n  {swarm.join_command(self.dht, settings)}"
+        print(self.join_line, flush=True)
+        if self.checkpoint_folder:
+            (Path(self.checkpoint_folder) / swarm.JOIN_FILE).write_text(self.join_line.split("\n", 1)[1].strip() + "\n")
         if note := swarm.reachability_note(swarm.visible_maddrs(self.dht)):
             logging.warning(note)
 
@@ -312,8 +325,14 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
         on exception, and by :func:`leave_swarm`)."""
         if self.decentralized_sgd is not None:
             self.decentralized_sgd.shutdown()
-        if self.swarm_progress is not None:
-            self.swarm_progress.shutdown()  # publishes our last count: the others keep it
+        told = self.swarm_progress.shutdown() if self.swarm_progress is not None else None
+        if told is not None:  # our last record went out: the others keep our count, and count us out
+            print(  # not logged: after a Ctrl-C, VISSL has shut its logging down by now
+                f"Left the swarm: this box's {self.swarm_progress.own_samples} samples stay in the swarm's count; "
+                + ("the other boxes count it out now" if told else "the others count it out once its record expires"),
+                file=sys.stderr,
+                flush=True,
+            )
         if self.dht is not None and self.dht is not swarm.take_shared_dht():
             self.dht.shutdown()
         self.decentralized_sgd = None

@@ -390,7 +390,9 @@ def evaluate(
         for split in SPLITS
     )
     # the queries in memory, the train bank streamed
-    val_features = torch.from_numpy(np.array(val[0], dtype=np.float32)).to(device)
+    queries = val[0]  # a tensor when just extracted, a numpy memmap from the cache (numpy 2 warns on np.array(tensor))
+    queries = queries.float() if torch.is_tensor(queries) else torch.from_numpy(np.array(queries, dtype=np.float32))
+    val_features = queries.to(device)
     temperature = float(vissl_config.NEAREST_NEIGHBOR.SIGMA)
     top1 = knn_top1(train[0], train[1], val_features, val[1], k=k, temperature=temperature, memory_gb=knn_memory_gb)
     return KnnResult(

@@ -6,7 +6,7 @@
     # or watch a swarm that is already running
     python run_monitor.py --run_id swav --initial_peers /ip4/.../p2p/Qm...
 
-Each trainer publishes a signed record every few steps (hooks/publish_progress_on_step_hook.py); every
+Each trainer publishes a signed record every few seconds (vissl_swarm/swarm_progress.py); every
 ``--refresh_period`` seconds this prints them as a table, optionally writes it as JSON and to TensorBoard.
 """
 
@@ -28,9 +28,8 @@ from vissl_swarm import vissl_compat
 vissl_compat.silence_known_warnings()  # torch's deprecation noise when hivemind imports it (no VISSL is imported)
 
 from vissl_swarm import swarm  # noqa: E402
-from vissl_swarm.swarm_metrics import fetch_metrics, metrics_validators  # noqa: E402
+from vissl_swarm.swarm_progress import fetch_records, live_records, record_validators  # noqa: E402
 
-MIN_ALIVE_WINDOW_S = 60.0
 COLUMNS = (
     ("peer", "{:>10}"),
     ("step", "{:>7}"),
@@ -98,20 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def peer_rows(records: dict[bytes, dict[str, Any]], now: float, alive_window: float) -> list[dict[str, Any]]:
-    """One row per published record, sorted by peer id. "Seen" uses the publisher's own clock (NTP is assumed);
-    a record older than its expiration is gone from the DHT anyway."""
-    rows = []
-    for record in records.values():
-        seen_ago = max(0.0, now - record["time"])
-        rows.append(
-            {
-                **record,
-                "peer": record["peer_id"][-8:],
-                "seen_s_ago": round(seen_ago, 1),
-                "alive": seen_ago <= alive_window,
-            }
-        )
+def peer_rows(records: dict[bytes, dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    """One row per box (its newest record: a restarted box's earlier life is not listed), sorted by peer id; alive
+    as the trainers count it (``swarm_progress.live_records``). "Seen" uses the publisher's own clock (NTP is
+    assumed)."""
+    live = {record["peer_id"] for record in live_records(records.values())}
+    newest = {record["peer_id"]: record for record in sorted(records.values(), key=lambda record: record["time"])}
+    rows = [
+        {
+            **{key: value for key, value in record.items() if key not in ("owner", "signature")},
+            "peer": record["peer_id"][-8:],
+            "seen_s_ago": round(max(0.0, now - record["time"]), 1),
+            "alive": record["peer_id"] in live,
+        }
+        for record in newest.values()
+    ]
     return sorted(rows, key=lambda row: row["peer_id"])
 
 
@@ -145,7 +145,7 @@ def format_table(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
             row["rounds_ok"],
             row["rounds_failed"],
             row["averager_failures"],
-            show(row["seen_s_ago"]) + ("" if row["alive"] else " (gone)"),
+            show(row["seen_s_ago"]) + ("" if row["alive"] else " (left)"),
         )
         lines.append("  ".join(fmt.format(cell) for (_, fmt), cell in zip(COLUMNS, cells, strict=True)))
     lines.append(
@@ -230,7 +230,7 @@ def monitor(dht: Any, args: argparse.Namespace, join_line: str) -> None:
             if stop.is_set():
                 return
             try:
-                records = fetch_metrics(dht, args.run_id, timeout=max(args.refresh_period, 10.0))
+                records = fetch_records(dht, args.run_id, timeout=max(args.refresh_period, 10.0))
             except TimeoutError:
                 print(f"refresh {refresh}: the DHT did not answer in time; trying again", flush=True)
             else:
@@ -250,7 +250,7 @@ def report(
     join_line: str,
     tensorboard: TensorBoardLog | None,
 ) -> None:
-    rows = peer_rows(records, time.time(), alive_window=max(2 * args.refresh_period, MIN_ALIVE_WINDOW_S))
+    rows = peer_rows(records, time.time())
     totals = swarm_totals(rows)
     if sys.stdout.isatty():
         print("\033[H\033[J" + join_line)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 3
     try:
-        dht.add_validators(metrics_validators(args.run_id, secret=settings.secret()))  # the same as every trainer's
+        dht.add_validators(record_validators(args.run_id, secret=settings.secret()))  # the same as every trainer's
         join_line = f"To join this swarm, run on another box:\n  {swarm.join_command(dht, settings)}"
         print(join_line, flush=True)
         monitor(dht, args, join_line)

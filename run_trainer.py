@@ -12,7 +12,9 @@ Any number of VISSL overrides ``config.SECTION.KEY=VALUE`` may follow the flags.
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
+import json
 import os
 import secrets
 import sys
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from vissl_swarm import preflight, swarm, vissl_compat
 from vissl_swarm.config_loading import ConfigError, available_configs, check_overrides, config_path
 from vissl_swarm.ctrl_c import ctrl_c
+from vissl_swarm.recipe import recipe_fixes, swarm_recipe
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -188,7 +191,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.alone_warning_after,
         help="seconds without an averaging round before the box logs a warning that it is alone, "
-        "with the likely causes (again every 5 min while it lasts); 0: never",
+        "once, with the likely cause and its fix; 0: never",
     )
     group.add_argument(
         "--averager",
@@ -287,6 +290,7 @@ def swarm_settings(args: argparse.Namespace) -> swarm.SwarmSettings:
         weight_by_samples=not args.equal_weights,
         alone_warning_after=args.alone_warning_after,
         config_name=args.config,
+        recipe=swarm_recipe(args.overrides, {"--schedule": args.schedule, "--swarm_lr": args.swarm_lr}),
         preflight_s=args.preflight or 0.0,
         **swarm.secret_settings(args),
     )
@@ -341,9 +345,19 @@ def trainer_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Overrides (KEY=VALUE words) may stand anywhere, also after flags that take several values."""
+    """Overrides (KEY=VALUE words) may stand anywhere, also after flags that take several values. An unknown flag
+    fails with one line that names the closest known one (argparse would print its whole usage)."""
+    parser = build_parser()
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    for word in argv:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag.replace("-", "_").replace("__", "--", 1), known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f" (see python {parser.prog} --help)"
+            print(f"error: unknown flag {flag}{hint}", file=sys.stderr)
+            sys.exit(2)
     overrides = [word for word in argv if "=" in word and not word.startswith("-")]
-    args = build_parser().parse_args([word for word in argv if word not in overrides])
+    args = parser.parse_args([word for word in argv if word not in overrides])
     args.overrides = [*args.overrides, *overrides]
     return args
 
@@ -369,6 +383,28 @@ def schedule_line(schedule: str, swarm_lr: str, config) -> str:
     )
 
 
+def another_recipe(dht: DHT, settings: swarm.SwarmSettings) -> str | None:
+    """Why this box must not join: a box of its run id and config trains another recipe (its schedule, budget and
+    end would differ from the swarm's), with the values to pass; None when none does (or the DHT does not answer)."""
+    from vissl_swarm.swarm_progress import fetch_records, live_records, record_validators
+
+    dht.add_validators(record_validators(settings.run_id))  # (the boxes' records are signed: see swarm_progress)
+    try:
+        records = live_records(fetch_records(dht, settings.run_id).values())
+    except TimeoutError:
+        return None
+    for record in records:
+        if record["config"] == settings.config_name and record["peer_id"] != str(dht.peer_id):
+            if fixes := recipe_fixes(settings.recipe, record["recipe"]):
+                return (
+                    f"the swarm of run {settings.run_id!r} trains --config {settings.config_name} with another "
+                    f"recipe (box {record['peer_id'][-8:]}); every box of a swarm trains one recipe, so that all "
+                    f"follow one schedule and budget: {'; '.join(fixes)} (or pass another --run_id to start "
+                    "a swarm of its own)"
+                )
+    return None
+
+
 def check_resume_checkpoint(config) -> None:
     """A truncated or corrupt newest checkpoint fails here, naming the file, not deep inside VISSL's loader."""
     import torch
@@ -388,11 +424,39 @@ def check_resume_checkpoint(config) -> None:
 
 def address_book_path(config) -> str:
     """The file in the box's checkpoint folder where it keeps the peers it met (a restart dials them)."""
-    from vissl.utils.checkpoint import get_checkpoint_folder
-
     from decentralized_sgd.address_book import KNOWN_PEERS_FILE
 
-    return str(Path(get_checkpoint_folder(config)) / KNOWN_PEERS_FILE)
+    return str(Path(config.CHECKPOINT.DIR) / KNOWN_PEERS_FILE)
+
+
+def save_config(config) -> None:
+    """``train_config.yaml`` in the checkpoint folder, as VISSL's own launcher writes it (VISSL's torch dtypes by
+    name), once the box has joined."""
+    from vissl.utils.io import save_file
+
+    folder = Path(config.CHECKPOINT.DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(json.loads(json.dumps(config.to_dict(), default=str)), str(folder / "train_config.yaml"))
+
+
+def checkpoint_folder(config_name: str, overrides: list[str]) -> Path:
+    """The checkpoint folder before VISSL composes the config (which creates it): the override's, else the
+    config's."""
+    from omegaconf import OmegaConf
+
+    given = [word.split("=", 1)[1] for word in overrides if word.startswith("config.CHECKPOINT.DIR=")]
+    return Path(given[-1] if given else OmegaConf.load(config_path(config_name)).config.CHECKPOINT.DIR)
+
+
+def remove_if_new(folder: Path, new: bool) -> None:
+    """A box that never trained leaves nothing behind: the checkpoint folder this run made goes, with the address
+    book its DHT may have started there (anything else in it stays)."""
+    from decentralized_sgd.address_book import KNOWN_PEERS_FILE
+
+    if new and folder.is_dir():
+        (folder / KNOWN_PEERS_FILE).unlink(missing_ok=True)
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def report_fatal_errors() -> None:
@@ -425,10 +489,10 @@ def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | 
     from decentralized_task import TASK_NAME, leave_swarm
     from hooks import swarm_hook_generator
     from vissl_swarm.config_loading import compose_trainer_config
-    from vissl_swarm.swarm_metrics import metrics_validators
 
     hook_generator = hook_generator or swarm_hook_generator
 
+    new_folder = not checkpoint_folder(args.config, overrides).exists()  # removed again if this box cannot join
     try:
         composed = compose_trainer_config(args.config, overrides, has_gpu=torch.cuda.is_available())
         config = composed.config
@@ -461,17 +525,23 @@ def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | 
         # every peer its own data order (VISSL seeds its sampler with SEED_VALUE, identical in every peer's config)
         config.SEED_VALUE = secrets.randbelow(100_000)  # VISSL multiplies it by num_epochs; numpy needs < 2**32
         print(f"[swarm] this peer's seed: {config.SEED_VALUE} (set config.SEED_VALUE=... to fix it)", file=sys.stderr)
+    if config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:  # VISSL trains in this process: Ctrl-C stops at a step boundary
+        ctrl_c.install()
     dht = None
     if config.TRAINER.TASK_NAME == averaging_task and config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:
         try:  # fail fast on an unreachable swarm; the task reuses this DHT (several GPUs: local rank 0 starts one)
             dht = swarm.start_dht(settings)
         except swarm.SwarmError as error:
             print(f"error: {error}", file=sys.stderr)
+            remove_if_new(Path(config.CHECKPOINT.DIR), new_folder)
             return 3
-        dht.add_validators(metrics_validators(settings.run_id))  # signed progress records (run_monitor.py)
+        if refusal := another_recipe(dht, settings):
+            print(f"error: {refusal}", file=sys.stderr)
+            dht.shutdown()
+            remove_if_new(Path(config.CHECKPOINT.DIR), new_folder)
+            return 2
         swarm.use_shared_dht(dht)
-    if config.DISTRIBUTED.NUM_PROC_PER_NODE == 1:  # VISSL trains in this process: Ctrl-C stops at a step boundary
-        ctrl_c.install()
+    save_config(config)
     try:
         launch_distributed(config, node_id=0, engine_name="train", hook_generator=hook_generator)
     finally:  # an error of the training run propagates after this (a return here would swallow it)

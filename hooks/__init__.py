@@ -20,7 +20,6 @@ from hooks.freeze_parameters_on_swarm_schedule_hook import FreezeParametersOnSwa
 from hooks.leave_swarm_on_end_hook import LeaveSwarmOnEndHook  # noqa: E402
 from hooks.log_progress_on_step_hook import LogProgressOnStepHook  # noqa: E402
 from hooks.preflight_on_step_hook import PreflightOnStepHook  # noqa: E402
-from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook  # noqa: E402
 from hooks.stop_on_step_hook import StopOnStepHook  # noqa: E402
 from hooks.warn_when_alone_on_step_hook import ALONE_AFTER_S, WarnWhenAloneOnStepHook  # noqa: E402
 
@@ -31,7 +30,6 @@ __all__ = [
     "LeaveSwarmOnEndHook",
     "LogProgressOnStepHook",
     "PreflightOnStepHook",
-    "PublishProgressOnStepHook",
     "StopOnStepHook",
     "WarnWhenAloneOnStepHook",
     "swarm_hook_generator",
@@ -66,7 +64,6 @@ def swarm_hook_generator(cfg) -> list[ClassyHook]:
         *vissl_hooks,
         AverageOnUpdateHook(normalizer),
         LogProgressOnStepHook(log_every=log_every),
-        PublishProgressOnStepHook(publish_every=log_every),
         WarnWhenAloneOnStepHook(alone_after_s=alone_after),
         *([PreflightOnStepHook(preflight_s)] if preflight_s > 0 else []),
         LeaveSwarmOnEndHook(),

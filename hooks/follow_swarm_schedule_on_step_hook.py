@@ -79,11 +79,13 @@ class FollowSwarmScheduleOnStepHook(ClassyHook):
             end_training_now(task)
 
     def on_update(self, task) -> None:
-        if getattr(task, "schedule", None) is None or not task.train:
+        if not task.train:
             return
         progress = getattr(task, "swarm_progress", None)
-        if progress is not None:
+        if progress is not None:  # the count is published with either schedule (the monitor shows the speed)
             progress.add(int(task.get_global_batchsize()))
+        if getattr(task, "schedule", None) is None:
+            return
         sync_position(task)
         follow_queue_and_assignment(task)
 

@@ -1,4 +1,5 @@
-"""Every N steps, one line per peer with what users look at: progress, speed and the last averaging round."""
+"""Every N steps, one line per peer with what users look at: progress, speed and the last averaging round (also
+reported to the box's swarm record, which the monitor shows)."""
 
 from __future__ import annotations
 
@@ -62,17 +63,23 @@ class LogProgressOnStepHook(ClassyHook):
         self._rate = SamplesPerSecond()
         self._file = None
         self._last_logged: int | None = None  # the iteration of the last line written
+        self._join_line_shown = False
+        self._started = time.time()  # no_group_s counts from here until the first applied round
         self._last_loss: Any = None  # the last step's loss tensor: VISSL resets task.last_batch before the step that
         # ends the data; kept as a tensor (no .item(), which would wait for the GPU at every step)
 
     def on_start(self, task) -> None:
         self._rate.start(task.iteration)
+        self._started = time.time()
         rank, _ = world_rank_and_size()
         if task.checkpoint_folder:
             name = PROGRESS_FILE if rank == 0 else f"progress_rank{rank}.jsonl"
             self._file = open(Path(task.checkpoint_folder) / name, "a")  # noqa: SIM115 (open for the whole run)
 
     def on_step(self, task) -> None:
+        if getattr(task, "join_line", "") and not self._join_line_shown:  # again, below VISSL's start-up output
+            print(task.join_line, flush=True)
+            self._join_line_shown = True
         if task.train and getattr(task.last_batch, "loss", None) is not None:
             self._last_loss = task.last_batch.loss.detach()
         if task.train and task.iteration % self.log_every == 0:
@@ -127,6 +134,14 @@ class LogProgressOnStepHook(ClassyHook):
                     "round_s": round(last["t_end"] - last["t_start"], 2) if last else None,
                 }
             )
+            if (progress := getattr(task, "swarm_progress", None)) is not None:  # for the monitor
+                progress.report(
+                    step=task.iteration,
+                    loss=fields["loss"],
+                    no_group_s=time.time() - (last.get("t_end") or self._started),
+                    **{key: fields[key] for key in ("group_size", "staleness_steps", "rounds_ok", "rounds_failed")},
+                    averager_failures=fields["averager_failures"],
+                )
         return fields
 
     @staticmethod

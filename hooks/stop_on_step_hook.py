@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from classy_vision.hooks import ClassyHook
 
-from vissl_swarm.ctrl_c import ctrl_c
+from vissl_swarm.ctrl_c import ctrl_c, stopped_by_ctrl_c
 
 
 class StopOnStepHook(ClassyHook):
@@ -19,6 +21,7 @@ class StopOnStepHook(ClassyHook):
 
     def on_start(self, task) -> None:
         ctrl_c.training = True
+        logging.root.addFilter(stopped_by_ctrl_c)  # VISSL's logger by now (its setup_logging replaces logging.root)
 
     def on_step(self, task) -> None:
         ctrl_c.stop_if_requested()

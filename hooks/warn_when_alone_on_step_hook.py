@@ -1,49 +1,56 @@
-"""A box that has averaged with nobody for a minute says so, with the likely causes and what to check."""
+"""A box that has averaged with nobody for ``--alone_warning_after`` seconds says so once, with the cause where the
+swarm's records tell it (another secret, another config or recipe, no box reachable, another run id) and the fix."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from classy_vision.hooks import ClassyHook
 
 from decentralized_sgd.dht_rejoin import dht_peer_count
 from vissl_swarm.averaging_protocol import Averaging
-from vissl_swarm.swarm import ALONE_AFTER_S  # the first warning, after this long with no applied round
+from vissl_swarm.recipe import recipe_fixes
+from vissl_swarm.swarm import ALONE_AFTER_S  # the warning, after this long with no applied round
 
-REPEAT_EVERY_S = 300.0  # then again this often while it lasts
 
-
-def alone_message(seconds: float, failed: int, dht_peers: int | None, run_id: str, config_name: str) -> str:
-    """The warning: how long, what the DHT sees, the causes in the order they are met in practice."""
-    if dht_peers is None:
-        seen = "Our DHT did not answer how many peers it knows."
-    elif dht_peers == 0:
-        seen = (
-            "Our DHT knows no other peer: nobody reached us and we reached nobody (check --initial_peers, "
-            "the network and the firewall first)."
+def alone_cause(progress: Any, dht_peers: int | None, run_id: str, config_name: str) -> str:
+    """The likely cause and its fix, from what this box sees: the run's members (a secret that matches nobody's),
+    live records of its run id with another config or recipe, and how many peers its DHT knows."""
+    if progress is not None and progress.secret_problem:
+        return progress.secret_problem
+    for record in getattr(progress, "others", []):
+        box = f"box {record['peer_id'][-8:]} of run {run_id!r}"
+        if record["config"] != config_name:
+            return f"{box} trains --config {record['config']}: start this one with --config {record['config']}"
+        fixes = recipe_fixes(progress.recipe, record["recipe"])
+        return f"{box} trains another recipe: restart this one with the swarm's: {'; '.join(fixes)}"
+    if dht_peers == 0:
+        return (
+            "no other box is reachable: our DHT knows no other peer. Check that --initial_peers names a running box "
+            "(its join line), that its port is open, and that this box's port (--host_maddrs) is open to the others"
         )
-    else:
-        seen = (
-            f"Our DHT knows {dht_peers} other peer(s), so the network reaches some: check the run id, config "
-            "and secret first."
+    if dht_peers:
+        return (
+            f"our DHT knows {dht_peers} other peer(s), but none of them trains --run_id {run_id} --config "
+            f"{config_name}: start this box with the others' --run_id and --config (their join line has them)"
         )
+    return "our DHT did not answer how many peers it knows; no other box of this swarm may be running yet"
+
+
+def alone_message(seconds: float, failed: int, cause: str) -> str:
     return (
         f"This box has averaged with nobody for {seconds:.0f} s ({failed} rounds found no group); it trains alone. "
-        f"{seen} Likely causes: (1) no other box runs this swarm yet: start one with the join line printed above; "
-        f"(2) the others run another --run_id or --config (only boxes with --run_id {run_id} and --config "
-        f"{config_name or '<the same config>'} average together); (3) the others cannot reach this box or it them: "
-        "open the TCP port of --host_maddrs (behind a port forward add --announce_maddrs; behind NAT without one, "
-        "--client_mode or --use_auto_relay); (4) a different swarm secret (every box needs a copy of the same "
-        "--swarm_secret_file). run_monitor.py with the same --run_id shows which boxes publish progress."
+        f"Likely cause: {cause}. run_monitor.py with the same --run_id shows which boxes train."
     )
 
 
 class WarnWhenAloneOnStepHook(ClassyHook):
     """Counts the seconds since the averager last applied a round (or since the start) and logs one WARNING once
-    they pass ``alone_after_s``, then every ``repeat_every_s`` while no round is applied. Runs on the trainer's
-    thread in ``on_step``; asks the DHT (at most 3 s) only when it warns."""
+    they pass ``alone_after_s``; a round ends the stretch. Runs on the trainer's thread in ``on_step``; asks the DHT
+    (at most 3 s) only when it warns."""
 
     on_phase_start = ClassyHook._noop
     on_forward = ClassyHook._noop
@@ -54,21 +61,16 @@ class WarnWhenAloneOnStepHook(ClassyHook):
     on_end = ClassyHook._noop
     on_exception = ClassyHook._noop
 
-    def __init__(
-        self,
-        alone_after_s: float = ALONE_AFTER_S,
-        repeat_every_s: float = REPEAT_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, alone_after_s: float = ALONE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.alone_after_s, self.repeat_every_s, self.clock = alone_after_s, repeat_every_s, clock
+        self.alone_after_s, self.clock = alone_after_s, clock
         self._since = 0.0  # when the last round was applied, or the start
         self._applied = 0  # rounds applied when last seen
-        self._warned_at: float | None = None
+        self._warned = False
         self.warnings = 0
 
     def on_start(self, task) -> None:
-        self._since, self._warned_at = self.clock(), None
+        self._since, self._warned = self.clock(), False
         optimizer: Averaging | None = getattr(task, "decentralized_sgd", None)
         self._applied = int(optimizer.counters["rounds_applied"]) if optimizer is not None else 0
 
@@ -78,25 +80,19 @@ class WarnWhenAloneOnStepHook(ClassyHook):
             return
         now, applied = self.clock(), int(optimizer.counters["rounds_applied"])
         if applied != self._applied:
-            self._applied, self._since, self._warned_at = applied, now, None
+            self._applied, self._since, self._warned = applied, now, False
             return
-        due = (
-            now - self._since >= self.alone_after_s
-            if self._warned_at is None
-            else now - self._warned_at >= self.repeat_every_s
-        )
-        if not due:
+        if self._warned or now - self._since < self.alone_after_s:
             return
         settings = task.swarm_settings
-        logging.warning(
-            alone_message(
-                now - self._since,
-                # ours counts a round without a group apart; hivemind's baselines count it among the failed ones
-                int(optimizer.counters.get("rounds_no_group", optimizer.counters.get("rounds_failed", 0))),
-                dht_peer_count(getattr(task, "dht", None)),
-                settings.run_id,
-                settings.config_name,
-            )
+        cause = alone_cause(
+            getattr(task, "swarm_progress", None),
+            dht_peer_count(getattr(task, "dht", None)),
+            settings.run_id,
+            settings.config_name,
         )
-        self._warned_at = now
+        # ours counts a round without a group apart; hivemind's baselines count it among the failed ones
+        failed = int(optimizer.counters.get("rounds_no_group", optimizer.counters.get("rounds_failed", 0)))
+        logging.warning(alone_message(now - self._since, failed, cause))
+        self._warned = True
         self.warnings += 1

@@ -48,6 +48,12 @@ def test_override_of_an_unknown_key(digits_dir: Path) -> None:
     assert "config.OPTIMIZER.no_such_key" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_misspelled_flag_names_the_right_one_in_one_line() -> None:
+    result = run_trainer("--config", "swav_tiny", "--checkpoint-dir", "x", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: unknown flag --checkpoint-dir; did you mean --checkpoint_dir?"
+
+
 def test_help_documents_every_flag() -> None:
     result = run_trainer("--help", timeout=60)
     assert result.returncode == 0

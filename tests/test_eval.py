@@ -71,6 +71,10 @@ def test_trained_and_random_init_trunks_are_evaluated(
     assert Path(report["checkpoint"]).name == "model_final_checkpoint_phase0.torch"
     assert report["num_val"] == 360 and report["num_train"] == 1437 and report["feature_dim"] == 64
     assert f"{report['top1']:.4f}" in result.stdout
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
+    baseline = run_eval("--random_init", "--data_path", str(digits_dir))  # extracted here (no cache): no warning
+    assert baseline.returncode == 0 and "kNN top-1" in baseline.stdout, baseline.stderr[-3000:]
+    assert "Warning" not in baseline.stderr, baseline.stderr[-3000:]
 
     random_init = knn_accuracy(None, digits_dir, config="swav_tiny", k=20)
     assert 0.0 <= random_init <= 1.0

@@ -1,10 +1,10 @@
 """The swarm monitor: signed progress records in a real hivemind DHT on 127.0.0.1, and run_monitor.py watching
 real VISSL trainers.
 
-The trainers are plain run_trainer.py processes: they publish once PublishProgressOnStepHook is in
-``hooks.swarm_hook_generator`` (test_trainers_publish_through_the_swarm_hooks checks that it is). They run the old
-design (``--averager old``, the benchmarks' baseline) with the default ``--load_state_timeout``: the hooks are
-written against ``averaging_protocol.Averaging``, so the baseline must train and publish like the default averager.
+The trainers are plain run_trainer.py processes, each publishing its one record (``swarm_progress``). They run the
+old design (``--averager old``, the benchmarks' baseline) with the default ``--load_state_timeout``: the task and
+hooks are written against ``averaging_protocol.Averaging``, so the baseline must train and publish like the default
+averager.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import hivemind
 import pytest
-import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
@@ -31,7 +29,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 from tests.conftest import REPO, trainer_env
 from tests.paced_trainer import paced_peer
 from vissl_swarm.local_swarm import stop_all, wait_until
-from vissl_swarm.swarm_metrics import fetch_metrics, make_record, metrics_key, metrics_validators, owner_subkey
+from vissl_swarm.swarm_progress import (
+    PeerRecord,
+    SignedCount,
+    SwarmProgress,
+    fetch_records,
+    record_validators,
+    records_key,
+    status_fields,
+)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FORGED_STEP = 10**6
@@ -62,19 +68,19 @@ TRAINER_FLAGS = [
 ]
 
 
-def record(step: int, peer_id: str = "QmHonest") -> dict:
-    return make_record(
-        step=step,
-        samples_per_s=12.5,
-        loss=3.2,
-        group_size=2,
-        staleness_steps=1,
-        rounds_ok=4,
-        rounds_failed=0,
-        averager_failures=1,
-        time=get_dht_time(),
-        peer_id=peer_id,
-    )
+def record(step: int, peer_id: str = "QmHonest", key: RSAPrivateKey | None = None, **fields) -> dict:
+    """A record as a box signs it (``key``: its process key; a throwaway one by default)."""
+    count = SignedCount.sign("valtest_swav_tiny", key or RSAPrivateKey(), 16 * step, 16)
+    status = status_fields(step=step, loss=3.2, group_size=2, staleness_steps=1, rounds_ok=4, averager_failures=1)
+    return PeerRecord(
+        **{"owner": count.owner, "samples": count.samples, "batch": count.batch, "signature": count.signature},
+        **{"run": "valtest_swav_tiny", "config": "swav_tiny", "recipe": {"--schedule": "swarm"}, "peer_id": peer_id},
+        **{"time": get_dht_time(), "left": False, "samples_per_s": 12.5, **status, **fields},
+    ).dict()
+
+
+def owner_subkey(key: RSAPrivateKey) -> bytes:
+    return RSASignatureValidator(key).local_public_key
 
 
 def dht(initial_peers: list[str], validators: list | None) -> hivemind.DHT:
@@ -102,132 +108,89 @@ def stored_step(node: hivemind.DHT, key: str, subkey: bytes) -> int | None:
 
 def test_forged_and_malformed_records_are_rejected() -> None:
     run_id = "valtest"
-    key, expiration = metrics_key(run_id), get_dht_time() + 60
-    monitor = dht([], metrics_validators(run_id))  # the monitor: this process's key
-    addresses = [str(address) for address in monitor.get_visible_maddrs()]
+    key, expiration = records_key(run_id), get_dht_time() + 60
     honest_key, forger_key = RSAPrivateKey(), RSAPrivateKey()
-    honest = dht(addresses, metrics_validators(run_id, honest_key))
-    forger = dht(addresses, metrics_validators(run_id, forger_key))  # follows the rules, with a key of its own
+    monitor = dht([], record_validators(run_id))  # the monitor: this process's key
+    addresses = [str(address) for address in monitor.get_visible_maddrs()]
+    honest = dht(addresses, record_validators(run_id, honest_key))
+    forger = dht(addresses, record_validators(run_id, forger_key))  # follows the rules, with a key of its own
     nodes = [monitor, honest, forger]
     try:
         victim = owner_subkey(honest_key)
-        assert honest.store(key, record(step=7), expiration, subkey=victim)
+        assert honest.store(key, record(7, key=honest_key), expiration, subkey=victim)
 
         # (while every peer validates, a store's result says whether any peer took the record)
         # another peer's subkey: the forger's DHT cannot sign for that key, and every peer refuses the record
-        assert not forger.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
+        assert not forger.store(key, record(FORGED_STEP, key=honest_key), expiration + 1, subkey=victim)
         # correctly signed but against the schema: a float step, a missing field, a field too many, a negative count
+        good = record(8, key=honest_key)
         bad_values = [
-            {**record(8), "step": 8.0},
-            {k: v for k, v in record(8).items() if k != "loss"},
-            {**record(8), "admin": True},
-            {**record(8), "averager_failures": -1},
+            {**good, "step": 8.0},
+            {k: v for k, v in good.items() if k != "loss"},
+            {**good, "admin": True},
+            {**good, "averager_failures": -1},
         ]
         for bad_value in bad_values:
             assert not honest.store(key, bad_value, expiration + 2, subkey=victim), bad_value
         # a subkey without the owner's public key in it
-        assert not honest.store(key, record(9), expiration + 2, subkey=b"not-a-public-key")
+        assert not honest.store(key, record(9, key=honest_key), expiration + 2, subkey=b"not-a-public-key")
 
         # a peer that added no validators keeps a forged record itself and serves it; readers reject its answers
         rogue = dht(addresses, None)
         nodes.append(rogue)
-        rogue.store(key, record(FORGED_STEP), expiration + 1, subkey=victim)
+        rogue.store(key, record(FORGED_STEP, key=honest_key), expiration + 1, subkey=victim)
         assert stored_step(rogue, key, victim) == FORGED_STEP  # the forgery is out there
         assert stored_step(monitor, key, victim) == 7
 
-        records = fetch_metrics(monitor, run_id)
+        records = fetch_records(monitor, run_id)
         assert list(records) == [victim]
         assert records[victim]["step"] == 7 and records[victim]["peer_id"] == "QmHonest"
         assert records[victim]["averager_failures"] == 1
-        assert fetch_metrics(forger, run_id)[victim]["step"] == 7  # any validating peer sees the same
-
-        # a peer of an older version publishes no averager_failures: its record is valid, read as 0 failures
-        older = {k: v for k, v in record(11).items() if k != "averager_failures"}
-        assert honest.store(key, older, expiration + 3, subkey=victim)
-        assert fetch_metrics(monitor, run_id)[victim] == {**older, "averager_failures": 0}
+        assert fetch_records(forger, run_id)[victim]["step"] == 7  # any validating peer sees the same
+        # a record signed by one key but published under another owner's subkey is not that owner's
+        assert honest.store(key, record(10, key=forger_key), expiration + 3, subkey=victim)
+        assert fetch_records(monitor, run_id) == {}
     finally:
         for node in nodes:
             node.shutdown()
 
 
-def stub_task(node: hivemind.DHT, iteration: int) -> SimpleNamespace:
-    """The parts of a DecentralizedSelfSupervisionTask that the hook reads, around a real DHT."""
-    applied = {"applied": True, "group_size": 3, "staleness_steps": 2}  # then a failed round
-    averager = SimpleNamespace(
-        last_applied_record=lambda: applied, counters={"rounds_applied": 5, "rounds_failed": 1, "averager_failures": 2}
-    )
-    return SimpleNamespace(
-        dht=node,
-        decentralized_sgd=averager,
-        swarm_settings=SimpleNamespace(run_id="hooktest"),
-        train=True,
-        iteration=iteration,
-        get_global_batchsize=lambda: 16,
-        last_batch=SimpleNamespace(loss=torch.tensor(float("nan"))),
-    )
+def test_a_box_publishes_its_status_and_leaves_the_count_at_once() -> None:
+    """The box's record carries what the trainer reported (a NaN loss as None); its last record, at shutdown, says it
+    left: the monitor counts it out at once (no wait for the record to expire)."""
+    from run_monitor import peer_rows, swarm_totals
 
-
-def test_hook_publishes_and_survives_a_dead_dht(caplog: pytest.LogCaptureFixture) -> None:
-    from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook
-
-    monitor = dht([], metrics_validators("hooktest"))
-    trainer = dht([str(address) for address in monitor.get_visible_maddrs()], None)  # the hook adds validators
+    monitor = dht([], record_validators("hooktest"))
+    trainer = dht([str(address) for address in monitor.get_visible_maddrs()], None)  # the box adds validators
+    box = SwarmProgress(trainer, "hooktest_swav_tiny", 16, run_id="hooktest", config="swav_tiny", period=0.5)
     try:
-        hook = PublishProgressOnStepHook(publish_every=5)
-        task = stub_task(trainer, iteration=0)
-        hook.on_start(task)
-        for last in (5, 10):  # the record of step 10 replaces that of step 5 (the same owner subkey)
-            # the hook skips a step while its previous store is in flight: let that one finish first
-            wait_until(lambda: hook._pending is None or hook._pending.done(), 30, "the hook's previous store")
-            for iteration in range(last - 4, last + 1):
-                task.iteration = iteration
-                hook.on_step(task)
-            published = wait_until(
-                lambda last=last: [r for r in fetch_metrics(monitor, "hooktest").values() if r["step"] == last],
-                30,
-                f"the hook's record of step {last}",
-            )
-        assert published == [
-            {
-                **published[0],
-                "group_size": 3,
-                "staleness_steps": 2,
-                "rounds_ok": 5,
-                "rounds_failed": 1,
-                "averager_failures": 2,
-                "loss": None,
-                "peer_id": str(trainer.peer_id),
-            }
-        ]
-        # the hook skips a step while its previous store is in flight: let that one finish before the DHT dies
-        wait_until(lambda: hook._pending is None or hook._pending.done(), 30, "the hook's last store")
+        box.add(160)
+        box.report(
+            step=10,
+            loss=float("nan"),
+            group_size=3,
+            staleness_steps=2,
+            rounds_ok=5,
+            rounds_failed=1,
+            averager_failures=2,
+            no_group_s=4.0,
+        )
+        published = wait_until(
+            lambda: [r for r in fetch_records(monitor, "hooktest").values() if r["step"] == 10],
+            30,
+            "the box's record of step 10",
+        )
+        assert published[0] | {"loss": None, "group_size": 3, "rounds_ok": 5, "averager_failures": 2} == published[0]
+        assert published[0]["samples"] == 160
+        assert published[0]["peer_id"] == str(trainer.peer_id)
+        assert swarm_totals(peer_rows(fetch_records(monitor, "hooktest"), get_dht_time()))["peers_alive"] == 1
+        assert box.shutdown() is True and box.shutdown() is None  # its last record went out; once
+        rows = peer_rows(fetch_records(monitor, "hooktest"), get_dht_time())
+        assert [row["alive"] for row in rows] == [False] and swarm_totals(rows)["peers_alive"] == 0
     finally:
+        box.shutdown()
         trainer.shutdown()
-    try:
-        task.iteration = 15
-        hook.on_step(task)  # the DHT is gone: a warning, never an exception in the trainer
-        hook.on_step(task)
-        # one warning per run of failures: the first one may be about the last store before the DHT went away
-        warnings = [line for line in caplog.text.splitlines() if "publish_progress_on_step_hook" in line]
-        assert warnings and all(line.startswith("WARNING") for line in warnings), caplog.text
-    finally:
         monitor.shutdown()
-
-
-def publishing_hooks() -> list:
-    """The publishing hooks that run_trainer.py hands to VISSL for the tiny config."""
-    from hooks import swarm_hook_generator
-    from hooks.publish_progress_on_step_hook import PublishProgressOnStepHook
-    from vissl_swarm.config_loading import compose_config
-
-    config, _ = compose_config("swav_tiny", ["config.LOG_FREQUENCY=2"], has_gpu=False)
-    return [hook for hook in swarm_hook_generator(config) if isinstance(hook, PublishProgressOnStepHook)]
-
-
-def test_trainers_publish_through_the_swarm_hooks() -> None:
-    hooks = publishing_hooks()
-    assert len(hooks) == 1, "wire PublishProgressOnStepHook into hooks.swarm_hook_generator"
-    assert hooks[0].publish_every == 2  # as often as the progress log line (config.LOG_FREQUENCY)
 
 
 def start_monitor(tmp_path: Path, table: Path) -> tuple[subprocess.Popen, Path]:
@@ -270,7 +233,6 @@ def monitor_table(path: Path) -> dict:
 @pytest.mark.xdist_group("swarm_scenarios")
 @pytest.mark.timeout(600)
 def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp_path: Path) -> None:
-    assert publishing_hooks(), "wire PublishProgressOnStepHook into hooks.swarm_hook_generator"
     table = tmp_path / "table.json"
     monitor, log_path = start_monitor(tmp_path, table)
     trainers = [paced_peer(f"peer{index}", tmp_path) for index in range(2)]
@@ -308,16 +270,16 @@ def test_monitor_shows_both_trainers_and_ignores_a_forgery(digits_dir: Path, tmp
         wait_until(lambda: both_past(2 * LOG_FREQUENCY), 120, "both trainers past their first progress line")
 
         # a peer without validators overwrites one trainer's record: the monitor keeps showing the real one
-        reader = dht(addresses, metrics_validators("montest"))  # (only a validating DHT can read signed records)
-        victim, victim_record = next(iter(fetch_metrics(reader, "montest").items()))
+        reader = dht(addresses, record_validators("montest"))  # (only a validating DHT can read signed records)
+        victim, victim_record = next(iter(fetch_records(reader, "montest").items()))
         victim_id = victim_record["peer_id"]
         assert victim_id in trainer_ids
         rogue = dht(addresses, None)
         forged = {**record(FORGED_STEP, peer_id=victim_id), "time": get_dht_time() + 30}
-        rogue.store(metrics_key("montest"), forged, get_dht_time() + 600, subkey=victim, return_future=True).result(
+        rogue.store(records_key("montest"), forged, get_dht_time() + 600, subkey=victim, return_future=True).result(
             timeout=60
         )
-        assert stored_step(rogue, metrics_key("montest"), victim) == FORGED_STEP  # it validates nothing
+        assert stored_step(rogue, records_key("montest"), victim) == FORGED_STEP  # it validates nothing
         seen = monitor_table(table)["refresh"]
         wait_until(lambda: monitor_table(table).get("refresh", 0) >= seen + 2, 60, "two more monitor refreshes")
         victim_row = next(row for row in monitor_table(table)["peers"] if row["peer_id"] == victim_id)
@@ -365,36 +327,31 @@ def test_bad_monitor_flags_fail_with_a_clear_error(flags: list[str], message: st
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_the_table_lists_peers_that_average_with_nobody() -> None:
-    """A live peer without an applied round for over a minute (its no_group_s) is named under the table; a gone one,
-    or a peer of an older version (no such field), is not."""
+def test_the_table_counts_boxes_as_the_trainers_do() -> None:
+    """One row per box: a restarted box's earlier life (the same peer id, an older record of another process key) is
+    not listed, a box whose last record says it left is not alive, and a live box without an applied round for over a
+    minute (its no_group_s) is named under the table."""
     from run_monitor import format_table, peer_rows, swarm_totals
 
-    now = 1_000.0
-
-    def published(peer_id: str, no_group_s: float | None, seen_at: float) -> dict:
-        record = make_record(
-            step=10,
-            samples_per_s=1.0,
-            loss=1.0,
-            group_size=None,
-            staleness_steps=None,
-            rounds_ok=0,
-            rounds_failed=4,
-            time=seen_at,
-            peer_id=peer_id,
-            no_group_s=no_group_s or 0,
-        )
-        return record if no_group_s is not None else {k: v for k, v in record.items() if k != "no_group_s"}
-
+    now = get_dht_time()
     records = {
-        b"a": published("QmLonelyPeer01", 95.0, now - 1),
-        b"b": published("QmBusyPeer0002", 3.0, now - 1),
-        b"c": published("QmGonePeer0003", 500.0, now - 600),
-        b"d": published("QmOlderPeer004", None, now - 1),
+        b"a": record(10, "QmLonelyPeer01", no_group_s=95.0),
+        b"b": record(10, "QmBusyPeer0002", no_group_s=3.0),
+        b"c": {**record(10, "QmGonePeer0003", no_group_s=500.0), "left": True},
+        b"d": {**record(3, "QmRestarted004"), "time": now - 30},  # its earlier life
+        b"e": record(1, "QmRestarted004"),
     }
-    rows = peer_rows(records, now, alive_window=60)
-    table = format_table(rows, swarm_totals(rows))
+    rows = peer_rows(records, now)
+    assert [(row["peer"], row["step"], row["alive"]) for row in rows] == [
+        ("Peer0002", 10, True),
+        ("Peer0003", 10, False),
+        ("lyPeer01", 10, True),
+        ("arted004", 1, True),
+    ]
+    totals = swarm_totals(rows)
+    assert totals["peers_alive"] == 3 and totals["peers_listed"] == 4
+    table = format_table(rows, totals)
+    assert "(left)" in table and "swarm: 3 peers alive" in table
     alone = [line for line in table.splitlines() if line.startswith("alone")]
     assert alone == [
         "alone (no averaging round for over a minute; its log's warning says what to check): lyPeer01 (95 s)"

@@ -99,7 +99,7 @@ def test_train_checkpoint_crash_and_resume(digits_dir: Path, tmp_path: Path) -> 
     assert "Traceback" not in log, log[max(0, log.index("Traceback") - 500) :][
         :4000
     ]  # a normal end prints no traceback
-    assert "This box has averaged with nobody for" in log and "Our DHT knows no other peer" in log
+    assert "This box has averaged with nobody for" in log and "our DHT knows no other peer" in log
     resume_line = next(line for line in log.splitlines() if "Resume from file" in line)
     resumed_from = int(resume_line.rsplit("model_iteration", 1)[1].split(".")[0])
     assert resumed_from >= 8

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import hivemind
@@ -88,7 +89,10 @@ def test_a_joiner_nobody_answers_fails_clearly_and_frees_its_port() -> None:
             settings = swarm.SwarmSettings(
                 initial_peers=[initial_peer], host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], join_timeout=4
             )
-            with pytest.raises(swarm.SwarmError, match="could not start or join the swarm.*first peer is running"):
+            with pytest.raises(
+                swarm.SwarmError,
+                match="could not join the swarm: none of --initial_peers answered.*first peer is running",
+            ):
                 swarm.start_dht(settings)
             deadline = time.monotonic() + 15
             while not port_is_free(port) and time.monotonic() < deadline:
@@ -101,9 +105,9 @@ def test_a_joiner_nobody_answers_fails_clearly_and_frees_its_port() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_join_line_runs_as_printed(tmp_path: Path) -> None:
-    """The join line parses with run_trainer.py's own parser once its one placeholder is filled in: the same
-    interpreter as the README's commands, a fixed port and an identity of its own, and the addresses of this peer and
-    of the initial peers it joined through (any of them lets a new box in)."""
+    """The join line parses with run_trainer.py's own parser once its placeholders (each in angle brackets) are filled
+    in: the same interpreter as the README's commands, a port, identity and checkpoint folder of its own, the swarm's
+    recipe, and the addresses of this peer and of the initial peers it joined through (any of them lets a box in)."""
     import os
     import shlex
 
@@ -113,11 +117,11 @@ def test_the_join_line_runs_as_printed(tmp_path: Path) -> None:
     joiner = None
     try:
         first_addresses = [str(address) for address in first.get_visible_maddrs()]
-        settings = swarm.SwarmSettings(
-            run_id="joinline",
-            config_name="swav_tiny",
-            initial_peers=first_addresses,
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        args = run_trainer.parse_args(
+            ["--config", "swav_tiny", "--run_id", "joinline", "--swarm_lr", "box", "config.OPTIMIZER.num_epochs=12"]
+        )
+        settings = replace(
+            run_trainer.swarm_settings(args), initial_peers=first_addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
         )
         joiner = swarm.start_dht(settings)
         line = swarm.join_command(joiner, settings)
@@ -125,11 +129,18 @@ def test_the_join_line_runs_as_printed(tmp_path: Path) -> None:
         for dht in (joiner, first):
             if dht is not None:
                 dht.shutdown()
-    words = shlex.split(line.replace("<your ImageFolder dataset>", str(tmp_path)))
+    assert all(placeholder in line for placeholder in swarm.PLACEHOLDERS), line
+    filled = dict(zip(swarm.PLACEHOLDERS, [str(tmp_path), "31337", "box.key", str(tmp_path / "ckpt")], strict=True))
+    for placeholder, value in filled.items():
+        line = line.replace(placeholder, value)
+    words = shlex.split(line)
     assert words[0] == "python" or os.access(words[0], os.X_OK), words[0]
     assert words[1] == "run_trainer.py"
     args = run_trainer.parse_args(words[2:])
     assert args.config == "swav_tiny" and args.run_id == "joinline" and args.data_path == tmp_path
-    assert args.host_maddrs == [f"/ip4/0.0.0.0/tcp/{swarm.JOINER_PORT}"] and args.identity_path
+    assert args.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"] and args.identity_path == "box.key"
+    assert args.checkpoint_dir == tmp_path / "ckpt"
     assert set(first_addresses) < set(args.initial_peers)  # the joiner's own address too
-    assert run_trainer.swarm_settings(args).initial_peers == args.initial_peers
+    pasted = run_trainer.swarm_settings(args)
+    assert pasted.initial_peers == args.initial_peers
+    assert pasted.recipe == settings.recipe and pasted.run_prefix == settings.run_prefix  # the swarm's recipe

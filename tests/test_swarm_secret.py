@@ -137,7 +137,7 @@ def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environme
     import run_monitor
     import run_trainer
     from vissl_swarm import swarm
-    from vissl_swarm.swarm_metrics import metrics_validators
+    from vissl_swarm.swarm_progress import record_validators
 
     key = tmp_path / "swarm.key"
     key.write_text("s3cret\n")
@@ -167,7 +167,7 @@ def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environme
             run_monitor.build_parser().parse_args(["--swarm_secret_file", str(tmp_path / "missing.key")])
         )
     monitor = run_monitor.settings_from(run_monitor.build_parser().parse_args(["--swarm_secret_file", str(key)]))
-    assert any(isinstance(v, SwarmSecretValidator) for v in metrics_validators("run", secret=monitor.secret()))
+    assert any(isinstance(v, SwarmSecretValidator) for v in record_validators("run", secret=monitor.secret()))
     dht = SimpleNamespace(get_visible_maddrs=lambda: ["/ip4/203.0.113.5/tcp/31337/p2p/QmPeer"])
     line = swarm.join_command(dht, from_file)  # the join line asks for the key file, never shows the secret
     assert "--swarm_secret_file" in line and "s3cret" not in line

@@ -401,24 +401,23 @@ def test_initial_peer_without_peer_id(digits_dir: Path) -> None:
     assert result.returncode != 0 and "has no /p2p/<peer id> part" in result.stderr
 
 
-def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path) -> None:
+def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path, tmp_path: Path) -> None:
+    """One error line after --join_timeout, not the daemon's text nor hivemind's identity check once per try, and
+    nothing left behind: neither the checkpoint folder nor the identity file the box would have made."""
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn"
+    folder, identity = tmp_path / "box", tmp_path / "box.key"
     result = run_trainer(
-        "--config",
-        "swav_tiny",
-        "--data_path",
-        str(digits_dir),
-        "--initial_peers",
-        unreachable,
-        "--host_maddrs",
-        "/ip4/127.0.0.1/tcp/0",
-        "--join_timeout",
-        "5",
+        *("--config", "swav_tiny", "--data_path", str(digits_dir), "--checkpoint_dir", str(folder)),
+        *("--initial_peers", unreachable, "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--join_timeout", "8"),
+        *("--identity_path", str(identity)),
         timeout=180,
     )
-    assert result.returncode != 0
-    assert "could not start or join the swarm" in result.stderr and "first peer is running" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 3, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: could not join the swarm: none of --initial_peers"), errors
+    assert "first peer is running" in errors[0] and "bootstrap" not in result.stderr
+    assert result.stderr.count("Checking that identity") <= 1 and "Traceback" not in result.stderr
+    assert not folder.exists() and not identity.exists(), sorted(tmp_path.rglob("*"))
 
 
 def test_bad_averaging_knobs_are_rejected(digits_dir: Path) -> None:

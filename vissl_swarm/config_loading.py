@@ -63,8 +63,9 @@ def compose_config(name: str, overrides: list[str], has_gpu: bool, dump_config: 
 
 def compose_trainer_config(name: str, overrides: list[str], has_gpu: bool) -> TrainerConfig:
     """The config a peer trains with: composed, adapted to this stack, its recipe scaled to this box and dataset
-    (``vissl_swarm/recipe.py``), then completed by VISSL's own inference and dumped to the checkpoint folder."""
-    return _compose(name, overrides, has_gpu, dump_config=True, scale_recipe=True)
+    (``vissl_swarm/recipe.py``), then completed by VISSL's own inference. Nothing is written yet: the trainer dumps
+    ``train_config.yaml`` once the box has joined (a box that cannot join leaves no file behind)."""
+    return _compose(name, overrides, has_gpu, dump_config=False, scale_recipe=True)
 
 
 def _compose(name: str, overrides: list[str], has_gpu: bool, dump_config: bool, scale_recipe: bool) -> TrainerConfig:

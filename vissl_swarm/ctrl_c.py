@@ -10,6 +10,9 @@ Before training starts, and for a second Ctrl-C, it is raised at once as usual. 
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import signal
 import sys
 from types import FrameType
@@ -24,6 +27,10 @@ class StopAtStepBoundary:
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._on_sigint)
+        if not getattr(asyncio.create_subprocess_exec, "own_session", False):
+            asyncio.create_subprocess_exec = asyncio.subprocess.create_subprocess_exec = _own_session(
+                asyncio.create_subprocess_exec
+            )
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         if not self.training or self.requested:
@@ -42,3 +49,32 @@ class StopAtStepBoundary:
 
 
 ctrl_c = StopAtStepBoundary()  # the one of this process
+
+
+def stopped_by_ctrl_c(record: logging.LogRecord) -> bool:
+    """A filter for VISSL's logger (``logging.root`` once VISSL set up its logging; the step hook adds it): VISSL's
+    launcher logs the KeyboardInterrupt that ends a Ctrl-C'd run as an ERROR ("Wrapping up, caught exception",
+    ``vissl/utils/distributed_launcher.py``, ``launch_distributed``); it is the stop the user asked for, so it
+    becomes one INFO line."""
+    if str(record.msg).startswith("Wrapping up, caught exception") and isinstance(
+        (record.args or (None,))[0], KeyboardInterrupt
+    ):
+        record.levelno, record.levelname, record.msg, record.args = logging.INFO, "INFO", "Stopped by Ctrl-C", ()
+    return True
+
+
+def _own_session(create_subprocess_exec):
+    """hivemind starts ``p2pd`` in our process group (``hivemind/p2p/p2p_daemon.py``, ``P2P.create``), so a terminal's
+    Ctrl-C, sent to the whole group, ends it at once, under the DHT that still uses it (an ERROR per DHT call, then a
+    WARN that the DHT did not shut down in time). In a session of its own it ends when the DHT shuts it down (and with
+    its parent: ``decentralized_sgd.end_with_parent``). Upstream: none found; the PR: "start p2pd in a session of its
+    own"."""
+
+    @functools.wraps(create_subprocess_exec)
+    async def in_own_session(program, *args, **kwargs):
+        if str(program).endswith("p2pd"):
+            kwargs.setdefault("start_new_session", True)
+        return await create_subprocess_exec(program, *args, **kwargs)
+
+    in_own_session.own_session = True
+    return in_own_session

@@ -213,3 +213,59 @@ def apply_recipe(config: Any, overrides: list[str], images: Callable[[], int] | 
     recipe.queue()
     recipe.freeze_prototypes()
     return recipe.lines
+
+
+# the overrides that decide a swarm's schedule: its budget (epochs, data), LR, warm-up, freezing, queue, loss. A box's
+# batch is not one: each box trains at its own (the budget counts samples, and the recipe scales its LR to its batch)
+SCHEDULE_KEYS = (
+    "config.OPTIMIZER.",
+    "config.LOSS.",
+    "config.RECIPE.",
+    "config.MODEL.TEMP_FROZEN_PARAMS_ITER_MAP",
+    "config.DATA.TRAIN.DATA_LIMIT",
+)
+SCHEDULE_FLAGS = {"--schedule": "swarm", "--swarm_lr": "sqrt"}  # and their defaults
+
+
+def swarm_recipe(overrides: list[str], flags: dict[str, str]) -> dict[str, str]:
+    """What every box of a swarm must run alike: the overrides of :data:`SCHEDULE_KEYS` (``key: value``) and the
+    flags of :data:`SCHEDULE_FLAGS`."""
+    recipe = {name: value for name, value in flags.items() if name in SCHEDULE_FLAGS}
+    for override in overrides:
+        name, _, value = override.lstrip("+").partition("=")
+        if name.startswith(SCHEDULE_KEYS):
+            recipe[name] = value
+    return recipe
+
+
+def recipe_hash(recipe: dict[str, str]) -> str:
+    """8 hex digits that name a recipe: boxes of different recipes average under different names (never together)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def recipe_words(recipe: dict[str, str]) -> list[str]:
+    """The recipe as command-line words (flags at their default left out)."""
+    words = []
+    for name, value in sorted(recipe.items()):
+        if not name.startswith("--"):
+            words.append(f"{name}={value}")
+        elif value != SCHEDULE_FLAGS.get(name):
+            words += [name, value]
+    return words
+
+
+def recipe_fixes(ours: dict[str, str], swarm: dict[str, str]) -> list[str]:
+    """What this box must change to train the swarm's recipe: one item per differing key, with the value to pass."""
+    fixes = []
+    for name in sorted(set(ours) | set(swarm)):
+        if ours.get(name) == swarm.get(name):
+            continue
+        if name not in swarm:
+            fixes.append(f"drop {name}={ours[name]} (the swarm runs the config's value)")
+        else:
+            word = f"{name} {swarm[name]}" if name.startswith("--") else f"{name}={swarm[name]}"
+            fixes.append(f"pass {word}" + (f" (this box has {ours[name]})" if name in ours else ""))
+    return fixes

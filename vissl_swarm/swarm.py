@@ -19,13 +19,16 @@ logger = logging.getLogger(__name__)
 
 _shared_dht: Any = None  # a DHT started by run_trainer.py, reused by the task in the same process
 SECRET_ENV = "SWAV_SWARM_SECRET"  # a secret from the environment (run_trainer.py moves it into a file: hide_secret)
-JOINER_PORT = 31337  # the port the join line gives a joining box (open it, or change it)
 PREFLIGHT_SUFFIX = "-preflight"  # a pre-flight's run id: the long run's plus this (preflight.SUFFIX)
 JOIN_RETRY_S = 3.0  # start_dht dials the initial peers again this often until one answers (or join_timeout)
 
 
 class SwarmError(ValueError):
     """Bad swarm flags or an unreachable swarm; the message says what to do."""
+
+
+class NobodyAnswered(SwarmError):
+    """None of --initial_peers answered within --join_timeout."""
 
 
 ALONE_AFTER_S = 60.0  # a box with no applied round for this long is alone: it warns, and the monitor lists it
@@ -64,6 +67,7 @@ class SwarmSettings:
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
     swarm_lr: str = "sqrt"  # with the swarm schedule: each box's LR x sqrt(swarm batch / box batch); see README
     config_name: str = ""
+    recipe: dict[str, str] = field(default_factory=dict)  # what every box of the swarm runs alike (recipe.swarm_recipe)
     preflight_s: float = 0.0  # > 0: a pre-flight of that many seconds (run_id then ends with preflight.SUFFIX)
     swarm_secret_file: str = ""  # a file holding the swarm secret (see secret())
     swarm_secret: str = field(default="", repr=False)  # --swarm_secret itself: left out of to_config()
@@ -71,7 +75,15 @@ class SwarmSettings:
     @classmethod
     def from_config(cls, section: Any) -> SwarmSettings:
         known = {name: section[name] for name in cls.__dataclass_fields__ if name in section}
-        return cls(**known)
+        return cls(**{**known, "recipe": {str(k): str(v) for k, v in known.get("recipe", {}).items()}})
+
+    @property
+    def run_prefix(self) -> str:
+        """The run's name in the swarm: boxes with the same run id, config and recipe share it (averaging, state
+        downloads and the signed counts); a box of another recipe never averages with them."""
+        from vissl_swarm.recipe import recipe_hash
+
+        return f"{self.run_id}_{self.config_name or 'swav'}_{recipe_hash(self.recipe)}".replace(".", "_")
 
     def to_config(self) -> dict:
         """Everything but the secret itself: VISSL logs its config and saves it next to the checkpoints (the trainer
@@ -178,6 +190,17 @@ def check_multiaddrs(flag: str, addresses: list[str]) -> None:
 
 
 def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
+    """:func:`join`, and a box that could not join leaves no identity file it made (``--identity_path``)."""
+    new_identity = settings.identity_path and not os.path.exists(settings.identity_path)
+    try:
+        return join(settings, startup_timeout)
+    except SwarmError:
+        if new_identity and os.path.exists(settings.identity_path):
+            os.remove(settings.identity_path)
+        raise
+
+
+def join(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     """Start this peer's DHT and join the swarm through ``--initial_peers`` and the peers this box met before (its
     address book, ``settings.address_book``).
 
@@ -215,7 +238,7 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     try:
         dht = _start_dht_process(settings, initial_peers, startup_timeout, deadline, hint)
     except SwarmError as error:
-        if not (met_before and initial_peers and "failed to connect to bootstrap peers" in str(error)):
+        if not (met_before and isinstance(error, NobodyAnswered)):
             raise
         logger.warning(
             f"None of --initial_peers answered within {settings.join_timeout:g} s; this box met "
@@ -231,8 +254,8 @@ def start_dht(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     if initial_peers and not _joined(dht, deadline, known_addresses):
         if not met_before:
             dht.shutdown()
-            raise SwarmError(
-                f"could not start or join the swarm: none of --initial_peers answered within "
+            raise NobodyAnswered(
+                f"could not join the swarm: none of --initial_peers answered within "
                 f"{settings.join_timeout:g} s (--join_timeout); {hint}"
             )
         logger.warning(
@@ -265,14 +288,19 @@ def _start_dht_process(
     from hivemind.p2p import P2PDaemonError
 
     from decentralized_sgd import FixedDHT
-    from decentralized_sgd.secret import SwarmSecretValidator
+    from decentralized_sgd.secret import SwarmSecretValidator, members_key
 
     secret = settings.secret()
+    # the run's members' key stays open to every secret: a box whose secret matches nobody's learns so from it
+    validators = (
+        [SwarmSecretValidator(secret, exempt_keys=[members_key(settings.run_id)])] if secret is not None else []
+    )
+    check_identity = True  # hivemind's check that no running peer has our identity dials the initial peers too
     while True:
         try:
             return FixedDHT(  # a hivemind.DHT that survives a restarted averager
                 start=True,
-                record_validators=[SwarmSecretValidator(secret)] if secret is not None else (),  # records signed
+                record_validators=validators,  # records signed
                 initial_peers=initial_peers or None,
                 host_maddrs=settings.host_maddrs,
                 announce_maddrs=settings.announce_maddrs or None,
@@ -283,14 +311,17 @@ def _start_dht_process(
                 force_reachability=settings.force_reachability or None,
                 startup_timeout=startup_timeout,
                 ensure_bootstrap_success=False,
+                check_if_identity_free=check_identity,
             )
         except (P2PDaemonError, hivemind.p2p.P2PHandlerError, OSError, RuntimeError, TimeoutError) as error:
-            if "failed to connect to bootstrap peers" not in str(error) or time.monotonic() > deadline:
+            if "failed to connect to bootstrap peers" not in str(error):
                 raise SwarmError(f"could not start or join the swarm: {error}; {hint}") from error
-            logger.warning(
-                f"None of --initial_peers answered yet; trying again in {JOIN_RETRY_S:g} s "
-                f"(for {max(0.0, deadline - time.monotonic()):.0f} s more)"
-            )
+            if time.monotonic() + JOIN_RETRY_S > deadline:  # the daemon's own text says no more than this
+                raise NobodyAnswered(
+                    f"could not join the swarm: none of --initial_peers answered within {settings.join_timeout:g} s "
+                    f"(--join_timeout); {hint}"
+                ) from None
+            check_identity = False  # checked once: it fails as long as nobody answers
             time.sleep(JOIN_RETRY_S)
 
 
@@ -345,20 +376,28 @@ def reachability_note(addresses: list[str]) -> str:
     )
 
 
+JOIN_FILE = "join.txt"  # in the box's checkpoint folder: its join line
+PLACEHOLDERS = ("<your ImageFolder dataset>", "<this box's port>", "<its own key file>", "<its checkpoint folder>")
+
+
 def join_command(dht: Any, settings: SwarmSettings) -> str:
-    """The exact command another box runs to join this peer's swarm (never with the secret itself): a fixed port
-    and an identity file of its own (a port its firewall can open, and an address that stays valid across its
-    restarts: the other boxes dial it too), then this peer's addresses and the initial peers it joined through, so
-    that the line still works while any of them runs."""
+    """The command another box runs to join this peer's swarm (never with the secret itself), its placeholders in
+    angle brackets: a fixed port and an identity file of its own (a port its firewall can open, and an address that
+    stays valid across its restarts: the other boxes dial it too), a checkpoint folder of its own, the swarm's recipe,
+    then this peer's addresses and the initial peers it joined through (the line works while any of them runs)."""
+    from vissl_swarm.recipe import recipe_words
+
     peers = " ".join(dict.fromkeys([*visible_maddrs(dht), *settings.initial_peers]))
     secret = " --swarm_secret_file <a copy of the swarm's key file>" if settings.secret() is not None else ""
     run_id, preflight = settings.run_id, ""
     if settings.preflight_s > 0:  # the joiner's --preflight appends the suffix itself
         run_id, preflight = run_id.removesuffix(PREFLIGHT_SUFFIX), f" --preflight {settings.preflight_s:g}"
+    data, port, key, folder = PLACEHOLDERS
+    recipe = "".join(f" {word}" for word in recipe_words(settings.recipe))
     return (
         f"{interpreter()} run_trainer.py --config {settings.config_name or '<config>'} --run_id {run_id}"
-        f"{preflight} --data_path <your ImageFolder dataset>{secret} --host_maddrs /ip4/0.0.0.0/tcp/{JOINER_PORT} "
-        f"--identity_path peer.key --initial_peers {peers}"
+        f"{preflight} --data_path {data}{secret} --host_maddrs /ip4/0.0.0.0/tcp/{port} --identity_path {key} "
+        f"--checkpoint_dir {folder}{recipe} --initial_peers {peers}"
     )
 
 

@@ -14,6 +14,11 @@ process-wide key, the one that signs its DHT records) over the run's name, so a 
 checkpoint or a donor's state download is taken only if its signature checks: nobody can raise another box's
 count, nor replay one from another run. With a swarm secret, the DHT takes records from members only.
 
+The count rides in the box's one record under ``<run_id>_peers`` with what the monitor shows (``run_monitor.py``)
+and what makes the run one: its config and recipe (a box of another recipe counts for another run). A record that
+says its box left takes it out of the live count at once; a box restarted with the same identity replaces its
+earlier life's record (:func:`live_records`).
+
 Why not hivemind's ``ProgressTracker``: it counts samples toward its *global epoch* and resets them at every
 epoch, it sums only live records (a box that left takes its samples with it, since signed DHT records expire and
 only their author can refresh them), and it saves nothing. Its way of publishing (a signed record per peer under
@@ -25,8 +30,10 @@ hivemind + pydantic only (no VISSL): the VISSL task and the plain-PyTorch benchm
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,39 +44,114 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from decentralized_sgd.secret import SwarmSecret, SwarmSecretValidator, announce_member, diagnose_members, read_members
+
 logger = logging.getLogger(__name__)
 
-PERIOD_S = 3.0  # publish our count and read the others' this often (ProgressTracker's default refresh period)
+PERIOD_S = 3.0  # publish our record and read the others' this often (ProgressTracker's default refresh period)
 EXPIRATION_S = 60.0  # a record lives this long in the DHT; a box whose record is gone is not counted as live
 DHT_TIMEOUT_S = 10.0  # one store or get that takes longer is given up (and retried next period)
-SHUTDOWN_TIMEOUT_S = 5.0  # the last count is published within this at shutdown
+SHUTDOWN_TIMEOUT_S = 5.0  # the last record is published within this at shutdown
+Text = pydantic.constr(strict=True, max_length=256)
 
 
-class ProgressRecord(pydantic.BaseModel):
-    """One box's count as stored in the DHT: signed by the box (``signature``) besides the DHT's own signature, so
-    that it can be checked again after it left the DHT (in a checkpoint, in a state download)."""
+class PeerRecord(pydantic.BaseModel):
+    """One box's record: its signed count (``owner`` to ``signature``, signed again by the box so that it can be
+    checked after it left the DHT: in a checkpoint, a state download), the run it counts for (``run``: run id,
+    config and recipe hash; ``recipe``: the values that decide the schedule), whether it ``left``, and what the monitor
+    shows. Strict types and no defaults: hivemind rejects a record that pydantic would have to convert or complete."""
 
     owner: pydantic.StrictBytes  # the box's RSA public key (hivemind's RSAPublicKey.to_bytes())
     samples: pydantic.conint(ge=0, strict=True)
     batch: pydantic.conint(ge=1, strict=True)  # the box's batch (all its GPUs): the swarm's batch is their sum
     signature: pydantic.StrictBytes
-    samples_per_s: pydantic.confloat(ge=0.0, strict=True) = 0.0  # not signed: only for the estimate between reads
+    run: Text
+    config: Text
+    recipe: dict[Text, Text]
+    peer_id: Text  # the box's libp2p id: stable across restarts with --identity_path, unlike the process's RSA key
+    time: pydantic.StrictFloat  # the publisher's wall clock (time.time())
+    left: pydantic.StrictBool  # the box ended or was stopped: out of the count at once
+    samples_per_s: pydantic.confloat(ge=0.0, strict=True)  # not signed: only for the estimate between reads
+    step: pydantic.conint(ge=0, strict=True)
+    loss: pydantic.StrictFloat | None  # None when not finite (NaN != NaN would fail hivemind's equality check)
+    group_size: pydantic.conint(ge=1, strict=True) | None  # of the last applied averaging round; None: none yet
+    staleness_steps: pydantic.conint(ge=0, strict=True) | None
+    rounds_ok: pydantic.conint(ge=0, strict=True)
+    rounds_failed: pydantic.conint(ge=0, strict=True)
+    averager_failures: pydantic.conint(ge=0, strict=True)  # times the averager was found dead or unresponsive
+    no_group_s: pydantic.confloat(ge=0.0, strict=True)  # seconds since its last applied round (or its start)
 
 
-class ProgressSchema(pydantic.BaseModel):
-    """The DHT key ``<prefix>_swarm_progress``: {owner's public key subkey: that owner's ProgressRecord}."""
+class PeersSchema(pydantic.BaseModel):
+    """The DHT key ``<run_id>_peers``: {owner's public key subkey: that owner's PeerRecord}."""
 
-    swarm_progress: dict[BytesWithPublicKey, ProgressRecord]
-
-
-def progress_key(prefix: str) -> str:
-    return f"{prefix}_swarm_progress"
+    peers: dict[BytesWithPublicKey, PeerRecord]
 
 
-def progress_validators(prefix: str, private_key: RSAPrivateKey | None = None) -> list[RecordValidatorBase]:
-    """The schema of the progress key and hivemind's signature check; every DHT that reads the key needs them
-    (hivemind cannot decode a signed value without its validator). Adding them twice is harmless."""
-    return [SchemaValidator(ProgressSchema, prefix=prefix), RSASignatureValidator(private_key)]
+def records_key(run_id: str) -> str:
+    return f"{run_id}_peers"
+
+
+def record_validators(
+    run_id: str, private_key: RSAPrivateKey | None = None, secret: SwarmSecret | None = None
+) -> list[RecordValidatorBase]:
+    """The schema of the records key and hivemind's signature check (the subkey is the owner's public key, so no
+    box can overwrite another's record), and the swarm secret's check if there is one. Every DHT that reads the key
+    needs them, the monitor's included (hivemind cannot decode a signed value without its validator); adding them
+    twice is harmless."""
+    validators = [SchemaValidator(PeersSchema, prefix=run_id), RSASignatureValidator(private_key)]
+    return validators + ([SwarmSecretValidator(secret)] if secret is not None else [])
+
+
+def fetch_records(dht: Any, run_id: str, timeout: float = DHT_TIMEOUT_S) -> dict[bytes, dict[str, Any]]:
+    """{subkey: record} of every record in the DHT whose subkey is its owner's; TimeoutError if the DHT does not
+    answer in time. ``dht`` must have :func:`record_validators`."""
+    found = dht.get(records_key(run_id), latest=True, return_future=True).result(timeout=timeout)
+    records = {}
+    for subkey, entry in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
+        try:
+            record = PeerRecord.parse_obj(entry.value).dict()
+        except (pydantic.ValidationError, AttributeError, TypeError):
+            continue
+        if subkey == RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", record["owner"]):
+            records[subkey] = record  # the DHT checked the subkey's signature: the record is that owner's
+    return records
+
+
+def live_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The boxes training now: per box (its peer id), its newest record, unless that record says it left. A box
+    restarted with the same identity has a new process key, so a new record: it replaces the one of its earlier
+    life. What the trainers count and what the monitor shows."""
+    newest: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record["peer_id"] not in newest or record["time"] > newest[record["peer_id"]]["time"]:
+            newest[record["peer_id"]] = record
+    return [record for record in newest.values() if not record["left"]]
+
+
+def status_fields(
+    *,
+    step: int = 0,
+    loss: float | None = None,
+    group_size: int | None = None,
+    staleness_steps: int | None = None,
+    rounds_ok: int = 0,
+    rounds_failed: int = 0,
+    averager_failures: int = 0,
+    no_group_s: float = 0.0,
+) -> dict[str, Any]:
+    """What the trainer reports for the monitor, coerced to the record's exact types (a non-finite loss: None)."""
+    finite = loss is not None and math.isfinite(float(loss))
+    return {
+        "step": max(0, int(step)),
+        "loss": float(loss) if finite else None,
+        "group_size": int(group_size) if group_size is not None and group_size >= 1 else None,
+        "staleness_steps": max(0, int(staleness_steps)) if staleness_steps is not None else None,
+        "rounds_ok": max(0, int(rounds_ok)),
+        "rounds_failed": max(0, int(rounds_failed)),
+        "averager_failures": max(0, int(averager_failures)),
+        "no_group_s": round(max(0.0, float(no_group_s)), 1) if math.isfinite(float(no_group_s)) else 0.0,
+    }
 
 
 @dataclass(frozen=True)
@@ -123,12 +205,15 @@ class _Seen:
 
 
 class SwarmProgress:
-    """This box's view of the swarm's sample count.
+    """This box's record in the swarm (its count and status) and its view of the others'.
 
-    Threads: the trainer's calls :meth:`add`, :meth:`position` and :meth:`swarm_batch` once per step (no DHT call,
-    no tensor, one short lock); a background thread publishes our signed count and reads the others' every
-    ``period`` seconds; :meth:`state_dict` / :meth:`load_state_dict` run in the trainer's thread (checkpoints) or
-    hivemind's state-serving thread (a joiner's download). ``self._lock`` guards every field below.
+    Threads: the trainer's calls :meth:`add`, :meth:`report`, :meth:`position` and :meth:`swarm_batch` (no DHT call,
+    no tensor, one short lock); a background thread publishes our record and reads the others' every ``period``
+    seconds; :meth:`state_dict` / :meth:`load_state_dict` run in the trainer's thread (checkpoints) or hivemind's
+    state-serving thread (a joiner's download). ``self._lock`` guards every field below.
+
+    ``run``: the name the counts are signed for (run id, config, recipe hash); ``run_id``: the key the records live
+    under (default ``run``), shared with boxes of another config or recipe, which are listed in :attr:`others`.
     """
 
     def __init__(
@@ -137,6 +222,10 @@ class SwarmProgress:
         run: str,
         batch: int,
         *,
+        run_id: str | None = None,
+        config: str = "",
+        recipe: dict[str, str] | None = None,
+        secret: SwarmSecret | None = None,
         period: float = PERIOD_S,
         expiration: float = EXPIRATION_S,
         private_key: RSAPrivateKey | None = None,
@@ -145,9 +234,11 @@ class SwarmProgress:
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
         self.dht, self.run, self.batch = dht, run, batch
+        self.run_id, self.config, self.recipe, self.secret = run_id or run, config, dict(recipe or {}), secret
         self.period, self.expiration = period, expiration
         self._key = private_key or RSAPrivateKey.process_wide()
         self.owner = self._key.get_public_key().to_bytes()
+        self.peer_id = str(dht.peer_id)
         self._subkey = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", self.owner)
         self._lock = threading.Lock()
         self._own = 0  # samples this box trained on since this process started (its count under self.owner)
@@ -155,10 +246,15 @@ class SwarmProgress:
         self._position = 0
         self._rate_since = (time.monotonic(), 0)
         self._own_rate = 0.0
+        self._status = status_fields()
+        self._left = False
+        self.others: list[dict[str, Any]] = []  # live records of this run id with another config or recipe
+        self.refused = 0  # our records the DHT refused in a row
+        self.secret_problem: str | None = None  # what the run's members say of our secret (diagnose_members)
         self.rejected = 0  # counts whose signature did not check (from the DHT, a checkpoint or a donor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        dht.add_validators(progress_validators(run, self._key))
+        dht.add_validators(record_validators(self.run_id, self._key))
         if start:
             self.start()
 
@@ -166,6 +262,12 @@ class SwarmProgress:
     def add(self, samples: int) -> None:
         with self._lock:
             self._own += samples
+
+    def report(self, **status: Any) -> None:
+        """The trainer's latest status (:func:`status_fields`' arguments), published with the next record."""
+        fields = status_fields(**status)
+        with self._lock:
+            self._status = fields
 
     @property
     def own_samples(self) -> int:
@@ -195,8 +297,8 @@ class SwarmProgress:
         return self._own + sum(seen.count.samples for seen in self._seen.values())
 
     def swarm_batch(self) -> int:
-        """The summed batch of the boxes whose record was in the DHT at our last read (records live a minute),
-        ours included: the global batch of the swarm as it trains now."""
+        """The summed batch of the boxes training now (:func:`live_records` at our last read), ours included: the
+        global batch of the swarm as it trains now."""
         with self._lock:
             return self.batch + sum(seen.count.batch for seen in self._seen.values() if seen.live)
 
@@ -242,7 +344,7 @@ class SwarmProgress:
             seen = self._seen.get(count.owner)
             if seen is not None and count.samples <= seen.count.samples:
                 if samples_per_s is not None:
-                    seen.live, seen.samples_per_s = True, samples_per_s
+                    seen.samples_per_s = samples_per_s
                 return False
         if not count.verify(self.run):
             with self._lock:
@@ -257,7 +359,7 @@ class SwarmProgress:
             seen.count = count if count.samples >= seen.count.samples else seen.count
             seen.received_at = time.monotonic()
             if samples_per_s is not None:
-                seen.live, seen.samples_per_s = True, samples_per_s
+                seen.samples_per_s = samples_per_s
         return True
 
     # --- the background thread ---
@@ -268,28 +370,46 @@ class SwarmProgress:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.publish()
+                if not self.publish():
+                    self.refused += 1
+                else:
+                    self.refused = 0
                 self.refresh()
+                if self.refused == 2:  # twice in a row: not a record caught in a DHT that was busy
+                    logger.warning(self.secret_problem or REFUSED)
             except Exception as error:  # a DHT that fails now may answer next period; training goes on
                 logger.warning(
-                    f"Swarm progress: could not publish or read the swarm's count ({error!r}); "
+                    f"Swarm progress: could not publish or read the swarm's records ({error!r}); "
                     f"retrying in {self.period:g} s"
                 )
             self._stop.wait(self.period)
 
-    def publish(self, timeout: float = DHT_TIMEOUT_S) -> bool:
-        """Store our signed count (and our speed) under our subkey; True if the DHT took it."""
-        count = SignedCount.sign(self.run, self._key, self._own, self.batch)
-        record = ProgressRecord(
+    def record(self) -> dict[str, Any]:
+        """Our record as we publish it now (the count and the status of one moment)."""
+        samples_per_s = float(self._measure_rate())
+        with self._lock:
+            own, status, left = self._own, dict(self._status), self._left
+        count = SignedCount.sign(self.run, self._key, own, self.batch)
+        return PeerRecord(
             owner=count.owner,
             samples=count.samples,
             batch=count.batch,
             signature=count.signature,
-            samples_per_s=float(self._measure_rate()),
+            run=self.run,
+            config=self.config,
+            recipe=self.recipe,
+            peer_id=self.peer_id,
+            time=time.time(),
+            left=left,
+            samples_per_s=samples_per_s,
+            **status,
         ).dict()
+
+    def publish(self, timeout: float = DHT_TIMEOUT_S) -> bool:
+        """Store our record under our subkey; True if the DHT took it."""
         future = self.dht.store(
-            progress_key(self.run),
-            record,
+            records_key(self.run_id),
+            self.record(),
             expiration_time=get_dht_time() + self.expiration,
             subkey=self._subkey,
             return_future=True,
@@ -297,23 +417,24 @@ class SwarmProgress:
         return bool(future.result(timeout=timeout))
 
     def refresh(self, timeout: float = DHT_TIMEOUT_S) -> None:
-        """Read every live record and merge its count; a box whose record is gone stays counted, not live."""
-        found = self.dht.get(progress_key(self.run), latest=True, return_future=True).result(timeout=timeout)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        """Read every record: merge the counts of our run; a box is live while its newest record is in the DHT and
+        does not say it left (:func:`live_records`); a box that is not live stays counted."""
+        records = fetch_records(self.dht, self.run_id, timeout=timeout).values()
         live = set()
-        for subkey, entry in entries.items():
-            try:
-                record = ProgressRecord.parse_obj(entry.value)
-            except (pydantic.ValidationError, AttributeError, TypeError):
-                continue
-            if subkey != RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", record.owner):
-                continue  # the DHT checked the subkey's signature: the count must be that owner's
-            count = SignedCount(record.owner, record.samples, record.batch, record.signature)
-            self._merge(count, samples_per_s=record.samples_per_s)
-            live.add(record.owner)
+        for record in live_records(r for r in records if r["peer_id"] != self.peer_id or r["owner"] == self.owner):
+            if record["run"] == self.run:
+                count = SignedCount(record["owner"], record["samples"], record["batch"], record["signature"])
+                self._merge(count, samples_per_s=record["samples_per_s"])
+                live.add(record["owner"])
+        others = [r for r in live_records(records) if r["run"] != self.run and r["peer_id"] != self.peer_id]
         with self._lock:
             for owner, seen in self._seen.items():
                 seen.live = owner in live
+            self.others = others
+        # every box of the run id, whatever its secret, says it is here (a key the secret exempts, see swarm.start_dht)
+        announce_member(self.dht, self.run_id, self.secret, ttl=self.expiration)
+        members = read_members(self.dht, self.run_id, timeout=timeout)
+        self.secret_problem = diagnose_members(members, self.dht.peer_id.to_bytes(), self.secret, self.run_id)
 
     def _measure_rate(self) -> float:
         now = time.monotonic()
@@ -324,22 +445,30 @@ class SwarmProgress:
                 self._rate_since = (now, self._own)
             return max(0.0, self._own_rate)
 
-    def shutdown(self) -> None:
-        """Stop the thread and publish our last count (the others keep it after our record expires)."""
+    def shutdown(self) -> bool | None:
+        """Stop the thread and publish our last record, which says we left: the others count us out at once (our
+        samples stay counted) and nobody extrapolates our count any more. True if the DHT took it; None if we had
+        left already."""
         if self._stop.is_set():
-            return
+            return None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)  # a daemon: one stuck in a DHT call ends with us
-        with self._lock:  # the last record says we stopped: nobody extrapolates our count any more
-            self._own_rate = 0.0
+        with self._lock:
+            self._own_rate, self._left = 0.0, True
             self._rate_since = (time.monotonic(), self._own)
         try:
-            self.publish(timeout=SHUTDOWN_TIMEOUT_S)
-        except Exception as error:
-            logger.warning(
-                f"Swarm progress: could not publish our last count ({error!r}); the others keep the one before"
-            )
+            return self.publish(timeout=SHUTDOWN_TIMEOUT_S)
+        except Exception:
+            return False
+
+
+# why the DHT refuses our record, when the members' key cannot tell: the schema and signatures are ours, so the one
+# cause a user makes is a swarm secret that differs from the other boxes' (their DHTs drop a record without its tag)
+REFUSED = (
+    "The other boxes refuse this box's records: they run with another swarm secret, or without one, or this box runs "
+    "without theirs; give every box a copy of the same --swarm_secret_file"
+)
 
 
 WHERE_BELOW_ONE = 1.0 - 1e-9  # VISSL's train step asserts where < 1 (classy_vision's schedulers are defined on [0, 1))
