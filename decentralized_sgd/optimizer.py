@@ -1,17 +1,10 @@
-"""``DecentralizedSGD``: what a training loop calls. Wraps any torch optimizer; averages its parameters (and BN
-buffers, optionally optimizer state) with peers all the time, in the background.
+"""``DecentralizedSGD``: what a training loop calls. The trainer's side is small on purpose: ``step()`` /
+``on_step_end()`` count the step and add the updates of finished rounds (``w ← w + averaged − snapshot``); the rest
+runs in the scheduler thread, the averager process and hivemind's state-fetching thread. The parts are built by the
+``_make_*`` methods, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) overrides one factory.
 
-The trainer's side is small on purpose: ``step()`` / ``on_step_end()`` count the step and, at this step boundary,
-add the updates of finished rounds (``w ← w + averaged − snapshot``: local steps made during the round are kept).
-Everything else happens in the scheduler thread (``scheduler``), the averager process (``averager``,
-``supervisor``) and hivemind's state-fetching thread (``state_transfer``). The parts are built by the ``_make_*``
-methods below, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) replaces one part by overriding
-its factory.
-
-The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; if you call
-``optimizer.step()`` yourself, do it and ``on_step_end()`` under ``with dsgd.lock:``). The scheduler copies the
-parameters into a formed round under that lock, and late joiners download them under it, so neither sees half an
-update. LR schedulers should be given ``dsgd.optimizer``.
+The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; call ``optimizer.step()`` and
+``on_step_end()`` under it yourself otherwise): fills and late joiners copy them under it, never half an update.
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ COUNTERS = (  # every count of a peer (DecentralizedSGD.counters); the round boo
     *STARVATION_COUNTS,
     *SLOW_PEER_COUNTS,
     *vetting.COUNTERS,
+    *vetting.JOIN_COUNTS,
 )
 
 
@@ -85,22 +79,12 @@ class TorchOptimizerFacade:
 
 
 class DecentralizedSGD(TorchOptimizerFacade):
-    """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time.
-
-    Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step. The arguments up to
-    ``client_mode`` are hivemind's averager's; ``max_staleness`` bounds how many local steps a peer may make without
-    applying a round (SSP; None: never waits); ``outer``: an outer optimizer on the averaged progress (``outer``);
-    ``settings``: what tests and benchmarks tune beyond these, and the benchmarks' ablations (``RoundSettings``).
-
-    Non-finite values: a peer whose own values are not finite contributes zeros with weight 0 and keeps its local
-    params; a round whose averaged result is not finite is discarded. A peer whose trainer stalls joins at most one
-    group it does not trigger. A dead or unresponsive averager process is restarted (``supervisor``); a slow
-    groupmate costs the others little, and a peer starved of CPU leaves averaging until it recovers
-    (``hivemind_slow_peer_fixes``, ``starvation``). ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S``.
-
-    Diverged peers and outsiders (``vetting``): a member far from its group's median is left out of the AllReduce and
-    heals by taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
-    (``secret``).
+    """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time. Call ``step()`` (or
+    ``optimizer.step()`` then ``on_step_end()``) once per local step. The arguments up to ``client_mode`` are
+    hivemind's averager's; ``max_staleness``: SSP's bound on local steps without an applied round (None: never
+    waits); ``outer``: an outer optimizer (``outer``); ``settings``: what tests and benchmarks tune (``RoundSettings``).
+    Non-finite values are never averaged in; a dead averager is restarted; diverged peers and outsiders are left out
+    (``vetting``, ``secret``). ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S``.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -189,7 +173,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         )
 
     def _make_round_book(self, records_path: str | None) -> RoundBook:
-        """Two result slots (fp32 host copies of the averaged tensors, see tensors) and the records."""
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
         return RoundBook(
             slots,
@@ -212,7 +195,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         )
 
     def _make_starvation_monitor(self) -> StarvationMonitor | None:
-        """Samples from start() on; the scheduler asks it (through the supervisor) before it starts a round."""
         return StarvationMonitor(start=False) if self.settings.slow_peer_fixes else None
 
     def _make_vetting(self, heal_timeout: float) -> vetting.RoundVetting:
@@ -220,13 +202,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return vetting.RoundVetting(
             self.guard,
             self.trainer,
-            self.averaged_tensors,
             self.round_book,
             self._supervisor,
             self.state_transfer,
-            self.round_book.counters,
-            self.dht.peer_id,
             membership,
+            peer_id=self.dht.peer_id,
             heal_timeout=heal_timeout,
         )
 
@@ -257,11 +237,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     @property
     def counters(self) -> dict[str, float]:
-        """Every count of this peer: the round book's dict, with what the supervisor, other processes and threads
-        count (the slow-peer fixes, the starvation monitor, the DHT's rejoins) read now."""
+        """Every count of this peer: the round book's, and what other parts and processes count, read now."""
         counters, supervisor = self.round_book.counters, self._supervisor
         counters.update(averager_failures=supervisor.failures, averager_restarts=supervisor.restarts)
         counters.update(self.slow_peer_counts.as_dict(), dht_rejoins=rejoin_count(self.dht))
+        counters.update(self.vetting.counts, **self.guard.counts.as_dict())
         if self.starvation is not None:
             counters.update(self.starvation.counts())
         return counters
@@ -284,8 +264,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return self._supervisor.averager
 
     def start(self) -> None:
-        """Start the averager process, the starvation monitor and the scheduler (the constructor calls it). The
-        slow-peer fixes' blacklist of slow replies goes into our DHT (once per DHT)."""
+        """Start the averager process, the starvation monitor and the scheduler (the constructor calls it)."""
         if self.settings.slow_peer_fixes:
             install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.settings.averager_timeout)
         self._supervisor.start()
@@ -302,11 +281,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return loss
 
     def on_step_end(self, batch_size: int | None = None) -> int:
-        """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
-        Applies the updates of finished rounds, or takes the swarm's state when a group found our weights diverged
-        (``vetting``). Returns how many of those changed the parameters (rounds applied, plus 1 for a heal): a box
-        with several GPUs then broadcasts them to its replicas.
-        """
+        """Call once per local step, after the optimizer step. Returns how many changes it made to the parameters
+        (rounds applied, plus 1 for a heal): a box with several GPUs then broadcasts them to its replicas."""
         with self.lock:
             applied = self._step_boundary(batch_size)
         applied += self._enforce_staleness_bound()
@@ -324,8 +300,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return applied
 
     def _apply_finished_rounds(self) -> int:
-        """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds. Returns how
-        many it applied."""
+        """Trainer thread, holding self.lock: add the updates of finished rounds; returns how many."""
         finished = [] if self._closed else self.exchange.apply_finished()
         if not finished:
             return 0
@@ -342,9 +317,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return 0
 
     def _wait_for_round(self) -> int:
-        """SSP: block until a round is applied, at most staleness_timeout seconds. The scheduler wakes us whenever a
-        round changes state, and each wake is a step boundary: rounds may start and fill, results are applied.
-        ``dsgd.lock`` is released while asleep, even if the caller holds it. Returns how many rounds were applied."""
+        """SSP: block until a round is applied, at most staleness_timeout s (``dsgd.lock`` released while asleep). The
+        scheduler wakes us when a round changes; each wake is a step boundary. Returns how many rounds were applied."""
         trainer, counters, timeout = self.trainer, self.round_book.counters, self.settings.staleness_timeout
         t0, applied = time.monotonic(), 0
         counters["ssp_waits"] += 1
@@ -370,7 +344,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         counters["ssp_wait_s"] += time.monotonic() - t0
         return applied
 
-    # --- records ---
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)
 
@@ -378,22 +351,15 @@ class DecentralizedSGD(TorchOptimizerFacade):
         """Records (``applied=False``, ``state``: where the round is) of the rounds not resolved yet, oldest first."""
         return self.round_book.in_flight()
 
-    # --- state transfer ---
-
     def load_state_from_peers(
         self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None
     ) -> dict | None:
-        """Download params/buffers/optimizer state/progress from a peer.
-
-        Returns the donor's extra-state dict (its training progress, see get_extra_state) or None if nobody answered
-        or ``accept(extra_state)`` said no (e.g. the donor is not ahead of our checkpoint): then nothing changes.
-        The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
-        """
+        """Take over a donor's params, buffers, optimizer state and local_step. Returns its ``get_extra_state()``, or
+        None (nothing changed) if nobody answered or ``accept(extra_state)`` said no."""
         return self.state_transfer.load(
             self.averager, self.averager_opts["allreduce_timeout"] if timeout is None else timeout, accept
         )
 
-    # --- checkpoints ---
     def outer_state_dict(self) -> dict | None:
         """The outer optimizer's anchor and momentum buffer, for a checkpoint (None: it is off)."""
         if self.outer is None:
@@ -402,8 +368,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             return self.outer.state_dict()
 
     def load_outer_state_dict(self, state: dict | None) -> None:
-        """A checkpoint's outer state, after its weights were loaded. None (a checkpoint from a run without it, or
-        saved before it was turned on): the current weights are the anchor, the buffer starts at zero."""
+        """A checkpoint's outer state, after its weights were loaded; None: the current weights are the anchor."""
         if self.outer is None:
             if state is not None:
                 logger.info("The checkpoint holds an outer optimizer's state, but outer momentum is off: ignoring it")
