@@ -15,10 +15,4 @@ from .dht_rejoin import keep_dht_connected
 from .hivemind_fixes import FixedDHT
 from .optimizer import DecentralizedSGD
 
-__all__ = [
-    "DecentralizedSGD",
-    "FixedDHT",
-    "keep_dht_connected",
-    "make_compression",
-    "schema_fingerprint",
-]
+__all__ = ["DecentralizedSGD", "FixedDHT", "keep_dht_connected", "make_compression", "schema_fingerprint"]

@@ -62,10 +62,7 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step_(
-        self,
-        update: Sequence[torch.Tensor],
-        averaged: Sequence[torch.Tensor],
-        skip: Callable[[], bool] | None = None,
+        self, update: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], skip: Callable[[], bool] | None = None
     ) -> float | None:
         """``update`` (``m − snapshot``) ← ``x_new − snapshot``; returns the outer step's norm, or None if ``skip()``
         (asked under our lock: a replacement marks the round stale before its ``reset``) says the round is stale."""

@@ -471,10 +471,7 @@ class RoundScheduler(threading.Thread):
             early, step = taken
         scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * self.min_matchmaking_time
         control = self.supervisor.averager.start_step(
-            scheduled_time=scheduled,
-            deadline=scheduled + slack,
-            gather=gather,
-            timeout=settings.averager_timeout,
+            scheduled_time=scheduled, deadline=scheduled + slack, gather=gather, timeout=settings.averager_timeout
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:

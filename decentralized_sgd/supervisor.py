@@ -36,10 +36,7 @@ class AveragerSupervisor:
     ``failed`` run in the scheduler thread."""
 
     def __init__(
-        self,
-        make_averager: Callable[[], Averager],
-        timeout: float,
-        starvation: StarvationMonitor | None = None,
+        self, make_averager: Callable[[], Averager], timeout: float, starvation: StarvationMonitor | None = None
     ):
         self.make_averager, self.timeout, self.starvation = make_averager, timeout, starvation
         self.averager = make_averager()
