@@ -25,8 +25,8 @@ from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import note_groupmates, rejoin_count
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .outer import OuterOptimizer, OuterSettings
-from .rounds import RoundBook, TrainerState
-from .scheduler import RoundExchange, RoundScheduler, RoundSettings
+from .rounds import ROUND_COUNTS, RoundBook, TrainerState
+from .scheduler import EXCHANGE_COUNTS, RoundExchange, RoundScheduler, RoundSettings
 from .secret import MembershipCheck, SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
 from .starvation import STARVATION_COUNTS, StarvationMonitor
 from .state_transfer import StateTransfer
@@ -37,10 +37,12 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
 SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + STOP_S  # then the averager and the starvation monitor, side by side
-COUNTERS = (  # every count of a peer (DecentralizedSGD.counters); the round book owns the dict
-    *"rounds_applied rounds_failed rounds_no_group rounds_discarded_nonfinite rounds_skipped_local_nonfinite".split(),
-    *"rounds_cancelled ssp_waits ssp_timeouts ssp_wait_s trainer_s dht_rejoins".split(),
-    *"averager_failures averager_restarts fills fill_s fill_locked_s applies apply_s".split(),
+TRAINER_COUNTS = ("ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s")  # DecentralizedSGD's own
+COUNTERS = (  # every count of a peer (DecentralizedSGD.counters), in this order; each part counts its own
+    *ROUND_COUNTS,
+    *TRAINER_COUNTS,
+    *"dht_rejoins averager_failures averager_restarts".split(),
+    *EXCHANGE_COUNTS,
     *STARVATION_COUNTS,
     *SLOW_PEER_COUNTS,
     *vetting.COUNTERS,
@@ -122,6 +124,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self.optimizer, self.dht, self.model, self.max_staleness = optimizer, dht, model, max_staleness
         self.swarm_secret, self.peer = swarm_secret, str(dht.peer_id)
         self._closed = False
+        self._counts = dict.fromkeys(TRAINER_COUNTS, 0)  # what the trainer's side costs and waits
 
         self.averaged_tensors = self._make_averaged_tensors(average_optimizer_state)
         self.trainer = TrainerState(self.averaged_tensors)
@@ -176,7 +179,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
         return RoundBook(
             slots,
-            COUNTERS,
             records_path,
             self.settings.verbose,
             self.peer,
@@ -224,12 +226,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _make_scheduler(self) -> RoundScheduler:
         opts = self.averager_opts
         return RoundScheduler(
-            self.settings,
-            self.trainer,
-            self.round_book,
-            self._supervisor,
             self.exchange,
-            self.vetting,
             min_matchmaking_time=opts["min_matchmaking_time"],
             next_chunk_timeout=opts["next_chunk_timeout"],
             allreduce_timeout=opts["allreduce_timeout"],
@@ -237,13 +234,12 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     @property
     def counters(self) -> dict[str, float]:
-        """Every count of this peer: the round book's, and what other parts and processes count, read now."""
-        counters, supervisor = self.round_book.counters, self._supervisor
+        """Every count of this peer, read now from the parts that count (each its own, in COUNTERS' order)."""
+        counters, supervisor = dict.fromkeys(COUNTERS, 0), self._supervisor
+        counters.update(self.round_book.counters, **self._counts, **self.exchange.counts, **self.vetting.counts)
         counters.update(averager_failures=supervisor.failures, averager_restarts=supervisor.restarts)
         counters.update(self.slow_peer_counts.as_dict(), dht_rejoins=rejoin_count(self.dht))
-        counters.update(self.vetting.counts, **self.guard.counts.as_dict())
-        if self.starvation is not None:
-            counters.update(self.starvation.counts())
+        counters.update(self.guard.counts.as_dict(), **(self.starvation.counts() if self.starvation else {}))
         return counters
 
     @property
@@ -296,7 +292,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         applied = self._apply_finished_rounds()
         self.boundary_marks.record()  # a fill copies this boundary's values (see tensors)
         self._scheduler.wake()
-        self.round_book.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
+        self._counts["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
         return applied
 
     def _apply_finished_rounds(self) -> int:
@@ -319,7 +315,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _wait_for_round(self) -> int:
         """SSP: block until a round is applied, at most staleness_timeout s (``dsgd.lock`` released while asleep). The
         scheduler wakes us when a round changes; each wake is a step boundary. Returns how many rounds were applied."""
-        trainer, counters, timeout = self.trainer, self.round_book.counters, self.settings.staleness_timeout
+        trainer, counters, timeout = self.trainer, self._counts, self.settings.staleness_timeout
         t0, applied = time.monotonic(), 0
         counters["ssp_waits"] += 1
         with self.lock:

@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -318,6 +318,10 @@ class Round:
 
 
 # what a resolved round adds to the counters
+ROUND_COUNTS = (
+    *"rounds_applied rounds_failed rounds_no_group rounds_discarded_nonfinite rounds_skipped_local_nonfinite".split(),
+    "rounds_cancelled",
+)
 _COUNTED = {S.APPLIED: "rounds_applied", S.CANCELLED: "rounds_cancelled"}
 _DISCARD_COUNTERS = {
     "local snapshot not finite": "rounds_skipped_local_nonfinite",
@@ -333,7 +337,6 @@ class RoundBook:
     def __init__(
         self,
         slots: ResultSlots,
-        counter_names: Sequence[str],
         records_path: str | None,
         verbose: bool,
         peer: str,
@@ -342,7 +345,7 @@ class RoundBook:
         self.lock = threading.Lock()
         self.rounds: list[Round] = []
         self.records: list[dict] = []
-        self.counters: dict[str, float] = dict.fromkeys(counter_names, 0)
+        self.counters: dict[str, float] = dict.fromkeys(ROUND_COUNTS, 0)
         self.slots, self.records_path, self.verbose, self.on_group = slots, records_path, verbose, on_group
         self.peer = peer  # in every record
         self.num_started = 0

@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -42,6 +41,7 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.02
 MIN_PIPELINED_MATCHMAKING = 0.5  # seconds: shortest matchmaking scheduled for a round started during an AllReduce
 MATCHMAKING_SLACK = 2.0  # a round finds no group if none formed this many min_matchmaking_time after its schedule
+EXCHANGE_COUNTS = ("fills", "fill_s", "fill_locked_s", "applies", "apply_s")  # RoundExchange.counts
 _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
@@ -99,7 +99,7 @@ class RoundExchange:
         weight_by_samples: bool = False,
     ):
         self.settings, self.trainer, self.tensors, self.book = settings, trainer, trainer.tensors, book
-        self.supervisor, self.vetting, self.counters = supervisor, vetting, book.counters
+        self.supervisor, self.vetting, self.counts = supervisor, vetting, dict.fromkeys(EXCHANGE_COUNTS, 0)
         self.outer, self.weight_by_samples = outer, weight_by_samples
 
     # --- scheduler thread ---
@@ -135,9 +135,9 @@ class RoundExchange:
                 add_(slot, update)
             self.trigger(r, buffers)
         seconds = time.perf_counter() - started
-        self.counters["fills"] += 1
-        self.counters["fill_s"] += seconds
-        self.counters["fill_locked_s"] += locked  # all a trainer can wait for
+        self.counts["fills"] += 1
+        self.counts["fill_s"] += seconds
+        self.counts["fill_locked_s"] += locked  # all a trainer can wait for
         r.extra["fill_ms"] = 1000 * seconds
         return True
 
@@ -249,8 +249,8 @@ class RoundExchange:
                 staging = book.slots.staging(r.slot)
                 (staging.add_to_ if self.settings.delta_rule else staging.copy_to_)(local)
         seconds = time.perf_counter() - started  # on a GPU: queueing the copies and adds, not waiting for them
-        self.counters["applies"] += 1
-        self.counters["apply_s"] += seconds
+        self.counts["applies"] += 1
+        self.counts["apply_s"] += seconds
         with book.lock:
             for r in finished:
                 r.extra["apply_ms"] = 1000 * seconds
@@ -260,24 +260,20 @@ class RoundExchange:
 
 
 class RoundScheduler(threading.Thread):
-    """Runs one peer's rounds in a daemon thread, and enforces hivemind's matchmaking and AllReduce deadlines."""
+    """Runs one peer's rounds in a daemon thread, and enforces hivemind's matchmaking and AllReduce deadlines. It
+    drives the parts the ``exchange`` works with (settings, trainer, book, supervisor, vetting)."""
 
     def __init__(
         self,
-        settings: RoundSettings,
-        trainer: TrainerState,
-        book: RoundBook,
-        supervisor: AveragerSupervisor,
         exchange: RoundExchange,
-        vetting: RoundVetting,
         *,
         min_matchmaking_time: float,
         next_chunk_timeout: float,
         allreduce_timeout: float,
     ):
         super().__init__(name="dsgd-scheduler", daemon=True)
-        self.settings, self.trainer, self.book, self.supervisor = settings, trainer, book, supervisor
-        self.exchange, self.vetting = exchange, vetting
+        self.exchange, self.settings, self.trainer = exchange, exchange.settings, exchange.trainer
+        self.book, self.supervisor, self.vetting = exchange.book, exchange.supervisor, exchange.vetting
         self.min_matchmaking_time, self.next_chunk_timeout = min_matchmaking_time, next_chunk_timeout
         self.allreduce_timeout = allreduce_timeout
         self._wake, self._stopping = threading.Event(), threading.Event()
@@ -294,15 +290,6 @@ class RoundScheduler(threading.Thread):
         self._wake.set()
         if self.is_alive():
             self.join(timeout)
-
-    # --- extension points ---
-    def gather_payload(self) -> Any:
-        """What this peer sends its groupmates with hivemind's gather; None: start no round now."""
-        return self.vetting.payload()
-
-    def accept_group(self, r: Round) -> bool:
-        """Called once the group formed; False cancels the round before anything is filled."""
-        return self.vetting.accept_group(r)
 
     # --- the loop ---
     def run(self) -> None:
@@ -362,7 +349,7 @@ class RoundScheduler(threading.Thread):
                 prev_running = bool(older) and not older[-1].control.done()
                 with self.book.lock:
                     r.form(self.trainer.local_step, self.trainer.boundaries, prev_running)
-                if not self.accept_group(r):
+                if not self.vetting.accept_group(r):  # False: cancelled before anything is filled
                     with self.book.lock:
                         r.cancel("group not accepted")
         if r.state is S.FORMED:
@@ -459,9 +446,9 @@ class RoundScheduler(threading.Thread):
         boundary = trainer.boundaries
         if boundary <= self._boundary_at_last_start:
             return  # no step boundary since the previous round started: the trainer may be stalled
-        gather = self.gather_payload()
+        gather = self.vetting.payload()  # sent to the groupmates with hivemind's gather
         if gather is None:
-            return  # not now (see gather_payload)
+            return  # not now
         delay = self.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
         t_start, step, early = time.time(), trainer.local_step, None
         if not settings.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts

@@ -169,13 +169,8 @@ class RoundVetting:
         heal_timeout: float,
         update_check: UpdateCheck | None = None,
     ):
-        self.trainer, self.tensors, self.book, self.supervisor, self.state = (
-            trainer,
-            trainer.tensors,
-            book,
-            supervisor,
-            state,
-        )
+        self.trainer, self.tensors, self.book = trainer, trainer.tensors, book
+        self.supervisor, self.state = supervisor, state
         self.counts, self.peer_id, self.heal_timeout = dict.fromkeys(COUNTERS, 0), peer_id, heal_timeout
         self.sketch, self.rule, self.secret = guard.sketch, guard.rule, guard.secret
         self.update_check = update_check or UpdateCheck()
