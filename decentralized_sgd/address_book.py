@@ -1,16 +1,7 @@
-"""The addresses of the peers a box has met, kept in its checkpoint folder: any box finds the swarm again after a
-restart, the first box included.
-
-Why: hivemind 1.1.12 bootstraps a DHT only through ``initial_peers``, and the first box of a swarm has none. Killed
-and started again with the same command, it came back alone for good: the others kept averaging with each other and
-never dialed it (measured: "rounds ok 0 failed 28" in the 150 s after its restart, while the two others applied 66
-rounds). With an address book, a restarted box dials the peers it knew (``dht_rejoin`` does, whenever its DHT is
-alone) and the swarm's boxes may be restarted in any order.
-
-The book is a small JSON file (``known_peers.json``): peer id -> its multiaddrs and when it was last seen, the most
-recently seen ``keep`` peers. It is written by the thread that keeps the DHT connected (``dht_rejoin``), never by
-two processes at once (one DHT owner per box), atomically (a crash leaves the old file): as soon as our DHT or a
-round's group first shows a peer, and when its addresses change.
+"""The addresses of the peers a box has met, kept in its checkpoint folder, so that any box finds the swarm again
+after a restart, the first box included: hivemind bootstraps a DHT only through ``initial_peers``, and the first box
+has none. ``dht_rejoin`` dials them whenever our DHT is alone, and writes the book (``known_peers.json``: the ``keep``
+most recently seen peers) atomically, from one thread per box.
 """
 
 from __future__ import annotations
@@ -39,12 +30,10 @@ class AddressBook:
         self._peers: dict[str, dict] = self._read()
 
     def __len__(self) -> int:
-        """How many peers the book knows."""
         return len(self._peers)
 
     def addresses(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Every known multiaddr (with its ``/p2p/<id>``), most recently seen peers first, without ``exclude``'s
-        peer ids (our own)."""
+        """Every known multiaddr (with its ``/p2p/<id>``), most recently seen first, without ``exclude``'s peers."""
         excluded = {str(peer_id) for peer_id in exclude}
         peers = sorted(self._peers.items(), key=lambda item: -item[1]["seen"])
         return [
@@ -101,14 +90,12 @@ async def routing_table_peers(_dht: hivemind.DHT, node: DHTNode) -> list[str]:
 
 
 async def dht_neighbours(dht: hivemind.DHT, node: DHTNode) -> dict[str, list[str]]:
-    """Runs in the DHT process: the peers in our routing table and the addresses libp2p knows for them (their
-    announced listen addresses), as {peer id: [multiaddr without /p2p]}."""
+    """Runs in the DHT process: {peer id: [multiaddr without /p2p]} of the peers in our routing table."""
     return await peer_addresses(dht, node, await routing_table_peers(dht, node))
 
 
 async def peer_addresses(_dht: hivemind.DHT, node: DHTNode, peer_ids: list[str]) -> dict[str, list[str]]:
-    """Runs in the DHT process: the addresses libp2p knows for these peers among those we are connected to (the
-    averager shares the DHT's p2p daemon: groupmates too), as {peer id: [multiaddr without /p2p]}."""
+    """Runs in the DHT process: {peer id: [multiaddr without /p2p]} libp2p knows for these connected peers."""
     wanted = set(peer_ids)
     return {
         str(info.peer_id): [str(address) for address in info.addrs]

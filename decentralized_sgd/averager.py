@@ -1,19 +1,11 @@
-"""The averager process: hivemind's ``DecentralizedAverager`` with our work-arounds, stamps and vetting.
+"""The averager process: hivemind's ``DecentralizedAverager`` with our work-arounds, stamps and vetting. Built with
+hivemind's arguments only, it is hivemind's averager. DecentralizedSGD adds ``state_fn`` (the trainer's live state
+for joiners, not the buffers), ``allreduce_stamps`` and ``early_part_refused_at`` (in shared memory, read by the
+scheduler), the ``guard`` that vets its groups (``vetting``), and the slow-peer fixes.
 
-Built with hivemind's arguments only, it is hivemind's averager (nobody vets its groups). DecentralizedSGD adds:
-
-- ``state_fn``: the trainer's *live* state for late joiners (``state_transfer`` copies it under its lock) instead of
-  the averager's buffers, which hold whatever the last round left there;
-- ``allreduce_stamps``: when its AllReduce began and ended, in shared memory the trainer's process reads (the
-  scheduler sees hivemind's stage only at its next tick); ``early_part_refused_at``: when the latest groupmate's
-  part arrived that we had to refuse (a group we were too late to trigger);
-- the vetting of its groups (``vetting.GroupGuard``): outsiders and recent outliers are refused at matchmaking, a
-  group's outliers are left out of its AllReduce;
-- the slow-peer fixes (``hivemind_slow_peer_fixes``), and the work-arounds of ``hivemind_fixes``.
-
-Why not ``hivemind.optim.TrainingStateAverager(delta_rule_averaging=True)``: it runs ``optimizer.step()`` itself
-(VISSL steps LARC/AMP), holds ``lock_averaging`` from the trigger to the end of the AllReduce (no overlapping
-rounds), and serves state under the buffers' lock (a joiner waits for a whole AllReduce).
+Not ``hivemind.optim.TrainingStateAverager(delta_rule_averaging=True)``: it runs ``optimizer.step()`` itself (VISSL
+steps LARC/AMP), holds ``lock_averaging`` from the trigger to the end of the AllReduce (no overlapping rounds), and
+serves state under the buffers' lock (a joiner waits for a whole AllReduce).
 """
 
 from __future__ import annotations
@@ -49,8 +41,7 @@ START_TIMEOUT_S = 120.0  # Averager(start=True): how long it may take to start (
 
 
 def handler_address_slot() -> multiprocessing.sharedctypes.SynchronizedArray:
-    """Shared memory for the address an averager registers its handlers from (see ``add_p2p_handlers``): one per
-    peer, handed to each averager it starts."""
+    """Shared memory for the address an averager registers its handlers from: one per peer, for each restart."""
     return mp.Array(ctypes.c_char, 1024)
 
 
@@ -86,8 +77,7 @@ class Averager(hivemind.DecentralizedAverager):
 
     # --- averager process ---
     def run(self) -> None:
-        """Ignore SIGINT here, not in the parent (as hivemind's run_in_background does): Ctrl-C reaches the whole
-        process group and the trainer shuts us down in order. End with the trainer, even a SIGKILLed one."""
+        """Ignore SIGINT (the trainer shuts us down in order); end with the trainer, even a SIGKILLed one."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         end_with_parent()
         fixes.quiet_hivemind_logs()
@@ -106,8 +96,7 @@ class Averager(hivemind.DecentralizedAverager):
         await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
 
     async def _step(self, **kwargs: Any) -> None:
-        """The first step installs the fixes on hivemind's matchmaking (created by ``_run`` before any request);
-        every step is kept alive until it ends (see fixes.hold_step)."""
+        """The first step installs the fixes on hivemind's matchmaking; every step is held until it ends."""
         if not self._installed:
             fixes.no_group_fails_at_once(self._matchmaking)
             if self.slow_peers is not None:
@@ -174,8 +163,8 @@ class Averager(hivemind.DecentralizedAverager):
         return self.state_fn() if self.state_fn is not None else super().get_current_state()
 
     def start_in_background(self, timeout: float) -> None:
-        """Start the process, wait (at most `timeout` s) until it serves. Not hivemind's run_in_background: it sets
-        SIGINT to SIG_IGN in the caller and cannot run outside the main thread (our restarts do)."""
+        """Start, wait at most `timeout` s until it serves (hivemind's run_in_background ignores SIGINT in the caller
+        and needs the main thread)."""
         self.start()
         try:
             self.wait_until_ready(timeout)
@@ -184,10 +173,8 @@ class Averager(hivemind.DecentralizedAverager):
         self._outer_pipe = LockedConnection(self._outer_pipe)  # after the fork: the parent's side only
 
     def start_step(self, *, scheduled_time: float, deadline: float, gather: Any, timeout: float) -> StepControl:
-        """hivemind's ``step(require_trigger=True, wait=False, allow_retries=False)`` with deadlines: hivemind waits
-        for the process's acknowledgement for ever (raises AveragerUnresponsive after `timeout` s here), and looks
-        for a group for ever by default (`deadline`, DHT time: a groupmate whose averager died while its p2p daemon
-        lives on would keep our matchmaking stuck)."""
+        """hivemind's ``step(require_trigger=True, wait=False, allow_retries=False)`` with deadlines: for the
+        process's acknowledgement (`timeout`) and for matchmaking (`deadline`, DHT time); hivemind waits for ever."""
         data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
         step = StepControl(
             scheduled_time=scheduled_time,
@@ -219,9 +206,8 @@ class Averager(hivemind.DecentralizedAverager):
             self.lock_averaged_tensors.release()
 
     def shutdown(self) -> None:
-        """Stop within about shutdown_timeout + 7 s, whatever the process's state: hivemind's ends with a SIGTERM
-        that a SIGSTOPped process never handles (then the program never exits). Continue it first, kill what is
-        left; for a dead one, only stop our state-serving thread (hivemind's shutdown() would log an exception)."""
+        """Stop within about shutdown_timeout + 7 s, even a SIGSTOPped process (hivemind's SIGTERM never reaches it):
+        continue it first, kill what is left; for a dead one, only stop our state-serving thread."""
         if self.is_alive():
             self._resume()
             super().shutdown()
@@ -241,8 +227,7 @@ class Averager(hivemind.DecentralizedAverager):
         self._inner_pipe.send(("_SHUTDOWN", None))
 
     def _resume(self, grace: float = 0.5) -> None:
-        """SIGCONT, and a moment to run: while the averager is stopped, its DHT process may wait for a pipe handle
-        from it (multiprocessing's resource sharer), and dies if the averager is killed then."""
+        """SIGCONT, and a moment to run: the DHT process may wait for a pipe handle from it (dies if it is killed)."""
         try:
             os.kill(self.pid, signal.SIGCONT)
         except ProcessLookupError:

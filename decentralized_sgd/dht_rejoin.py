@@ -1,19 +1,9 @@
-"""Re-bootstrap a hivemind DHT that lost every peer: a small helper whoever owns a DHT starts.
-
-Missing in hivemind 1.1.12: the DHT drops peers that stop answering and dials its initial peers only once, at
-start, so after a network outage a peer stays alone for good (and its matchmaking never finds anybody); and a
-restarted first box (no initial peers) is never dialed by anyone.
-``keep_dht_connected(dht, addresses, book)`` starts one thread per DHT (``swarm.start_dht`` does it for the trainer
-and the monitor); every ``period`` seconds it checks, inside the DHT process, whether the routing table is empty,
-and if so dials ``addresses()`` (the initial peers, and the peers of the box's address book) and pings them, which
-puts us back into each other's tables; while not alone it records the peers it is connected to in the address book
-(``address_book``). There is no public API for this: it uses ``node.protocol.routing_table`` and
-``node.p2p._client.connect``.
-
-The address book also learns a peer at first sight: every ``WATCH_PERIOD_S`` the thread looks at our routing table
-(and at the groupmates the rounds reported, ``note_groupmates``) for peers it has not noted yet, and writes them at
-once: with the periodic note alone, a first box that crashed in its first seconds had no book and came back alone
-for good. A look is cheap (one ``run_coroutine`` call); addresses are asked for only when a new peer shows up.
+"""Re-bootstrap a hivemind DHT that lost every peer: a small helper whoever owns a DHT starts (``swarm.start_dht``).
+hivemind 1.1.12 dials its initial peers only once, at start, so after an outage a peer stays alone for good, and a
+restarted first box is dialed by nobody. ``keep_dht_connected`` starts one thread per DHT that, when the routing
+table is empty, dials the initial peers and those of the address book (``address_book``) and pings them; and notes
+every new peer in the book at first sight (routing table, groupmates). No public API: it uses
+``node.protocol.routing_table`` and ``node.p2p._client.connect``.
 """
 
 from __future__ import annotations
@@ -44,11 +34,8 @@ _registry_lock = threading.Lock()
 
 
 async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode, addresses: Sequence[str] | None = None) -> int | None:
-    """Runs in the DHT process. If our routing table is empty, dial ``addresses`` (default: the DHT's initial peers;
-    multiaddrs with /p2p/<id>) and ping each peer once. Returns how many peers answered, or None when we were not
-    alone (or have nobody to dial: a first box that never met anyone).
-    Upstream: none found (hivemind#624, open, is about peers not finding each other at start; #525 only drops stale
-    peers in ``run_dht``); still so on hivemind's master (4bd43b7)."""
+    """Runs in the DHT process. If our routing table is empty, dial ``addresses`` (default: the initial peers) and
+    ping each peer once. Returns how many answered, or None when not alone or nobody to dial. Upstream: none found."""
     addresses = [str(address) for address in ((dht.initial_peers or []) if addresses is None else addresses)]
     if node.protocol.routing_table.uid_to_peer_id or not addresses:
         return None
@@ -69,10 +56,8 @@ async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode, addresses: Sequence[
 
 
 class DHTRejoiner(threading.Thread):
-    """Checks one DHT every ``period`` s until stopped or the DHT is shut down; counts successful rejoins. ``alone``
-    (read by any thread) is True while the last check found nobody in our routing table and nobody answered. With
-    a ``book``, it also notes every new peer in it at first sight (``note_new_peers``, every ``watch_period`` s and
-    whenever ``note`` reports groupmates)."""
+    """Checks one DHT every ``period`` s; counts rejoins; ``alone``: the last check found nobody. With a ``book``, it
+    notes new peers in it (every ``watch_period`` s, and when ``note`` reports groupmates)."""
 
     def __init__(
         self,
@@ -125,8 +110,7 @@ class DHTRejoiner(threading.Thread):
             self.alone = answered == 0
 
     def check(self, note_peers: bool = True) -> int | None:
-        """One check (this thread, or a test): rejoin if alone, else (``note_peers``) note whom we are connected to
-        in the address book. Returns what ``rejoin_if_alone`` did."""
+        """One check: rejoin if alone, else (``note_peers``) note our neighbours in the book; see rejoin_if_alone."""
         rejoin = functools.partial(rejoin_if_alone, addresses=list(self.addresses()))
         answered = self.dht.run_coroutine(rejoin, return_future=True).result(timeout=self.period)
         if answered is None and self.book is not None and note_peers:
@@ -137,7 +121,7 @@ class DHTRejoiner(threading.Thread):
         return answered
 
     def note(self, peer_ids: Iterable[str]) -> None:
-        """Peers a round showed us (its group; any thread): noted in the book at the thread's next look, at once."""
+        """Peers a round showed us (any thread): noted in the book at the thread's next look."""
         with self._lock:
             new = {str(peer) for peer in peer_ids} - self._sighted - self._pending.keys() - {self._own}
             self._pending.update(dict.fromkeys(new, 0))
@@ -145,9 +129,8 @@ class DHTRejoiner(threading.Thread):
             self._wake.set()
 
     def note_new_peers(self) -> list[str]:
-        """First sight (this thread, or a test): the peers in our routing table and the groupmates ``note`` reported
-        that were not noted yet go into the book now, with the addresses libp2p knows for them. A peer whose
-        addresses it does not know yet is looked at again, ``ADDRESS_TRIES`` times. Returns the peers noted."""
+        """First sight: new peers of our routing table and of ``note`` go into the book (one without known addresses
+        is looked at again, ``ADDRESS_TRIES`` times). Returns the peers noted."""
         assert self.book is not None
         table = self.dht.run_coroutine(routing_table_peers, return_future=True).result(timeout=self.period)
         with self._lock:
@@ -183,8 +166,7 @@ def keep_dht_connected(
     book: AddressBook | None = None,
     watch_period: float = WATCH_PERIOD_S,
 ) -> DHTRejoiner:
-    """Start (once per DHT) the thread that re-bootstraps `dht` after it lost every peer, dialing ``addresses()``
-    (default: its initial peers), and keeps ``book`` up to date; returns it."""
+    """Start (once per DHT) and return the thread that re-bootstraps `dht` and keeps ``book`` up to date."""
     with _registry_lock:
         rejoiner = _rejoiners.get(dht)
         if rejoiner is None or not rejoiner.is_alive():
@@ -194,8 +176,7 @@ def keep_dht_connected(
 
 
 def note_groupmates(dht: hivemind.DHT, peer_ids: Iterable[str]) -> None:
-    """A round's group showed these peers: the thread that keeps `dht` connected notes the new ones in its address
-    book at once (nothing without such a thread)."""
+    """A round's group showed these peers: the thread keeping `dht` connected (if any) notes the new ones."""
     rejoiner = _rejoiners.get(dht)
     if rejoiner is not None and rejoiner.book is not None:
         rejoiner.note(peer_ids)

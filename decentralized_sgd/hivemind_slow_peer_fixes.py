@@ -1,17 +1,14 @@
 """Slow peers, an optional part: work-arounds for hivemind 1.1.12 that keep healthy peers at their pace when a
-groupmate's box is overloaded (``benchmarks/results/straggler_evidence.md`` measures why). The healthy peers lose
-their time in hivemind's DHT, not in AllReduce with the slow peer: every store waits for every replica's answer, and
-a slow node answers late but never late enough (``wait_timeout``) to be blacklisted. Four fixes:
+groupmate's box is overloaded. They lose their time in hivemind's DHT, not in the AllReduce: every store waits for
+every replica, and a slow node answers late but never late enough to be blacklisted. Four fixes:
 
-1. ``CoalescedEvent``: hivemind declares our state for download once per averaged *tensor* per round; once a second.
-2. ``BackgroundDeclarations``: a formed group no longer waits for the withdrawal of our declaration from the DHT.
+1. ``CoalescedEvent``: hivemind declares our state once per averaged *tensor* per round; once a second.
+2. ``BackgroundDeclarations``: a formed group no longer waits for the withdrawal of our declaration.
 3. ``LeaderAvoidance``: a leader that leaves join requests unanswered is skipped for a while.
 4. ``SlowReplyBlacklist``: a DHT node that answers late far more often than the others is blacklisted.
 
-A swarm slow everywhere (a loaded machine, a congested network) is not a swarm with a slow peer: 3 and 4 judge a
-node against the median of the others (``RelativeLateness``) and never exclude more than a share of them at once.
-``SlowPeerFixes`` installs 1-3 in an averager's process; ``install_slow_reply_blacklist`` installs 4 into a DHT.
-``SharedCounts`` carries what they did to the trainer's ``counters`` (names in ``SLOW_PEER_COUNTS``).
+3 and 4 judge a node against the median of the others (``RelativeLateness``: a swarm slow everywhere is not a swarm
+with a slow peer) and never exclude more than a share at once. ``SharedCounts`` carries counts across processes.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ SLOW_PEER_COUNTS = (
 
 
 class SharedCounts:
-    """Counts that the averager and DHT processes add to and the trainer's process reads without a round trip: a
-    float64 tensor in torch's shared memory (as hivemind's MPFuture keeps its state), still shared after a fork or
-    after pickling through hivemind's pipes. Each name has one writing process at a time."""
+    """Counts that the averager and DHT processes add to and the trainer reads: a float64 tensor in torch's shared
+    memory, still shared after a fork or pickling through hivemind's pipes. One writing process per name."""
 
     def __init__(self, names: Sequence[str] = SLOW_PEER_COUNTS):
         self.names = tuple(names)
@@ -56,9 +52,8 @@ class SharedCounts:
 
 
 class CoalescedEvent(asyncio.Event):
-    """An asyncio.Event whose set() wakes waiters at most once per `period` seconds; a set() in between is delayed
-    to the end of the period (never lost). hivemind sets ``_state_updated`` per tensor (averager.py,
-    ``_run_allreduce_inplace_``, since hivemind#398) and stores a declaration per set."""
+    """An asyncio.Event whose set() wakes waiters at most once per `period` s (a set() in between is delayed, never
+    lost): hivemind sets ``_state_updated`` per tensor (averager.py, hivemind#398), storing a declaration each."""
 
     def __init__(self, period: float):
         super().__init__()
@@ -79,12 +74,9 @@ class CoalescedEvent(asyncio.Event):
 
 
 class BackgroundDeclarations:
-    """hivemind's ``GroupKeyManager.declare_averager`` with its withdrawals (``looking_for_group=False``) run in a task
-    of their own, at most one in flight per group key (a newer one replaces the one waiting): matchmaking.py's
-    ``look_for_group`` otherwise returns only once the withdrawal reached every replica (hivemind#357). Declarations
-    stay awaited: hivemind computes each one's expiration when it calls, and queued ones reached a loaded swarm's
-    DHT already expired. A withdrawal is not sent when the declaration expires before it could land (``store_s``:
-    how long the last declarations took). ``pending``: the tasks not done yet (the shutdown waits for them)."""
+    """hivemind's ``GroupKeyManager.declare_averager`` with its withdrawals in a task of their own, one in flight per
+    group key: ``look_for_group`` otherwise waits for every replica (hivemind#357). Declarations stay awaited (queued,
+    they expired before they landed); a withdrawal that would land after its declaration expired is not sent."""
 
     def __init__(self, declare_averager: Callable[..., Awaitable[bool]]):
         self._declare_averager = declare_averager
@@ -125,11 +117,9 @@ class BackgroundDeclarations:
 
 
 class RelativeLateness:
-    """Who is late *compared with the others* (fixes 3 and 4): each node's share of late answers over its last
-    `window` answers, against the median share of the other nodes seen within `memory_s`. An outlier has answered at
-    least `min_answers` times, late in at least `min_share` of them and `margin` above that median. When every node
-    is late about as often the median moves with them; noise can push a few above it, so callers ``cap`` how many
-    they exclude at once."""
+    """Who is late *compared with the others* (fixes 3 and 4): a node's share of late answers over its last `window`,
+    against the median share of the nodes seen within `memory_s`; an outlier answered at least `min_answers` times,
+    late in at least `min_share` of them and `margin` above that median. Callers ``cap`` how many they exclude."""
 
     def __init__(
         self,
@@ -149,11 +139,9 @@ class RelativeLateness:
         self.last_seen[peer] = time.monotonic()
 
     def forget(self, peer: PeerID) -> None:
-        """Start its count afresh (after it was excluded: its next answers decide again)."""
         self.late.pop(peer, None)
 
     def known(self) -> list[PeerID]:
-        """The nodes seen within memory_s (excluded ones included: they were seen when they were excluded)."""
         horizon = time.monotonic() - self.memory_s
         return [peer for peer, seen in self.last_seen.items() if seen >= horizon]
 
@@ -176,11 +164,9 @@ class RelativeLateness:
 
 
 class LeaderAvoidance:
-    """Leaders that left a join request unanswered for request_timeout are skipped for base_s, doubled after each
-    further time-out up to max_s; a request that gets a group forgives (fix 3). Only a leader that times out far
-    more often than the others, and never more than `max_share` of the leaders we know (ourselves included). hivemind
-    asks it again at the next declaration (matchmaking.py, ``PotentialLeaders.past_attempts`` lives for one search);
-    hivemind#676 (open) asks for straggler-aware deadlines."""
+    """Fix 3: a leader that times out far more often than the others is skipped for base_s, doubled per further
+    time-out up to max_s (a group forgives), never more than `max_share` of the leaders we know. hivemind forgets
+    after one search (matchmaking.py, ``PotentialLeaders.past_attempts``); hivemind#676 asks for such deadlines."""
 
     def __init__(
         self,
@@ -238,13 +224,9 @@ class LeaderAvoidance:
 
 
 class SlowReplyBlacklist:
-    """DHT process: a node that answers find requests late far more often than the others goes into hivemind's own
-    blacklist, as if it had not answered (fix 4). Late: more than `factor` times the median answer time of the
-    *other* nodes, and more than `min_s`; banned when its share of late answers is well above the others'
-    (``RelativeLateness``), and only while fewer than `max_share` of the nodes we know are blacklisted (banning
-    every late node of a loaded swarm scatters the DHT's replicas). hivemind (dht/node.py, ``Blacklist``) takes only
-    nodes that did not answer within ``wait_timeout``, while one that answers late delays every get and store. A
-    blacklisted node still stores its declarations on us: we just do not wait for its answers. hivemind#676, #624."""
+    """Fix 4, DHT process: a node late (over `factor` times the others' median answer time, and `min_s`) far more often
+    than the others goes into hivemind's blacklist (dht/node.py takes only nodes silent for ``wait_timeout``), while
+    fewer than `max_share` of the known nodes are in it. hivemind#676, #624."""
 
     def __init__(
         self,
@@ -262,7 +244,7 @@ class SlowReplyBlacklist:
         self.blacklisted: Callable[[PeerID], bool] | None = None  # install: hivemind's (it is pickled before)
 
     def threshold(self, peer_id: PeerID) -> float:
-        """How long `peer_id` may take: compared with the other nodes (its own late answers must not count)."""
+        """How long `peer_id` may take, against the other nodes' answers."""
         others = sorted(seconds for peer, seconds in self.recent if peer != peer_id)
         median = others[len(others) // 2] if others else 0.0
         return max(self.min_s, self.factor * median)
@@ -283,8 +265,7 @@ class SlowReplyBlacklist:
         return True
 
     async def install(self, _dht: Any, node: Any) -> None:
-        """Run through DHT.run_coroutine: wraps this DHT node's finds (the lookups behind every get and store). On a
-        node that has one already, only its counts move to ours (the newest DecentralizedSGD reports them)."""
+        """Through DHT.run_coroutine: wraps the node's finds; on a node that has one, only its counts move to ours."""
         installed = getattr(node, "slow_reply_blacklist", None)
         if installed is not None:
             installed.counts = self.counts
@@ -304,8 +285,7 @@ class SlowReplyBlacklist:
 
 
 def install_slow_reply_blacklist(dht: hivemind.DHT, counts: SharedCounts, timeout: float) -> bool:
-    """Trainer's process: fix 4 into `dht` (once per DHT). False, with a warning, if the DHT did not answer within
-    `timeout` s (then the DHT works as hivemind's own)."""
+    """Fix 4 into `dht` (once per DHT); False, with a warning, if the DHT did not answer within `timeout` s."""
     try:
         dht.run_coroutine(SlowReplyBlacklist(counts).install, return_future=True).result(timeout)
         return True
@@ -318,9 +298,8 @@ def install_slow_reply_blacklist(dht: hivemind.DHT, counts: SharedCounts, timeou
 
 
 class SlowPeerFixes:
-    """Fixes 1-3 for one averager (``averager.Averager`` calls ``install`` in its process, at its first step:
-    hivemind's ``_run`` creates the matchmaking and the state event before it serves any request). ``pending``:
-    declarations still on their way to the DHT (the averager's shutdown waits for them)."""
+    """Fixes 1-3, installed by ``averager.Averager`` at its first step; ``pending``: withdrawals still on their way
+    (the averager's shutdown waits for them)."""
 
     def __init__(self, counts: SharedCounts | None = None):
         self.counts = counts if counts is not None else SharedCounts()

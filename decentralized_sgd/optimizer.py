@@ -1,17 +1,10 @@
-"""``DecentralizedSGD``: what a training loop calls. Wraps any torch optimizer; averages its parameters (and BN
-buffers, optionally optimizer state) with peers all the time, in the background.
+"""``DecentralizedSGD``: what a training loop calls. The trainer's side is small on purpose: ``step()`` /
+``on_step_end()`` count the step and add the updates of finished rounds (``w ← w + averaged − snapshot``); the rest
+runs in the scheduler thread, the averager process and hivemind's state-fetching thread. The parts are built by the
+``_make_*`` methods, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) overrides one factory.
 
-The trainer's side is small on purpose: ``step()`` / ``on_step_end()`` count the step and, at this step boundary,
-add the updates of finished rounds (``w ← w + averaged − snapshot``: local steps made during the round are kept).
-Everything else happens in the scheduler thread (``scheduler``), the averager process (``averager``,
-``supervisor``) and hivemind's state-fetching thread (``state_transfer``). The parts are built by the ``_make_*``
-methods below, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) replaces one part by overriding
-its factory.
-
-The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; if you call
-``optimizer.step()`` yourself, do it and ``on_step_end()`` under ``with dsgd.lock:``). The scheduler copies the
-parameters into a formed round under that lock, and late joiners download them under it, so neither sees half an
-update. LR schedulers should be given ``dsgd.optimizer``.
+The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; call ``optimizer.step()`` and
+``on_step_end()`` under it yourself otherwise): fills and late joiners copy them under it, never half an update.
 """
 
 from __future__ import annotations
@@ -32,8 +25,8 @@ from .compression import make_compression, schema_fingerprint
 from .dht_rejoin import note_groupmates, rejoin_count
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .outer import OuterOptimizer, OuterSettings
-from .rounds import RoundBook, TrainerState
-from .scheduler import RoundExchange, RoundScheduler, RoundSettings
+from .rounds import ROUND_COUNTS, RoundBook, TrainerState
+from .scheduler import EXCHANGE_COUNTS, RoundExchange, RoundScheduler, RoundSettings
 from .secret import MembershipCheck, SwarmSecret, SwarmSecretValidator, keyed_prefix, members_key
 from .starvation import STARVATION_COUNTS, StarvationMonitor
 from .state_transfer import StateTransfer
@@ -44,13 +37,16 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_JOIN_S = 5.0  # shutdown() waits this long for the scheduler (its own waits are bounded too)
 SHUTDOWN_DEADLINE_S = SCHEDULER_JOIN_S + STOP_S  # then the averager and the starvation monitor, side by side
-COUNTERS = (  # every count of a peer (DecentralizedSGD.counters); the round book owns the dict
-    *"rounds_applied rounds_failed rounds_no_group rounds_discarded_nonfinite rounds_skipped_local_nonfinite".split(),
-    *"rounds_cancelled ssp_waits ssp_timeouts ssp_wait_s trainer_s dht_rejoins".split(),
-    *"averager_failures averager_restarts fills fill_s fill_locked_s applies apply_s".split(),
+TRAINER_COUNTS = ("ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s")  # DecentralizedSGD's own
+COUNTERS = (  # every count of a peer (DecentralizedSGD.counters), in this order; each part counts its own
+    *ROUND_COUNTS,
+    *TRAINER_COUNTS,
+    *"dht_rejoins averager_failures averager_restarts".split(),
+    *EXCHANGE_COUNTS,
     *STARVATION_COUNTS,
     *SLOW_PEER_COUNTS,
     *vetting.COUNTERS,
+    *vetting.JOIN_COUNTS,
 )
 
 
@@ -85,22 +81,12 @@ class TorchOptimizerFacade:
 
 
 class DecentralizedSGD(TorchOptimizerFacade):
-    """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time.
-
-    Call ``step()`` (or ``optimizer.step()`` then ``on_step_end()``) once per local step. The arguments up to
-    ``client_mode`` are hivemind's averager's; ``max_staleness`` bounds how many local steps a peer may make without
-    applying a round (SSP; None: never waits); ``outer``: an outer optimizer on the averaged progress (``outer``);
-    ``settings``: what tests and benchmarks tune beyond these, and the benchmarks' ablations (``RoundSettings``).
-
-    Non-finite values: a peer whose own values are not finite contributes zeros with weight 0 and keeps its local
-    params; a round whose averaged result is not finite is discarded. A peer whose trainer stalls joins at most one
-    group it does not trigger. A dead or unresponsive averager process is restarted (``supervisor``); a slow
-    groupmate costs the others little, and a peer starved of CPU leaves averaging until it recovers
-    (``hivemind_slow_peer_fixes``, ``starvation``). ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S``.
-
-    Diverged peers and outsiders (``vetting``): a member far from its group's median is left out of the AllReduce and
-    heals by taking the swarm's state. With ``swarm_secret``, only peers holding it meet, group and write DHT records
-    (``secret``).
+    """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time. Call ``step()`` (or
+    ``optimizer.step()`` then ``on_step_end()``) once per local step. The arguments up to ``client_mode`` are
+    hivemind's averager's; ``max_staleness``: SSP's bound on local steps without an applied round (None: never
+    waits); ``outer``: an outer optimizer (``outer``); ``settings``: what tests and benchmarks tune (``RoundSettings``).
+    Non-finite values are never averaged in; a dead averager is restarted; diverged peers and outsiders are left out
+    (``vetting``, ``secret``). ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S``.
     """
 
     needs_lock_for_forward = False  # results are applied at step boundaries, by the trainer's own thread
@@ -138,6 +124,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         self.optimizer, self.dht, self.model, self.max_staleness = optimizer, dht, model, max_staleness
         self.swarm_secret, self.peer = swarm_secret, str(dht.peer_id)
         self._closed = False
+        self._counts = dict.fromkeys(TRAINER_COUNTS, 0)  # what the trainer's side costs and waits
 
         self.averaged_tensors = self._make_averaged_tensors(average_optimizer_state)
         self.trainer = TrainerState(self.averaged_tensors)
@@ -189,11 +176,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
         )
 
     def _make_round_book(self, records_path: str | None) -> RoundBook:
-        """Two result slots (fp32 host copies of the averaged tensors, see tensors) and the records."""
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
         return RoundBook(
             slots,
-            COUNTERS,
             records_path,
             self.settings.verbose,
             self.peer,
@@ -212,7 +197,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         )
 
     def _make_starvation_monitor(self) -> StarvationMonitor | None:
-        """Samples from start() on; the scheduler asks it (through the supervisor) before it starts a round."""
         return StarvationMonitor(start=False) if self.settings.slow_peer_fixes else None
 
     def _make_vetting(self, heal_timeout: float) -> vetting.RoundVetting:
@@ -220,13 +204,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return vetting.RoundVetting(
             self.guard,
             self.trainer,
-            self.averaged_tensors,
             self.round_book,
             self._supervisor,
             self.state_transfer,
-            self.round_book.counters,
-            self.dht.peer_id,
             membership,
+            peer_id=self.dht.peer_id,
             heal_timeout=heal_timeout,
         )
 
@@ -244,12 +226,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
     def _make_scheduler(self) -> RoundScheduler:
         opts = self.averager_opts
         return RoundScheduler(
-            self.settings,
-            self.trainer,
-            self.round_book,
-            self._supervisor,
             self.exchange,
-            self.vetting,
             min_matchmaking_time=opts["min_matchmaking_time"],
             next_chunk_timeout=opts["next_chunk_timeout"],
             allreduce_timeout=opts["allreduce_timeout"],
@@ -257,13 +234,12 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     @property
     def counters(self) -> dict[str, float]:
-        """Every count of this peer: the round book's dict, with what the supervisor, other processes and threads
-        count (the slow-peer fixes, the starvation monitor, the DHT's rejoins) read now."""
-        counters, supervisor = self.round_book.counters, self._supervisor
+        """Every count of this peer, read now from the parts that count (each its own, in COUNTERS' order)."""
+        counters, supervisor = dict.fromkeys(COUNTERS, 0), self._supervisor
+        counters.update(self.round_book.counters, **self._counts, **self.exchange.counts, **self.vetting.counts)
         counters.update(averager_failures=supervisor.failures, averager_restarts=supervisor.restarts)
         counters.update(self.slow_peer_counts.as_dict(), dht_rejoins=rejoin_count(self.dht))
-        if self.starvation is not None:
-            counters.update(self.starvation.counts())
+        counters.update(self.guard.counts.as_dict(), **(self.starvation.counts() if self.starvation else {}))
         return counters
 
     @property
@@ -284,8 +260,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return self._supervisor.averager
 
     def start(self) -> None:
-        """Start the averager process, the starvation monitor and the scheduler (the constructor calls it). The
-        slow-peer fixes' blacklist of slow replies goes into our DHT (once per DHT)."""
+        """Start the averager process, the starvation monitor and the scheduler (the constructor calls it)."""
         if self.settings.slow_peer_fixes:
             install_slow_reply_blacklist(self.dht, self.slow_peer_counts, self.settings.averager_timeout)
         self._supervisor.start()
@@ -302,11 +277,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return loss
 
     def on_step_end(self, batch_size: int | None = None) -> int:
-        """Call once per local step, after the optimizer step (VISSL hooks call this when they don't use .step()).
-        Applies the updates of finished rounds, or takes the swarm's state when a group found our weights diverged
-        (``vetting``). Returns how many of those changed the parameters (rounds applied, plus 1 for a heal): a box
-        with several GPUs then broadcasts them to its replicas.
-        """
+        """Call once per local step, after the optimizer step. Returns how many changes it made to the parameters
+        (rounds applied, plus 1 for a heal): a box with several GPUs then broadcasts them to its replicas."""
         with self.lock:
             applied = self._step_boundary(batch_size)
         applied += self._enforce_staleness_bound()
@@ -320,12 +292,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
         applied = self._apply_finished_rounds()
         self.boundary_marks.record()  # a fill copies this boundary's values (see tensors)
         self._scheduler.wake()
-        self.round_book.counters["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
+        self._counts["trainer_s"] += time.perf_counter() - t0  # what averaging costs the training loop
         return applied
 
     def _apply_finished_rounds(self) -> int:
-        """Trainer thread, holding self.lock, at a step boundary: add the updates of finished rounds. Returns how
-        many it applied."""
+        """Trainer thread, holding self.lock: add the updates of finished rounds; returns how many."""
         finished = [] if self._closed else self.exchange.apply_finished()
         if not finished:
             return 0
@@ -342,10 +313,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return 0
 
     def _wait_for_round(self) -> int:
-        """SSP: block until a round is applied, at most staleness_timeout seconds. The scheduler wakes us whenever a
-        round changes state, and each wake is a step boundary: rounds may start and fill, results are applied.
-        ``dsgd.lock`` is released while asleep, even if the caller holds it. Returns how many rounds were applied."""
-        trainer, counters, timeout = self.trainer, self.round_book.counters, self.settings.staleness_timeout
+        """SSP: block until a round is applied, at most staleness_timeout s (``dsgd.lock`` released while asleep). The
+        scheduler wakes us when a round changes; each wake is a step boundary. Returns how many rounds were applied."""
+        trainer, counters, timeout = self.trainer, self._counts, self.settings.staleness_timeout
         t0, applied = time.monotonic(), 0
         counters["ssp_waits"] += 1
         with self.lock:
@@ -370,7 +340,6 @@ class DecentralizedSGD(TorchOptimizerFacade):
         counters["ssp_wait_s"] += time.monotonic() - t0
         return applied
 
-    # --- records ---
     def last_applied_record(self) -> dict | None:
         return next((record for record in reversed(self.records) if record["applied"]), None)
 
@@ -378,22 +347,15 @@ class DecentralizedSGD(TorchOptimizerFacade):
         """Records (``applied=False``, ``state``: where the round is) of the rounds not resolved yet, oldest first."""
         return self.round_book.in_flight()
 
-    # --- state transfer ---
-
     def load_state_from_peers(
         self, timeout: float | None = None, accept: Callable[[dict], bool] | None = None
     ) -> dict | None:
-        """Download params/buffers/optimizer state/progress from a peer.
-
-        Returns the donor's extra-state dict (its training progress, see get_extra_state) or None if nobody answered
-        or ``accept(extra_state)`` said no (e.g. the donor is not ahead of our checkpoint): then nothing changes.
-        The optimizer's hyperparameters (lr, momentum...) and local_step are taken over from the donor too.
-        """
+        """Take over a donor's params, buffers, optimizer state and local_step. Returns its ``get_extra_state()``, or
+        None (nothing changed) if nobody answered or ``accept(extra_state)`` said no."""
         return self.state_transfer.load(
             self.averager, self.averager_opts["allreduce_timeout"] if timeout is None else timeout, accept
         )
 
-    # --- checkpoints ---
     def outer_state_dict(self) -> dict | None:
         """The outer optimizer's anchor and momentum buffer, for a checkpoint (None: it is off)."""
         if self.outer is None:
@@ -402,8 +364,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
             return self.outer.state_dict()
 
     def load_outer_state_dict(self, state: dict | None) -> None:
-        """A checkpoint's outer state, after its weights were loaded. None (a checkpoint from a run without it, or
-        saved before it was turned on): the current weights are the anchor, the buffer starts at zero."""
+        """A checkpoint's outer state, after its weights were loaded; None: the current weights are the anchor."""
         if self.outer is None:
             if state is not None:
                 logger.info("The checkpoint holds an outer optimizer's state, but outer momentum is off: ignoring it")

@@ -1,31 +1,14 @@
-"""An outer optimizer on the averaged progress (SlowMo, Wang et al. ICLR 2020, arXiv 1910.00643; DiLoCo's outer
-Nesterov, arXiv 2311.08105), per peer, with the delta rule kept.
+"""An outer optimizer on the averaged progress (SlowMo, arXiv 1910.00643; DiLoCo's outer Nesterov, arXiv
+2311.08105), per peer (a gossip swarm has no global outer step), with the delta rule kept. Each peer keeps its own
+anchor ``x`` (its parameters as its last applied round left them) and momentum buffer ``u``; a round that averages
+the group's snapshots to ``m``::
 
-Why per peer: there is no global outer step in a gossip swarm. Each peer keeps its own *anchor* ``x`` (where its
-parameters were put by its last applied round, without the local steps that rode on top of it) and its own momentum
-buffer ``u``. When a round averages the group's snapshots to ``m``::
+    d = x − m;  u ← b·u + d;  step = a·u (SlowMo) or a·(d + b·u) (Nesterov);  x ← x − step;  update = x − snapshot
 
-    d = x − m                       the progress the group made from our anchor (a pseudo-gradient)
-    u ← b·u + d
-    step = a·u                      (SlowMo)   or   a·(d + b·u)   (Nesterov)
-    x ← x − step                    the new anchor
-    update = x − snapshot           what the delta rule adds at the next step boundary (``w ← w + update``)
-
-With ``a = 1, b = 0`` the new anchor is ``m`` and the update is the plain delta rule's ``m − snapshot``. The local
-steps made since the snapshot (during the AllReduce) ride on top of the new anchor, and are counted in the next
-round's ``d``: the next snapshot is ``x + (local steps since this snapshot)``. So every local step enters exactly
-one pseudo-gradient.
-
-Only the parameters get the outer step (the first ``len(anchor)`` averaged tensors); BatchNorm statistics and
-averaged optimizer state keep the plain update. Memory: the anchor and the buffer, two fp32 host copies of the
-parameters (about 200 MB for ResNet-50), plus one transient copy per round.
-
-Who calls what: ``step_`` runs in the scheduler thread while it owns the round's slot and the averager's buffers
-(``exchange.finish``), once per round that is applied, in the order the rounds finish (which is the order their
-updates are applied: the next round's snapshot already holds this round's update, see ``exchange``). ``reset``
-runs under ``dsgd.lock`` when our parameters are replaced wholesale (a state download, a heal, a checkpoint load
-without outer state): the buffer restarts at zero, since it described the progress from an anchor we no longer
-have. ``state_dict`` / ``load_state_dict`` (under ``dsgd.lock``) carry both into checkpoints.
+``a = 1, b = 0`` is the plain delta rule. Local steps made since the snapshot ride on the new anchor and enter the
+next round's ``d``: each local step enters one pseudo-gradient. Only the parameters get the outer step. ``step_``
+runs in the scheduler thread (``RoundExchange.finish``), in the order rounds are applied; ``reset`` under
+``dsgd.lock`` when our parameters are replaced wholesale (the buffer described progress from a lost anchor).
 """
 
 from __future__ import annotations
@@ -79,16 +62,10 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step_(
-        self,
-        update: Sequence[torch.Tensor],
-        averaged: Sequence[torch.Tensor],
-        skip: Callable[[], bool] | None = None,
+        self, update: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], skip: Callable[[], bool] | None = None
     ) -> float | None:
-        """``update`` (the slot, holding ``m − snapshot``) ← ``x_new − snapshot``, for the first ``len(anchor)``
-        tensors; ``averaged``: the group's mean ``m``. Returns the norm of the outer step ``x − x_new``, or None if
-        ``skip()`` (asked while holding our lock) says the round no longer counts: our parameters were replaced
-        since its snapshot. A replacement marks the round stale before it calls ``reset``, so a step either sees
-        the mark or runs before the reset, which then overwrites it."""
+        """``update`` (``m − snapshot``) ← ``x_new − snapshot``; returns the outer step's norm, or None if ``skip()``
+        (asked under our lock: a replacement marks the round stale before its ``reset``) says the round is stale."""
         b, a = self.settings.momentum, self.settings.lr
         count = len(self.anchor)
         update, averaged = list(update[:count]), list(averaged[:count])

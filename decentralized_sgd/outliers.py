@@ -1,14 +1,8 @@
 """Diverged peers: a cheap summary of a peer's weights, the rule that finds outliers in a group, and the check that
-refuses an update far larger than expected.
-
-Why this shape: hivemind exchanges the ``gather`` payload of ``averager.step(gather=...)`` during matchmaking, so
-every member of a group holds the *same* summaries (of the weights when each member's round started) before the
-AllReduce begins. A rule that is a pure function of them gives every member the same verdict without another
-exchange: the healthy members run the AllReduce without the outliers, and an outlier learns that it is one. The
-summaries are older than the values that enter the AllReduce (those are copied once the group formed), so a second,
-local check looks at the update itself (``averaged - snapshot``) before it is applied.
-
-Plain torch + numpy (no hivemind): the averager process and the trainer run the same functions.
+refuses an update far larger than expected. hivemind hands every member the same gathered payloads before the
+AllReduce, so a rule that is a pure function of them gives every member the same verdict without another exchange.
+The summaries predate the values averaged, so a second, local check looks at the update itself. Plain torch + numpy:
+the averager process and the trainer run the same functions.
 """
 
 from __future__ import annotations
@@ -28,15 +22,10 @@ SUMMARY_VERSION = 1
 
 
 class WeightSketch:
-    """A fixed random linear map of all averaged tensors to ``dims`` numbers, followed by their exact L2 norm.
-
-    ``samples`` coordinates are drawn once, uniformly over all tensors, from a generator seeded by ``seed`` (the
-    run's prefix: every peer of a run draws the same ones), and projected with a Gaussian matrix scaled so that the
-    distance between two sketches estimates the L2 distance between the two full weight vectors (Johnson-Lindenstrauss
-    on a uniform sample). Reading a few thousand values instead of all of them keeps it cheap for ResNet-50; the exact
-    norm (one pass, memory-bound) catches what a sample can miss, e.g. a few blown-up coordinates. A model with at
-    most ``samples`` values is read whole, one with at most ``dims`` values is its own point (the tests' tiny models).
-    """
+    """A fixed random linear map of all averaged tensors to ``dims`` numbers, then their exact L2 norm: ``samples``
+    coordinates drawn once (seeded by ``seed``: the same in every peer of a run), projected so that distances estimate
+    the full vectors' (Johnson-Lindenstrauss); the norm catches a few blown-up values the sample misses. Small models
+    are read whole; one with at most ``dims`` values is its own point."""
 
     def __init__(self, numels: Sequence[int], seed: str, dims: int = 32, samples: int = 4096):
         if dims < 1 or samples < 1:
@@ -64,12 +53,10 @@ class WeightSketch:
 
     @property
     def size(self) -> int:
-        """Length of a point: the projection, then the norm."""
         return self.dims + 1
 
     def _picked(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-        """The sampled values of each tensor, and whether the tensors share one device (then the values stay on it,
-        picked with indices cached per device; else each part is moved to the CPU)."""
+        """The sampled values of each tensor, and whether the tensors share one device (then they stay on it)."""
         if [t.numel() for t in tensors] != self.numels:
             raise ValueError("WeightSketch: the tensors differ from the ones it was built for")
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -82,8 +69,7 @@ class WeightSketch:
 
     @torch.no_grad()
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[float]:
-        """The point of these tensors (same order and sizes as at construction); non-finite if any value is.
-        On a GPU: a few small kernels and one copy of ~4K values to the CPU."""
+        """The point of these tensors; non-finite if any value is. On a GPU: one sync."""
         picked, one_device = self._picked(tensors)
         if one_device:
             norms = list(torch._foreach_norm([t.detach() for t in tensors if t.numel()]))
@@ -97,8 +83,7 @@ class WeightSketch:
 
     @torch.no_grad()
     def project(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
-        """The projection part of the point of these tensors, without the norm (no pass over every value): linear in
-        them, so the projection of an update is the difference of the projections of its two ends."""
+        """The projection part of the point, without the norm: linear, so an update's is the difference of its ends'."""
         picked, _ = self._picked(tensors)
         values = torch.cat([p.double() for p in picked]).cpu() if picked else torch.zeros(0, dtype=torch.float64)
         return (values @ self._projection).numpy()
@@ -106,8 +91,8 @@ class WeightSketch:
 
 @dataclass(frozen=True)
 class Summary:
-    """What one peer tells its group at matchmaking: its point now (at local step ``step``), and its reference, the
-    point of the average it last applied (a point it shared with the swarm), from local step ``reference_step``."""
+    """What one peer tells its group: its point at local step ``step``, and the point of the average it last applied
+    (its reference, from ``reference_step``)."""
 
     point: np.ndarray
     step: int
@@ -125,7 +110,7 @@ class Summary:
         return float(np.linalg.norm(self.point - self.reference)) / max(1, self.step - self.reference_step)
 
     def to_wire(self) -> dict[str, Any]:
-        """msgpack-friendly (hivemind's serializer accepts only exact Python types)."""
+        """msgpack-friendly (exact Python types)."""
         reference = None if self.reference is None else [float(x) for x in self.reference]
         reference_step = None if self.reference_step is None else int(self.reference_step)
         return {
@@ -138,7 +123,7 @@ class Summary:
 
     @classmethod
     def from_wire(cls, obj: Any, size: int) -> Summary | None:
-        """None for anything malformed (wrong version, length or types): such a member is refused, not trusted."""
+        """None for anything malformed: such a member is refused."""
         try:
             if not isinstance(obj, dict) or obj.get("v") != SUMMARY_VERSION or not isinstance(obj.get("step"), int):
                 return None
@@ -156,8 +141,7 @@ class Summary:
 
 @dataclass(frozen=True)
 class Verdict(Generic[K]):
-    """The outcome of :meth:`OutlierRule.judge` for one group; ``outliers`` maps each refused member to why (with the
-    numbers), ``distances`` each valid member's distance to the group's median, ``rates`` its movement per step."""
+    """:meth:`OutlierRule.judge` on one group; ``outliers``: each refused member and why, with the numbers."""
 
     members: tuple[K, ...]
     outliers: dict[K, str] = field(default_factory=dict)
@@ -172,7 +156,7 @@ class Verdict(Generic[K]):
         return tuple(member for member in self.members if member not in self.outliers)
 
     def explain(self, member: K) -> str:
-        """Why ``member`` was refused, against the group (for the ERROR a peer logs when it is the outlier)."""
+        """Why ``member`` was refused, against the group."""
         center = "n/a" if self.center is None else f"{self.center[-1]:.4g}"
         why = self.outliers.get(member, "not refused")
         rates = ", ".join(f"{rate:.4g}" for rate in self.rates.values()) or "none"
@@ -201,21 +185,16 @@ class OutlierRule:
         D         = median distance of those points to the center
         refused if  distance to center > max(multiple * D, blowup_floor * |center|, abs_floor)
 
-    ``multiple * D`` scales with the group's own spread (peers from different inits are far apart, yet none is an
-    outlier). The floor, 10x the weights, lets in a peer that is merely elsewhere (a restart behind the swarm catches
-    up by averaging) and refuses a blow-up. The references make a group of two decidable.
+    ``multiple * D`` scales with the group's own spread; the floor (10x the weights) lets in a peer merely elsewhere
+    and refuses a blow-up. The references make a group of two decidable.
 
     **Moving too fast** (a drift), for a member with a reference::
 
         rate      = |point - reference| / (step - reference step)
         refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
 
-    Healthy peers move by optimizer steps, at similar rates whatever their speed; a diverging one moves faster every
-    step. The floor (3% of the weights per step) keeps peers that hardly move from refusing each other's noise and a
-    young swarm (large early steps) from refusing a healthy peer.
-
-    With ``multiple >= 2`` fewer than half of the members are refused for being far, and a member is refused for its
-    rate only against the others' median. Members without a valid summary, or whose point is not finite, are refused.
+    Healthy peers move at similar rates per step, a diverging one faster; the floor (3% of the weights per step)
+    spares noise and a young swarm's large steps. Members without a valid, finite summary are refused.
     """
 
     multiple: float = 6.0
@@ -277,8 +256,7 @@ class OutlierRule:
 
 
 def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict[K], own: K) -> float | None:
-    """|mean of the inliers' projections - ours|: about the size of the update this round should bring us, from the
-    summaries (the norm coordinate is left out: it does not average linearly). None if we are not an inlier."""
+    """|mean of the inliers' projections - ours|: the update this round should bring us; None if not an inlier."""
     if own not in verdict.inliers or summaries.get(own) is None:
         return None
     projections = np.stack([summaries[member].point[:-1] for member in verdict.inliers])
@@ -286,21 +264,14 @@ def expected_update_norm(summaries: Mapping[K, Summary | None], verdict: Verdict
 
 
 class UpdateCheck:
-    """Our side of a round: refuse an update ``averaged - snapshot`` far larger than expected.
-
-    The summaries were taken when the round started, the AllReduce's values later: a groupmate that diverged (or kept
-    drifting) in between passes the rule, but the update it causes outgrows both the summaries' prediction and this
-    peer's recent rounds::
+    """Refuse an update ``averaged - snapshot`` far larger than expected (a groupmate that diverged after the
+    summaries passes the rule, but its update outgrows their prediction and our recent rounds)::
 
         limit  = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
         excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update|
 
-    ``limit`` bounds the update's exact norm (it sees a few blown-up values the sketch misses); ``excess`` bounds how
-    far it outgrew the prediction, measured with the summaries' projection (``WeightSketch.project``), so that an
-    update exactly as predicted measures ``expected``. Without ``sketched`` (weight_by_samples: the AllReduce weights
-    the members, the prediction does not) only ``limit`` applies. Only once this peer applied a round since it
-    started or healed: a peer that joins from elsewhere must be able to catch up. The floor (1% of the weights) keeps
-    identical peers from refusing each other's rounding noise.
+    ``limit`` bounds the exact norm; ``excess`` the sketched one (``WeightSketch.project``; not with
+    weight_by_samples). Only once a round was applied since the start or a heal, so a joiner can catch up.
     """
 
     def __init__(self, multiple: float = 4.0, rel_floor: float = 0.01, history: int = 8):
@@ -342,5 +313,4 @@ class UpdateCheck:
         self._recent.append(float(update_norm))
 
     def reset(self) -> None:
-        """After a heal: the updates of the old weights say nothing about the new ones."""
         self._recent.clear()

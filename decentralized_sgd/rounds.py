@@ -1,8 +1,5 @@
-"""One averaging round's life cycle, the book of rounds in flight and resolved, and the trainer's counts they are
-read against (``TrainerState``: the lock of the contract, steps, samples, step boundaries).
-
-A round moves through explicit states; every transition is one method of ``Round``, called with ``RoundBook.lock``
-held (its docstring names the thread that calls it and the other locks it holds)::
+"""One averaging round's states, the book of rounds, and the trainer's counts they are read against
+(``TrainerState``). Every transition is one method of ``Round``, called holding ``RoundBook.lock``::
 
     LOOKING ──► FORMED ──► FILLED ──► TRIGGERED ──► DONE ──► APPLIED
        │           │          │            │           └───► DISCARDED   (state reloaded meanwhile)
@@ -10,14 +7,9 @@ held (its docstring names the thread that calls it and the other locks it holds)
        └───────────┴──────────┴──► CANCELLED                 (never after TRIGGERED)
        └───────────┴──────────┴────────────┴──────► FAILED   (hivemind reported an error, or the averager died)
 
-- LOOKING: hivemind's matchmaking runs. FORMED: the group formed, hivemind awaits our trigger. FILLED: our values
-  are in the round's slot (its snapshot). TRIGGERED: hivemind runs the AllReduce and owns the averager's buffers
-  (the snapshot is copied into them right after the trigger, under their lock, which hivemind's AllReduce waits
-  for). DONE: the update (averaged − snapshot) waits in the slot for the trainer's next step boundary.
-- A round is never cancelled once triggered: hivemind may already have committed to the AllReduce and would write
-  the buffers after the next round filled them. Trigger and cancel both change the state under the book's lock,
-  and the hivemind call (``allow_allreduce`` / ``cancel``) happens inside the transition, so they cannot race.
-- Timeouts use ``time.monotonic()``; the record keeps wall-clock times (``t_*``) for plots and logs.
+FILLED: our snapshot is in the round's slot; TRIGGERED: hivemind owns the averager's buffers; DONE: the update
+waits in the slot for the trainer's next step boundary. Never cancelled once triggered: hivemind may have committed
+to the AllReduce (trigger and cancel call hivemind inside the transition, under the lock, so they cannot race).
 
 Lock order, everywhere: the averager's buffer lock, then ``dsgd.lock`` (``TrainerState.lock``), then
 ``RoundBook.lock``; the outer optimizer's lock last (``outer``). A background thread tries ``dsgd.lock`` for
@@ -31,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +38,7 @@ LOCK_POLL_S = 0.1  # longest a background thread waits for dsgd.lock at a time
 
 
 class StepClock:
-    """When the trainer's step boundaries come: the last one and an average of the time between two (trainer thread
-    writes at each boundary, the scheduler reads; a float each, no lock needed)."""
+    """When the trainer's step boundaries come (written by the trainer, read by the scheduler: a float each)."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
@@ -70,10 +61,8 @@ class StepClock:
 
 
 class TrainerState:
-    """What the trainer's thread changes at its step boundaries and the other parts read: ``lock`` (the contract:
-    it guards the averaged ``tensors``; re-entrant, as a caller of on_step_end may hold it), the step and sample
-    counts, the boundary count and clock. Written holding ``lock`` (by the trainer, or a state download); the
-    scheduler reads the counts without it (an int each) and takes it only to read the tensors."""
+    """What the trainer changes at its step boundaries, holding ``lock`` (the contract's: it guards ``tensors``;
+    re-entrant, as a caller of on_step_end may hold it); the scheduler reads the counts without it."""
 
     def __init__(self, tensors: AveragedTensors) -> None:
         self.lock = threading.RLock()
@@ -118,8 +107,7 @@ class TrainerState:
         self.samples = samples
 
     def wait_for_round_change(self, seen: int, timeout: float) -> None:
-        """Trainer thread, holding ``lock``: sleep (``lock`` released) until a round changed after ``round_changes``
-        was ``seen``, or ``timeout`` passed."""
+        """Trainer thread, holding ``lock``: sleep (``lock`` released) until ``round_changes`` moved from ``seen``."""
         self.waiting = True
         try:
             if self.round_changes == seen:
@@ -128,8 +116,7 @@ class TrainerState:
             self.waiting = False
 
     def round_changed(self) -> bool:
-        """Scheduler thread: a round changed state; wakes an SSP wait. False if ``lock`` stayed busy while the
-        trainer waits (call again later)."""
+        """Scheduler thread: a round changed; wakes an SSP wait. False if ``lock`` stayed busy (call again later)."""
         self.round_changes += 1
         if not self.waiting:  # it sees the count before it sleeps (wait_for_round_change)
             return True
@@ -164,8 +151,7 @@ S = RoundState
 
 @dataclass(eq=False)
 class Round:
-    """One round: its hivemind StepControl, its state, and what its record reports. Steps are the trainer's
-    local_step; ``t_*`` are wall-clock (records), ``formed_at`` is monotonic (timeouts)."""
+    """One round: its hivemind StepControl, its state and its record (``t_*``: wall clock; ``*_at``: monotonic)."""
 
     index: int
     control: StepControl
@@ -218,8 +204,7 @@ class Round:
         return True
 
     def fill(self, step: int, samples: int, slot: list[torch.Tensor], results_included: int) -> bool:
-        """FORMED → FILLED. Scheduler thread, holding the averager's buffer lock and ``dsgd.lock`` (so ``step`` is
-        exactly the step boundary whose values went in)."""
+        """FORMED → FILLED. Scheduler thread, holding the averager's buffers and ``dsgd.lock``."""
         if not self._move({S.FORMED}, S.FILLED):
             return False
         self.samples, self.slot, self.results_included = samples, slot, results_included
@@ -228,8 +213,7 @@ class Round:
         return True
 
     def trigger(self, weight: float, local_nonfinite: bool) -> bool:
-        """FILLED → TRIGGERED, and let hivemind start the AllReduce. Scheduler thread, holding the averager's buffer
-        lock (the slot holds the snapshot; it goes into the buffers before that lock is released)."""
+        """FILLED → TRIGGERED: hivemind may start the AllReduce. Scheduler thread, holding the averager's buffers."""
         if not self._move({S.FILLED}, S.TRIGGERED):
             return False
         self.weight, self.local_nonfinite = weight, local_nonfinite
@@ -250,17 +234,14 @@ class Round:
         return self._move({S.DONE}, S.APPLIED)
 
     def discard(self, reason: str, group: list[str] | None = None) -> bool:
-        """TRIGGERED or DONE → DISCARDED: the result is not used. Scheduler thread (not finite; our values were
-        not finite), or trainer thread holding ``dsgd.lock`` (state reloaded since the fill)."""
+        """TRIGGERED or DONE → DISCARDED: the result is not used. Scheduler thread, or a state download."""
         if not self._move({S.TRIGGERED, S.DONE}, S.DISCARDED):
             return False
         self.error, self.group = reason, group if group is not None else self.group
         return True
 
     def cancel(self, reason: str) -> bool:
-        """LOOKING, FORMED or FILLED → CANCELLED, and tell hivemind. Refused (False) once triggered. Scheduler
-        thread (not filled in time, group not accepted, or starved of CPU while LOOKING), the trainer thread
-        (healing, see vetting), or the thread calling shutdown."""
+        """LOOKING, FORMED or FILLED → CANCELLED, and tell hivemind; refused (False) once triggered."""
         if self.state in (S.TRIGGERED, S.DONE) or not self._move({S.LOOKING, S.FORMED, S.FILLED}, S.CANCELLED):
             return False
         self.error = reason
@@ -268,9 +249,8 @@ class Round:
         return True
 
     def fail(self, error: str) -> bool:
-        """Any unresolved state but DONE → FAILED. Scheduler thread: hivemind ended the step with an error, or the
-        averager process failed (a DONE result lives in its slot and is still applied); or the thread calling
-        shutdown, for a triggered round."""
+        """Any unresolved state but DONE (whose result is still applied) → FAILED: hivemind ended the step with an
+        error, the averager failed, or shutdown."""
         if not self._move({S.LOOKING, S.FORMED, S.FILLED, S.TRIGGERED}, S.FAILED):
             return False
         self.error = error
@@ -280,9 +260,8 @@ class Round:
 
     # --- observations of hivemind's progress (scheduler thread; timestamps only) ---
     def observe(self, stamps: Callable[[], tuple[float, float]] | None = None) -> None:
-        """``stamps()``: (began, ended) of the averager's latest AllReduce, as its process wrote them (wall clock,
-        exact; ours lag by up to a tick), read once this round ended: they are its own if they began after its
-        trigger."""
+        """``stamps()``: (began, ended) of the averager's latest AllReduce (exact; ours lag a tick): this round's if
+        they began after its trigger."""
         if self.t_allreduce_start is None and self.t_end is None and self.control.began_allreduce:
             self.t_allreduce_start, self.allreduce_started_at = time.time(), time.monotonic()
         if self.t_end is None and self.control.done():
@@ -339,6 +318,10 @@ class Round:
 
 
 # what a resolved round adds to the counters
+ROUND_COUNTS = (
+    *"rounds_applied rounds_failed rounds_no_group rounds_discarded_nonfinite rounds_skipped_local_nonfinite".split(),
+    "rounds_cancelled",
+)
 _COUNTED = {S.APPLIED: "rounds_applied", S.CANCELLED: "rounds_cancelled"}
 _DISCARD_COUNTERS = {
     "local snapshot not finite": "rounds_skipped_local_nonfinite",
@@ -347,18 +330,13 @@ _DISCARD_COUNTERS = {
 
 
 class RoundBook:
-    """The rounds in flight (oldest first, at most ``ResultSlots.count``), the records of resolved ones, and the
-    peer's ``counters`` (named by ``counter_names``; the parts that count are handed this dict).
-
-    ``lock`` guards every round's state and the list. A resolved round leaves the list once every older round has
-    (so records stay in round order), gives its slot back, and becomes a record (also appended to records_path);
-    ``on_group`` is told the group of each (the address book notes new peers). The transitions of several rounds at
-    once are here too, each taking ``lock`` itself."""
+    """The rounds in flight (oldest first), the records of resolved ones, and the peer's ``counters``. ``lock``
+    guards every round's state and the list. A resolved round leaves once every older one has (records stay in
+    order), gives its slot back and becomes a record (appended to records_path); ``on_group`` is told its group."""
 
     def __init__(
         self,
         slots: ResultSlots,
-        counter_names: Sequence[str],
         records_path: str | None,
         verbose: bool,
         peer: str,
@@ -367,7 +345,7 @@ class RoundBook:
         self.lock = threading.Lock()
         self.rounds: list[Round] = []
         self.records: list[dict] = []
-        self.counters: dict[str, float] = dict.fromkeys(counter_names, 0)
+        self.counters: dict[str, float] = dict.fromkeys(ROUND_COUNTS, 0)
         self.slots, self.records_path, self.verbose, self.on_group = slots, records_path, verbose, on_group
         self.peer = peer  # in every record
         self.num_started = 0
@@ -410,21 +388,17 @@ class RoundBook:
 
     # --- transitions of several rounds (each takes lock) ---
     def cancel_untriggered(self, reason: str, states: tuple[RoundState, ...] = (S.LOOKING, S.FORMED, S.FILLED)) -> int:
-        """The rounds in ``states`` (none triggered) → CANCELLED. Scheduler thread (starved of CPU: LOOKING only) or
-        trainer thread (healing: hivemind owns the triggered ones, whose results are then discarded as stale).
-        Returns how many."""
+        """The rounds in ``states`` (none triggered) → CANCELLED; returns how many."""
         with self.lock:
             return sum(r.cancel(reason) for r in self.rounds if r.state in states)
 
     def fail_in_flight(self, reason: str) -> int:
-        """Every round not resolved and not DONE → FAILED. Scheduler thread: the averager process failed (a DONE
-        result lives in its slot and is still applied). Returns how many."""
+        """Every round not resolved and not DONE → FAILED (the averager failed); returns how many."""
         with self.lock:
             return sum(r.fail(reason) for r in self.rounds if not r.state.resolved and r.state is not S.DONE)
 
     def state_reloaded(self, step: int) -> None:
-        """A donor's state replaced the parameters (thread holding ``dsgd.lock``): a waiting update is discarded now,
-        a round whose values went in is marked stale (discarded when it ends); the resolved ones are recorded."""
+        """Holding ``dsgd.lock``, a donor's state replaced ours: discard a waiting update, mark filled rounds stale."""
         with self.lock:
             for r in self.rounds:
                 if r.state is S.DONE:
@@ -434,9 +408,7 @@ class RoundBook:
             self.retire(step)
 
     def close(self, reason: str) -> None:
-        """The thread that shuts the optimizer down, once the scheduler stopped: a triggered round → FAILED (hivemind
-        may still finish it; its buffers are never read again), the others in flight → CANCELLED; none recorded (the
-        run is over)."""
+        """Shutdown, once the scheduler stopped: triggered rounds → FAILED, the others in flight → CANCELLED."""
         with self.lock:
             for r in self.rounds:
                 if r.state is S.TRIGGERED:

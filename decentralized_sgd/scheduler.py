@@ -1,32 +1,17 @@
-"""The round machine's moving parts: the background thread that drives rounds through their states (``rounds``),
-and the tensor work of a round (``RoundExchange``: fill, trigger, the update from the average, the apply), apart
-from when it happens.
+"""The round machine's moving parts: the thread that drives rounds through their states (``RoundScheduler``) and a
+round's tensor work (``RoundExchange``: fill, trigger, the update from the average, the apply).
 
 Every tick (20 ms, or at once when a round ends or the trainer steps) the scheduler:
-1. checks the averager (``supervisor``); if it failed, fails the rounds in flight and waits for the restart;
-2. notices a formed group and **fills it at once** from the last completed step, under ``dsgd.lock`` (which the
-   trainer holds only around its optimizer step and the apply, so no groupmate waits for our step boundary). If an
-   older round's update still waits for the trainer, the fill puts in ``w + update``: the delta rule stays exact
-   and the round need not wait for the trainer. One exception: if the trainer's next boundary is due within
-   ``boundary_wait_share`` of an AllReduce's time (at most half a step), the fill waits for it, at most that long:
-   the average then holds the step that was about to finish;
-3. triggers a filled round (finite check of the snapshot, ``allow_allreduce``, then the snapshot into the
-   averager's buffers, whose lock hivemind's AllReduce waits for);
-4. turns a finished AllReduce into the update ``averaged − snapshot`` in the round's slot; the trainer adds it at
-   its next step boundary (an in-place change between forward and backward would break autograd);
-5. starts the next matchmaking once the newest round is triggered, and only if the trainer passed a step boundary
-   since the previous round started: a trainer stalled inside its step joins at most one group it does not
-   trigger (cancelled ``next_chunk_timeout`` after it could have been filled, or once our averager refused a
-   groupmate's part for it). A peer starved of CPU (``starvation``, asked through the supervisor) starts no round
-   and cancels the one still looking: it would lead groups that then wait for it.
-It tells a trainer waiting for SSP when a round changed (``TrainerState.round_changed``).
-
-The lock order is stated once, in ``rounds``. The fill holds the averager's buffers, then ``dsgd.lock`` only while
-it reads the trainer's tensors; ``finish`` holds the buffers while it reads them (and the outer optimizer's lock
-inside, for its step); ``apply_finished`` runs in the trainer's thread holding ``dsgd.lock``.
-
-Extension points: ``gather_payload()`` (sent to the groupmates with hivemind's gather) and ``accept_group(round)``;
-both, the verdict on an ended round and the update check are ``vetting``'s.
+1. checks the averager (``supervisor``); if it failed, fails the rounds in flight;
+2. fills a formed group at once from the last completed step, under ``dsgd.lock`` (held by the trainer only around
+   its step and the apply), so no groupmate waits for our step boundary. An older update still waiting for the
+   trainer goes into the fill (``w + update``): the delta rule stays exact. If the trainer's next boundary is due
+   within ``boundary_wait_share`` of an AllReduce (at most half a step), the fill waits for it that long;
+3. triggers a filled round (the snapshot goes into the averager's buffers right after, under their lock);
+4. turns a finished AllReduce into the update ``averaged − snapshot``, which the trainer adds at its next boundary;
+5. starts the next matchmaking once the newest round is triggered, and only after a step boundary since the last
+   start: a stalled trainer joins at most one group it does not trigger. A peer starved of CPU starts none.
+It tells a trainer waiting for SSP when a round changed. Lock order: see ``rounds``.
 """
 
 from __future__ import annotations
@@ -38,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -57,13 +41,14 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.02
 MIN_PIPELINED_MATCHMAKING = 0.5  # seconds: shortest matchmaking scheduled for a round started during an AllReduce
 MATCHMAKING_SLACK = 2.0  # a round finds no group if none formed this many min_matchmaking_time after its schedule
+EXCHANGE_COUNTS = ("fills", "fill_s", "fill_locked_s", "applies", "apply_s")  # RoundExchange.counts
 _FORMED_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
 @dataclass(frozen=True)
 class RoundSettings:
-    """What tests and benchmarks tune beyond ``DecentralizedSGD``'s arguments, and the benchmarks' ablations (the
-    old design's behaviour, one improvement at a time); the defaults are the product's."""
+    """What tests and benchmarks tune beyond ``DecentralizedSGD``'s arguments, and the benchmarks' ablations (the old
+    design, one improvement at a time); the defaults are the product's."""
 
     min_group_size: int = 2
     averager_timeout: float = 30.0  # every call to the averager process is bounded by it (supervisor)
@@ -99,8 +84,8 @@ def fail_from_control(r: Round, book: RoundBook) -> None:
 
 
 class RoundExchange:
-    """Moves one peer's tensors (``trainer.tensors``) in and out of its rounds. ``outer``: the peer's outer optimizer,
-    which turns an accepted round's plain update into its outer step; None: the plain delta rule."""
+    """Moves one peer's tensors in and out of its rounds. ``outer``: turns an accepted round's update into its outer
+    step (None: the plain delta rule)."""
 
     def __init__(
         self,
@@ -114,15 +99,13 @@ class RoundExchange:
         weight_by_samples: bool = False,
     ):
         self.settings, self.trainer, self.tensors, self.book = settings, trainer, trainer.tensors, book
-        self.supervisor, self.vetting, self.counters = supervisor, vetting, book.counters
+        self.supervisor, self.vetting, self.counts = supervisor, vetting, dict.fromkeys(EXCHANGE_COUNTS, 0)
         self.outer, self.weight_by_samples = outer, weight_by_samples
 
     # --- scheduler thread ---
     def fill_and_trigger(self, r: Round) -> bool:
-        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers, ``dsgd.lock`` held only while the
-        trainer's tensors are read. The trigger goes out before the snapshot is copied into the buffers (hivemind's
-        AllReduce waits for their lock), so hivemind's first steps run while we copy. False if the trainer held its
-        lock (the next tick tries again)."""
+        """FORMED → FILLED → TRIGGERED in one hold of the averager's buffers, ``dsgd.lock`` held only while reading
+        the trainer's tensors. False if the trainer held its lock (the next tick tries again)."""
         trainer = self.trainer
         with self.supervisor.averager.buffers(self.settings.averager_timeout) as buffers:
             if not trainer.lock.acquire(timeout=LOCK_POLL_S):
@@ -152,15 +135,14 @@ class RoundExchange:
                 add_(slot, update)
             self.trigger(r, buffers)
         seconds = time.perf_counter() - started
-        self.counters["fills"] += 1
-        self.counters["fill_s"] += seconds
-        self.counters["fill_locked_s"] += locked  # all a trainer can wait for
+        self.counts["fills"] += 1
+        self.counts["fill_s"] += seconds
+        self.counts["fill_locked_s"] += locked  # all a trainer can wait for
         r.extra["fill_ms"] = 1000 * seconds
         return True
 
     def early_snapshot(self) -> tuple[list[torch.Tensor], int] | None:
-        """Scheduler thread, ``refresh_before_allreduce=False`` (the old design's snapshot, taken when matchmaking
-        starts): host copies of the tensors and the step they hold; None if the trainer held its lock meanwhile."""
+        """``refresh_before_allreduce=False``: host copies of the tensors and their step; None if the lock was busy."""
         if not self.trainer.lock.acquire(timeout=LOCK_POLL_S):
             return None
         try:
@@ -172,9 +154,8 @@ class RoundExchange:
     def _read_snapshot(
         self, slot: list[torch.Tensor], r: Round, pending: list[list[torch.Tensor]]
     ) -> tuple[list[list[torch.Tensor]], int]:
-        """Holding dsgd.lock: the trainer's values into the round's slot. The round averages the params as they will
-        be once the ``pending`` updates (of DONE rounds) are applied. Returns the updates still to add to the slot
-        (that needs no lock) and how many pending updates the snapshot includes."""
+        """Holding dsgd.lock: the trainer's values into the round's slot. Returns the ``pending`` updates (of DONE
+        rounds) still to add to it (no lock needed) and how many the snapshot includes."""
         staging = self.book.slots.staging(slot)
         if r.early_snapshot is not None:  # refresh_before_allreduce=False: the values from when matchmaking began
             staging.write_(r.early_snapshot)
@@ -186,8 +167,7 @@ class RoundExchange:
         return pending, len(pending)
 
     def trigger(self, r: Round, buffers: list[torch.Tensor]) -> None:
-        """Holding the averager's buffers: go, then put the snapshot (finite, or zeros with weight 0) into them;
-        hivemind's AllReduce waits for their lock (see fill_and_trigger)."""
+        """Holding the averager's buffers: go, then put the snapshot (finite, or zeros with weight 0) into them."""
         if r.control.done():  # the group broke up meanwhile
             fail_from_control(r, self.book)
             return
@@ -246,9 +226,7 @@ class RoundExchange:
             logger.warning(f"Round {r.index}: averaged result is not finite, keeping local params")
 
     def _outer_step(self, r: Round, averaged: list[torch.Tensor]) -> None:
-        """Holding the averager's buffers (``averaged``): the slot's plain update ``m − snapshot`` → the outer
-        optimizer's ``x_new − snapshot`` (a stale round, whose snapshot predates a state download, is left alone: it
-        is discarded when it ends). Its norm and cost go into the round's record."""
+        """Holding the averager's buffers: the slot's ``m − snapshot`` → the outer step's ``x_new − snapshot``."""
         if self.outer is None:
             return
         started = time.perf_counter()
@@ -259,8 +237,7 @@ class RoundExchange:
 
     # --- trainer thread ---
     def apply_finished(self) -> list[Round]:
-        """Holding dsgd.lock, at a step boundary: add the updates of DONE rounds, oldest first (they wait in result
-        slots, which only this thread reads once DONE; see tensors.ResultSlots). Returns the rounds applied."""
+        """Holding dsgd.lock, at a step boundary: add the updates of DONE rounds, oldest first; returns them."""
         book = self.book
         with book.lock:
             finished = [r for r in book.rounds if r.state is S.DONE]
@@ -272,8 +249,8 @@ class RoundExchange:
                 staging = book.slots.staging(r.slot)
                 (staging.add_to_ if self.settings.delta_rule else staging.copy_to_)(local)
         seconds = time.perf_counter() - started  # on a GPU: queueing the copies and adds, not waiting for them
-        self.counters["applies"] += 1
-        self.counters["apply_s"] += seconds
+        self.counts["applies"] += 1
+        self.counts["apply_s"] += seconds
         with book.lock:
             for r in finished:
                 r.extra["apply_ms"] = 1000 * seconds
@@ -283,26 +260,20 @@ class RoundExchange:
 
 
 class RoundScheduler(threading.Thread):
-    """Runs one peer's rounds in a daemon thread. It is handed the parts it drives: the trainer's counts, the round
-    book, the averager's supervisor, the exchange (the rounds' tensor work) and the vetting (payloads and verdicts);
-    and hivemind's matchmaking and AllReduce timeouts, whose deadlines it enforces."""
+    """Runs one peer's rounds in a daemon thread, and enforces hivemind's matchmaking and AllReduce deadlines. It
+    drives the parts the ``exchange`` works with (settings, trainer, book, supervisor, vetting)."""
 
     def __init__(
         self,
-        settings: RoundSettings,
-        trainer: TrainerState,
-        book: RoundBook,
-        supervisor: AveragerSupervisor,
         exchange: RoundExchange,
-        vetting: RoundVetting,
         *,
         min_matchmaking_time: float,
         next_chunk_timeout: float,
         allreduce_timeout: float,
     ):
         super().__init__(name="dsgd-scheduler", daemon=True)
-        self.settings, self.trainer, self.book, self.supervisor = settings, trainer, book, supervisor
-        self.exchange, self.vetting = exchange, vetting
+        self.exchange, self.settings, self.trainer = exchange, exchange.settings, exchange.trainer
+        self.book, self.supervisor, self.vetting = exchange.book, exchange.supervisor, exchange.vetting
         self.min_matchmaking_time, self.next_chunk_timeout = min_matchmaking_time, next_chunk_timeout
         self.allreduce_timeout = allreduce_timeout
         self._wake, self._stopping = threading.Event(), threading.Event()
@@ -319,16 +290,6 @@ class RoundScheduler(threading.Thread):
         self._wake.set()
         if self.is_alive():
             self.join(timeout)
-
-    # --- extension points ---
-    def gather_payload(self) -> Any:
-        """What this peer sends its groupmates with hivemind's gather (our weight summary and member token, see
-        ``vetting``); None: start no round now (the next tick asks again)."""
-        return self.vetting.payload()
-
-    def accept_group(self, r: Round) -> bool:
-        """Called once the group formed; False cancels the round before anything is filled."""
-        return self.vetting.accept_group(r)
 
     # --- the loop ---
     def run(self) -> None:
@@ -354,7 +315,7 @@ class RoundScheduler(threading.Thread):
                 logger.exception(f"DecentralizedSGD scheduler: unexpected {e!r}; rounds may stall, please report")
 
     def tick(self) -> None:
-        """One pass over the rounds (the thread's loop calls it every tick; a unit test may call it itself)."""
+        """One pass over the rounds (every tick; a unit test calls it itself)."""
         before = self._states()
         self.vetting.on_tick()
         usable = self.supervisor.check()
@@ -388,7 +349,7 @@ class RoundScheduler(threading.Thread):
                 prev_running = bool(older) and not older[-1].control.done()
                 with self.book.lock:
                     r.form(self.trainer.local_step, self.trainer.boundaries, prev_running)
-                if not self.accept_group(r):
+                if not self.vetting.accept_group(r):  # False: cancelled before anything is filled
                     with self.book.lock:
                         r.cancel("group not accepted")
         if r.state is S.FORMED:
@@ -404,8 +365,8 @@ class RoundScheduler(threading.Thread):
             self._finish(r)
 
     def _check_hivemind_progress(self, r: Round) -> None:
-        """hivemind ends matchmaking by the round's deadline and an AllReduce after allreduce_timeout; if it does
-        not (a coroutine stuck on a dead peer), the averager is no use any more: treat it as failed."""
+        """hivemind must end matchmaking by the round's deadline and an AllReduce after allreduce_timeout; if it does
+        not (stuck on a dead peer), the averager has failed."""
         now, allreduce_limit = time.monotonic(), self.allreduce_timeout + self.settings.averager_timeout
         if r.state is S.LOOKING and not r.control.done() and now > r.must_form_by:
             raise AveragerUnresponsive(f"did not end the matchmaking of round {r.index} by its deadline")
@@ -418,10 +379,8 @@ class RoundScheduler(threading.Thread):
         return any(o.state in (S.FILLED, S.TRIGGERED) for o in older)
 
     def _fill_overdue(self, r: Round, older: list[Round]) -> str | None:
-        """Too late to fill: a groupmate that triggered has dropped us (our averager refused its part, which came
-        after this round began), or the trainer held ``dsgd.lock`` (stalled inside its step) for next_chunk_timeout
-        since the round could be filled. Waiting for an older AllReduce counts only through the first: groupmates
-        that were in it wait as well, and one that was not has triggered at once and is refused in time."""
+        """Too late to fill: a groupmate that triggered has dropped us (our averager refused its part), or the trainer
+        held ``dsgd.lock`` for next_chunk_timeout since the round could be filled (after any older AllReduce)."""
         if self.supervisor.averager.early_part_refused_at() >= r.t_start:
             return "a groupmate's part came before we could trigger, and was refused"
         now = time.monotonic()
@@ -442,9 +401,7 @@ class RoundScheduler(threading.Thread):
         return self.book.slots.free() > 0 and not self._waiting_for_boundary(r)
 
     def _waiting_for_boundary(self, r: Round) -> bool:
-        """Step 2's exception: the first time round ``r`` could be filled, wait if the trainer's next boundary is due
-        within the budget; then until a boundary passed or the budget is spent. The record keeps the wait
-        (``boundary_wait_ms``)."""
+        """Step 2's exception: wait for a boundary due within the budget (``boundary_wait_ms`` in the record)."""
         trainer, now = self.trainer, time.monotonic()
         if r.boundary_wait is None:
             due_in, budget = trainer.clock.next_due_in(), self._boundary_wait_budget()
@@ -470,7 +427,6 @@ class RoundScheduler(threading.Thread):
             self._allreduce_ema = r.allreduce_s if ema is None else 0.7 * ema + 0.3 * r.allreduce_s
 
     def _starved(self) -> bool:
-        """Starved of CPU (see starvation): True, after cancelling the rounds still looking for a group."""
         if not self.supervisor.starved:
             return False
         self.book.cancel_untriggered("starved of CPU", (S.LOOKING,))
@@ -490,9 +446,9 @@ class RoundScheduler(threading.Thread):
         boundary = trainer.boundaries
         if boundary <= self._boundary_at_last_start:
             return  # no step boundary since the previous round started: the trainer may be stalled
-        gather = self.gather_payload()
+        gather = self.vetting.payload()  # sent to the groupmates with hivemind's gather
         if gather is None:
-            return  # not now (see gather_payload)
+            return  # not now
         delay = self.min_matchmaking_time if latest is None else self._pipelined_delay(latest)
         t_start, step, early = time.time(), trainer.local_step, None
         if not settings.refresh_before_allreduce:  # ablation, the old behaviour: snapshot when matchmaking starts
@@ -502,10 +458,7 @@ class RoundScheduler(threading.Thread):
             early, step = taken
         scheduled, slack = get_dht_time() + delay, MATCHMAKING_SLACK * self.min_matchmaking_time
         control = self.supervisor.averager.start_step(
-            scheduled_time=scheduled,
-            deadline=scheduled + slack,
-            gather=gather,
-            timeout=settings.averager_timeout,
+            scheduled_time=scheduled, deadline=scheduled + slack, gather=gather, timeout=settings.averager_timeout
         )
         control.add_done_callback(lambda _: self._wake.set())  # prepare the result right away
         with self.book.lock:
@@ -519,9 +472,8 @@ class RoundScheduler(threading.Thread):
         self._boundary_at_last_start = boundary
 
     def _pipelined_delay(self, latest: Round) -> float:
-        """Pipelining: schedule the next group to form about when the running AllReduce ends (the EMA of past
-        AllReduce durations). hivemind never lets a group that is not full form before min_matchmaking_time
-        (matchmaking.py): a full group forms this early, with a short floor so that groupmates a few ms apart meet."""
+        """Pipelining: the next group forms about when the running AllReduce ends (its mean duration); a full group may
+        form that early (hivemind holds others to min_matchmaking_time), with a floor so that near peers meet."""
         remaining = 0.0
         if latest.state is S.TRIGGERED and self._allreduce_ema is not None:
             started = latest.allreduce_started_at if latest.allreduce_started_at is not None else time.monotonic()

@@ -1,24 +1,14 @@
-"""The swarm secret: only peers that hold it average together and write the swarm's DHT records.
+"""The swarm secret: only peers that hold it average together and write the swarm's DHT records. Three layers, as
+each alone leaves a gap:
 
-Three layers, because each one alone leaves a gap:
+- keyed prefix: the averaging prefix gets an HMAC appended, so the DHT keys where groups meet and the RPC names
+  cannot be derived from the run id (not authentication: libp2p's identify shows our protocol names);
+- member tokens: join requests and gathered data carry ``HMAC(secret, peer id)``, checked against the sender's
+  libp2p-authenticated id by leaders and by every member;
+- signed records (``SwarmSecretValidator``): every DHT record carries an HMAC; only ``members_key`` is exempt, where
+  every peer of a run says "I am here", so that one whose secret matches nobody's can say so (``diagnose_members``).
 
-- **Keyed prefix.** The averaging prefix gets an HMAC of the run's prefix appended, so the DHT keys where groups
-  meet (``<prefix>.0b...``, ``<prefix>.all_averagers``) and the RPC names (hivemind namespaces them by the prefix)
-  cannot be derived from the public run id. A peer with another secret or none looks elsewhere and never meets us.
-  That alone is not authentication: libp2p's identify protocol shows every connected peer the stream protocols we
-  serve, names included.
-- **Member tokens.** Every join request and every member's gathered data carry ``HMAC(secret, peer id)``; leaders
-  refuse a request whose token does not match the libp2p-authenticated id of its sender, and every member refuses
-  to average with a groupmate whose token does not match (a leader without the secret cannot make one for itself).
-- **Signed records.** :class:`SwarmSecretValidator` makes the DHT append an HMAC to every record it stores and drop
-  any record without a valid one, when asked to store it and when it receives it; so nobody outside can forge
-  progress records or register as a donor for ``load_state_from_peers``. Only :func:`members_key` is exempt: there
-  each peer of a run, whatever its secret, says "I am here" with a tag, so that a peer whose secret matches nobody's
-  can say so instead of waiting silently (:func:`diagnose_members`). A tag is not encryption: code that skips the
-  validator reads the records, finds our leaders and asks them directly; the member tokens turn it away.
-
-HMAC-SHA256 (stdlib). Tags are bound to peer ids, which libp2p authenticates, so a tag seen by others is useless to
-them; a weak secret can still be guessed offline from a tag: use a random one (``secrets.token_hex(16)``).
+HMAC-SHA256 over peer ids; a weak secret can be guessed offline from a tag: use ``secrets.token_hex(16)``.
 """
 
 from __future__ import annotations
@@ -134,8 +124,7 @@ def _entries(found: Any) -> dict[bytes, object]:
 def diagnose_members(
     entries: Mapping[bytes, object], own_peer_id: bytes, secret: SwarmSecret | None, run: str
 ) -> str | None:
-    """Why we find no group, if the members' key can tell: None when some other peer shares our secret (or our lack
-    of one) or when no other peer of the run is online; otherwise the line to log."""
+    """The line to log when other peers of the run are online but none shares our secret (or our lack of one)."""
     others = {peer: tag for peer, tag in entries.items() if peer != own_peer_id}
     if not others:
         return None
@@ -163,9 +152,8 @@ def diagnose_members(
 
 
 class MembershipCheck:
-    """Keeps this peer's entry under :func:`members_key` fresh and, when no group has formed for ``patience`` seconds,
-    reads the others' entries and returns the line that says why (:func:`diagnose_members`), at most once per
-    ``patience``. Never blocks: each call starts or collects a DHT future; meant for a background thread's loop."""
+    """Keeps our entry under :func:`members_key` fresh and, when no group formed for ``patience`` s, returns the line
+    that says why (:func:`diagnose_members`). Never blocks: each call starts or collects a DHT future."""
 
     def __init__(self, dht: Any, run: str, secret: SwarmSecret | None, patience: float = 60.0, ttl: float = 60.0):
         self.dht, self.run, self.secret, self.patience, self.ttl = dht, run, secret, patience, ttl
@@ -194,13 +182,8 @@ class MembershipCheck:
 
 
 class SwarmSecretValidator(RecordValidatorBase):
-    """Every DHT record must end with an HMAC of (key, subkey, value, expiration) under the swarm secret, except under
-    the exempt keys (:func:`members_key`). Add it to every DHT of the swarm, the monitor's included; a DHT without
-    it cannot read the records (they end with the tag).
-
-    Priority 20: it signs last and validates first, so forged records are dropped before the (slower) RSA check and
-    the schema; its tag covers the RSA signature too.
-    """
+    """Every DHT record must end with an HMAC of (key, subkey, value, expiration), except under the exempt keys. Add
+    it to every DHT of the swarm. Priority 20: it signs last (covering the RSA signature) and validates first."""
 
     _MAGIC = b"[swarm-hmac]"
 
@@ -237,8 +220,7 @@ class SwarmSecretValidator(RecordValidatorBase):
         return 20
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        """A second validator with the same secret only adds its exempt keys; one with another secret is an error
-        (no record could carry both tags)."""
+        """A second validator with the same secret adds its exempt keys; another secret is an error."""
         if not isinstance(other, SwarmSecretValidator):
             return False
         if other._secret._key != self._secret._key:

@@ -1,17 +1,10 @@
-"""Starvation, part of the slow-peer fixes: a peer notices that its own box starves it of CPU, and stays out of
-groups until it recovers.
+"""Starvation, part of the slow-peer fixes: a peer whose box starves it of CPU stays out of groups until it recovers
+(the groups it leads or joins would wait for it). Step times cannot tell; a sleeper that measures how late it wakes
+up can. It runs in a small process of its own (this file as a script): a thread of the trainer's process also wakes
+late whenever the process's other work holds the interpreter.
 
-A peer whose processes get the CPU only now and then (another job on the cores, a stopped process group, a box
-swapping) still looks for groups, and the groups it leads or joins wait for it. Its step times cannot tell (a slow
-GPU step is fine), but a thread that sleeps `period` seconds and measures how much later it woke up measures
-starvation directly. That thread lives in a small process of its own (this file run as a script, standard library
-only): a thread of the trainer's process also wakes late whenever the process's other work holds the interpreter.
-(Cores that are merely busy are met at their source: the data-loader workers run at a lower priority.)
-
-``starved`` turns True when, over the last `window_s`, more than `enter_share` of the time was lost to late
-wake-ups, and False again only after `recover_s` seconds in a row below `exit_share` (hysteresis). The scheduler
-asks it before it starts a round: a starved peer leaves the groups it is looking for, starts no round and keeps
-training locally; ``starvation_episodes`` and ``starved_s`` count it.
+``starved`` turns True when more than ``enter_share`` of the last ``window_s`` was lost to late wake-ups, and False
+after ``recover_s`` in a row below ``exit_share`` (or after ``max_starved_s``, so nobody leaves the swarm for good).
 """
 
 from __future__ import annotations
@@ -44,8 +37,6 @@ class StarvationMonitor:
         max_starved_s: float = 60.0,
         start: bool = True,
     ):
-        """``max_starved_s`` bounds an episode: after that long the peer tries averaging again, and leaves again only
-        after another full window above ``enter_share``, so a peer never drops out of the swarm for good."""
         self.period, self.window_s, self.recover_s, self.max_starved_s = period, window_s, recover_s, max_starved_s
         self.enter_share, self.exit_share = enter_share, exit_share
         self._samples: deque[tuple[float, float]] = deque()  # (wake-up time, seconds lost), monitor thread only
@@ -60,14 +51,10 @@ class StarvationMonitor:
         self._sampler: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._read_samples, name="starvation-monitor", daemon=True)
         if start:
-            self._start_sampler()
+            self.start()
 
     def start(self) -> None:
-        """Start sampling (if created with ``start=False``); caller's thread."""
-        self._start_sampler()
-
-    def _start_sampler(self) -> None:
-        """Starts the wake-up sampler process (this file as a script) and the thread that reads it (caller's thread)."""
+        """Start the sampler process and the thread that reads it (if created with ``start=False``)."""
         try:
             self._sampler = subprocess.Popen(
                 [sys.executable, "-I", __file__, repr(self.period)],
@@ -159,9 +146,8 @@ class StarvationMonitor:
 
 
 def sample_wakeups(period: float) -> None:
-    """The sampler process: sleep `period`, print how late it woke up; ends when its reader terminates it (Ctrl-C
-    in a terminal reaches the whole process group: the reader decides, not this process), when its reader is gone
-    (EPIPE), or when its parent died (processes forked from the trainer may still hold the pipe open)."""
+    """The sampler process: sleep `period`, print how late it woke up; ends when its reader terminates it (not on
+    Ctrl-C: the reader decides), when the reader is gone (EPIPE), or when its parent died."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     expected = time.monotonic() + period

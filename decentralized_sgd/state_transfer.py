@@ -1,18 +1,10 @@
 """State transfer: serve our live training state to peers that join late, and take over a donor's.
 
-Served: the parameters, all of the model's buffers, the optimizer's state and hyperparameters (in the format of
-hivemind's ``dump_optimizer_state``), ``local_step``, ``samples`` and the caller's progress (``get_extra_state``,
-e.g. VISSL's iteration), copied under ``dsgd.lock`` so that a joiner never gets half an update. hivemind asks for it
-from its state-fetching thread in our process; that thread waits for the lock at most ``SERVE_LOCK_TIMEOUT_S``
-(then hivemind tries the next donor). The copy goes through a staging (``tensors``); the copies hivemind sends are
-made from it after the lock is released.
-
-Loaded (``load_state_from_peers``): only if the donor's model matches ours and ``accept(extra_state)`` agrees;
-under ``dsgd.lock``, with every round whose values went in before marked stale (its update is against the old
-parameters: it is discarded when it ends). Parameters and buffers go to the device through the same staging;
-optimizer state through ``optimizer.load_state_dict`` (which gives each tensor its own place on the device).
-A download that arrived cut short (fewer tensors than the donor's metadata lists) is downloaded again, at most
-``DOWNLOAD_ATTEMPTS`` times within the timeout: hivemind returns it as if it were whole (hivemind#504).
+Served (from hivemind's state-fetching thread, waiting for ``dsgd.lock`` at most ``SERVE_LOCK_TIMEOUT_S``): the
+parameters, the model's buffers, the optimizer's state (hivemind's ``dump_optimizer_state`` format), our counts and
+``get_extra_state()``, copied under the lock through a staging. Loaded only if the donor's model matches ours and
+``accept(extra_state)`` agrees, under ``dsgd.lock``; rounds filled before are marked stale. A download cut short
+(hivemind#504 returns it as if whole) is tried again, ``DOWNLOAD_ATTEMPTS`` times within the timeout.
 """
 
 from __future__ import annotations
@@ -39,9 +31,7 @@ DOWNLOAD_ATTEMPTS = 3  # downloads of a donor's state that arrived cut short (hi
 
 
 class StateTransfer:
-    """Serves and loads one peer's training state: the trainer's (its tensors' optimizer and model, its counts),
-    copied through ``staging``; the averager to download with is given at each ``load`` (it is replaced when it
-    restarts)."""
+    """Serves and loads one peer's training state through ``staging``; ``load`` is given the current averager."""
 
     def __init__(
         self,
@@ -90,8 +80,7 @@ class StateTransfer:
         return metadata, tensors, None
 
     def load(self, averager: Averager, timeout: float, accept: Callable[[dict], bool] | None) -> dict | None:
-        """Trainer thread: download a donor's state with ``averager`` and take it over; see
-        DecentralizedSGD.load_state_from_peers."""
+        """Trainer thread: see DecentralizedSGD.load_state_from_peers."""
         loaded = self._download_whole(averager, timeout)
         if loaded is None:
             return None
@@ -165,8 +154,7 @@ class StateTransfer:
         return loaded
 
     def _take_over_model_tensors(self, targets: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
-        """Trainer thread, holding dsgd.lock: ``targets ← loaded`` through the served state's staging (to a GPU: one
-        non-blocking copy per device, which the trainer's stream waits for), then a new step-boundary mark."""
+        """Holding dsgd.lock: ``targets ← loaded`` through the served state's staging, then a new boundary mark."""
         with self.staging.lock:
             staging = self.staging.for_layout([*targets, *optimizer_state(self.optimizer)[1]])
             staging.write_(loaded)
@@ -175,15 +163,13 @@ class StateTransfer:
 
 
 def served_tensor_count(metadata: dict) -> int:
-    """How many tensors a donor's ``metadata`` (see ``StateTransfer.serve``) says it sent: parameters, buffers and the
-    optimizer's tensors."""
+    """How many tensors a donor's ``metadata`` (``StateTransfer.serve``) says it sent."""
     optimizer_tensors = sum(1 for entry in metadata["optimizer"] if entry.get("type") == "tensor")
     return int(metadata["num_params"]) + int(metadata["num_buffers"]) + optimizer_tensors
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[torch.Tensor]]:
-    """The optimizer's state in the format of hivemind's ``dump_optimizer_state`` (``load_optimizer_state`` reads
-    it), with the live tensors: hivemind's copies each one to the CPU, a blocking copy per tensor on a GPU."""
+    """hivemind's ``dump_optimizer_state`` with the live tensors (hivemind's copies each to the CPU, blocking)."""
     metadata, tensors = [], []
     for value in nested_flatten(optimizer.state_dict()):
         if isinstance(value, torch.Tensor):

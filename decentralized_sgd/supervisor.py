@@ -1,21 +1,11 @@
 """Keeps the averager process alive: starts it, notices when it dies or stops answering, restarts it, stops it; and
-says whether this box can average at all now (``starved``: the starvation monitor, started and stopped with it).
+says whether this box can average at all now (``starved``). A failed averager is restarted, not turned into an
+error: a peer without one still trains, and a new one (about a second) puts it back into the swarm.
 
-A failed averager is restarted, not turned into an error that stops training: a peer without an averager still
-trains, and a new averager (about a second) puts it back into the swarm with its current parameters, whereas
-stopping would throw away a training run for the failure of a helper process. Rounds then resume on their own;
-under SSP the trainer's waits stay bounded by staleness_timeout.
-
-What counts as a failure:
-- dead: ``is_alive()`` is False (SIGKILL, the OOM killer, a crash), checked on every scheduler tick (20 ms);
-- unresponsive: a call with a deadline timed out (``start_step``, the buffers' lock), or a probe (hivemind's
-  ``get_group_bits``, answered by the averager's event loop within milliseconds) got no answer for ``timeout`` s
-  (SIGSTOP, a wedged event loop).
-
-Each failure is logged once at ERROR with what to do and counted (``averager_failures``); the scheduler fails the
-rounds in flight (finished results, held outside the averager, are still applied); the old process is killed and a
-new one started, at once for a first failure, then after 2, 4, ... 60 s while failures follow each other within
-``QUIET_S`` of a restart (``averager_restarts`` counts the successful restarts).
+A failure: ``is_alive()`` False (checked every tick), a call with a deadline timed out, or a probe (hivemind's
+``get_group_bits``) unanswered for ``timeout`` s. Each is logged once with what to do and counted; the scheduler
+fails the rounds in flight; the process is killed and restarted at once, then after 2, 4, ... 60 s while failures
+follow each other within ``QUIET_S``.
 """
 
 from __future__ import annotations
@@ -43,14 +33,10 @@ STOP_S = max(AVERAGER_STOP_S, STARVATION_STOP_S)  # shutdown(): the two stop sid
 
 class AveragerSupervisor:
     """Owns ``averager`` (replaced on restart) and the starvation monitor (None: never starved). ``check`` and
-    ``failed`` run in the scheduler thread, ``start`` and ``shutdown`` in the thread that creates / shuts down the
-    optimizer."""
+    ``failed`` run in the scheduler thread."""
 
     def __init__(
-        self,
-        make_averager: Callable[[], Averager],
-        timeout: float,
-        starvation: StarvationMonitor | None = None,
+        self, make_averager: Callable[[], Averager], timeout: float, starvation: StarvationMonitor | None = None
     ):
         self.make_averager, self.timeout, self.starvation = make_averager, timeout, starvation
         self.averager = make_averager()
@@ -75,7 +61,6 @@ class AveragerSupervisor:
 
     @property
     def starved(self) -> bool:
-        """This box starves its processes of CPU (see starvation): start no round now."""
         return self.starvation is not None and self.starvation.starved
 
     def check(self) -> bool:
@@ -144,8 +129,7 @@ class AveragerSupervisor:
         logger.warning(f"DecentralizedSGD: averager restarted (pid {averager.pid}); averaging resumes")
 
     def shutdown(self) -> None:
-        """Stop the averager and the starvation monitor side by side, within ``STOP_S``; drop the averager's reference
-        to the trainer."""
+        """Stop the averager and the starvation monitor side by side, within ``STOP_S``."""
         self._closed = True
         stopping = threading.Thread(target=self.starvation.stop if self.starvation else None, name="dsgd-stop")
         stopping.start()

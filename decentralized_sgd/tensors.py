@@ -1,23 +1,12 @@
-"""The tensors a peer averages, and the host copies they travel through.
+"""The tensors a peer averages (parameters, the model's float buffers, param-shaped optimizer state, looked up anew
+each time: ``load_state_dict`` replaces them), and the host copies they travel through.
 
-What is averaged, in this order: the optimizer's parameters, the model's float buffers (BatchNorm statistics, looked
-up by name) and param-shaped optimizer state (looked up by parameter and key: ``load_state_dict`` replaces those
-tensors). The averager keeps fp32 CPU copies in its buffers.
-
-A ``FlatStaging`` holds host copies of a fixed list of tensors (its layout): one flat buffer per device and dtype,
-pinned for a GPU. Finished results wait in two of them (``ResultSlots``), outside the averager's buffers, because an
-update must wait for the trainer's next step boundary while the next round reuses the buffers at once: at most one
-AllReduce runs while one older result waits. The state served to late joiners is one more (``StagingCache``).
-
-On a GPU, the trainer marks its stream at each step boundary (``StepBoundaryMarks.record``, holding ``dsgd.lock``);
-``download_`` copies device → host non-blocking on a side stream that waits on that mark, and only the calling
-background thread waits for the copy; ``add_to_`` / ``copy_to_`` (the apply) copy host → device on the side stream and
-make the trainer's stream wait on the GPU, not its thread. The host writes a buffer only after the device has read it.
-On a CPU the same methods are plain copies.
-
-"A step boundary's values": parameters and optimizer state change only under ``dsgd.lock``, which a fill holds until
-its copy finished, so it copies exactly one boundary. BatchNorm statistics change during forward, outside the lock:
-each element holds that boundary's value or a later one; the delta rule still keeps every local update of them.
+A ``FlatStaging`` holds host copies of a fixed list of tensors: one flat buffer per device and dtype, pinned for a
+GPU. Finished results wait in two of them (``ResultSlots``), outside the averager's buffers, which the next round
+reuses at once. On a GPU, the trainer marks its stream at each step boundary (``StepBoundaryMarks``, holding
+``dsgd.lock``); copies to the host run on a side stream that waits for that mark, so only the background thread waits
+for them, and copies to the device make the trainer's stream wait, not its thread. BatchNorm statistics change
+outside the lock: a fill may hold a later value of some; the delta rule still keeps every local update.
 """
 
 from __future__ import annotations
@@ -110,8 +99,7 @@ class AveragedTensors:
 
     @staticmethod
     def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        """One pass per tensor, one sync: an L2 norm is nan/inf iff an element is (or is so large that its square
-        overflows: no trained weight is, so it is rejected too)."""
+        """One sync: an L2 norm is nan/inf iff an element is (or its square overflows: rejected too)."""
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return True
@@ -119,7 +107,7 @@ class AveragedTensors:
 
     @staticmethod
     def norm(tensors: Sequence[torch.Tensor]) -> float:
-        """The L2 norm of all of them together, in one pass and sync: inf or nan iff ``all_finite`` says not."""
+        """The L2 norm of all of them together, in one sync."""
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return 0.0
@@ -127,8 +115,7 @@ class AveragedTensors:
 
 
 class ResultSlots:
-    """Two preallocated sets of fp32 host tensors (``make()``: a staging for the averaged tensors); a round takes
-    one at its fill and gives it back when retired."""
+    """Two preallocated stagings (``make()``); a round takes one at its fill and gives it back when retired."""
 
     count = 2
 
@@ -151,8 +138,7 @@ class ResultSlots:
 
 
 class StepBoundaryMarks:
-    """The trainer's step boundaries on each GPU that holds its tensors (an event on that GPU's current stream), and
-    the side stream that copies of a boundary's values run on. Without GPU tensors it does nothing."""
+    """The trainer's step boundaries on each GPU holding its tensors, and the side stream copies run on."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         self.devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
@@ -161,8 +147,7 @@ class StepBoundaryMarks:
         self.record()  # what the model's construction (or a load) queued counts as the first boundary
 
     def record(self) -> None:
-        """Trainer thread, holding ``dsgd.lock``, at the end of a step boundary (the optimizer step and the apply
-        queued) or after anything else changed the tensors (a state download)."""
+        """Holding ``dsgd.lock``, after the tensors changed (a step boundary, a state download)."""
         for device, mark in self._marks.items():
             mark.record(torch.cuda.current_stream(device))
 
@@ -188,8 +173,6 @@ def layout(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) ->
 
 @dataclass(eq=False)
 class _Group:
-    """The layout's tensors on one device in one host dtype, and their flat host buffer."""
-
     device: torch.device
     indices: list[int]  # their positions in the layout, ascending
     flat: torch.Tensor
@@ -206,9 +189,8 @@ class _Group:
 
 
 class FlatStaging:
-    """Host copies of the tensors of one layout (``like``: shapes, devices; ``dtype``: the host dtype, default each
-    tensor's own). Its methods are called holding ``dsgd.lock`` (see the module); ``views`` may be read and written
-    without it by whoever owns the staging at the time (a round's slot: the scheduler until the round is DONE)."""
+    """Host copies of the tensors of one layout (``dtype``: default each tensor's own). Its methods run holding
+    ``dsgd.lock``; ``views`` belong to whoever owns the staging (a round's slot: the scheduler until DONE)."""
 
     def __init__(self, like: Sequence[torch.Tensor], marks: StepBoundaryMarks, dtype: torch.dtype | None = None):
         self.layout, self.marks = layout(like, dtype), marks
@@ -253,8 +235,7 @@ class FlatStaging:
 
     @torch.no_grad()
     def write_(self, sources: Sequence[torch.Tensor]) -> None:
-        """``views[:len(sources)] ← sources`` (host tensors), written by this thread once the device has finished
-        reading the buffers."""
+        """``views[:len(sources)] ← sources`` (host tensors), once the device has read the buffers."""
         for group in self._groups:
             count = group.first(len(sources))
             if not count:
@@ -298,15 +279,14 @@ class FlatStaging:
 
 
 class StagingCache:
-    """One ``FlatStaging`` for a layout that changes now and then (the served state: optimizer state appears at the
-    first step), made again when it does. Hold ``lock`` while using it: ``dsgd.lock`` first, if both."""
+    """One ``FlatStaging`` for a layout that changes now and then (the served state), made again when it does. Hold
+    ``lock`` while using it (after ``dsgd.lock``)."""
 
     def __init__(self, marks: StepBoundaryMarks):
         self.lock, self.marks = threading.Lock(), marks
         self._staging: FlatStaging | None = None
 
     def for_layout(self, tensors: Sequence[torch.Tensor]) -> FlatStaging:
-        """Holding ``lock``: a staging laid out for ``tensors`` (their own dtypes)."""
         if self._staging is None or self._staging.layout != layout(tensors):
             self._staging = None  # the old buffers go first
             self._staging = FlatStaging(tensors, self.marks)

@@ -1,40 +1,20 @@
-"""Vetting, an optional part: whom a peer averages with, what a round must pass before its update is applied, and what
-a peer does when its group finds that its weights diverged. The rules are ``outliers``; ``judge`` applies them to
-one group, the same in every member and in both processes:
+"""Vetting, an optional part: whom a peer averages with, what a round must pass before its update is applied, and
+the heal of a peer whose group found it diverged. The rules are ``outliers``; ``judge`` applies them to one group's
+gathered payloads, the same in every member and in both processes:
 
-- the averager process (``GroupGuard``, attached to ``averager.Averager``): at matchmaking, a leader refuses the join
-  request of a peer whose gathered token does not match its libp2p-authenticated id (swarm secret) or that a recent
-  verdict refused (a refused follower asks the next leader); once a group formed, every member holds the same
-  gathered payloads, so the members ``judge`` keeps run hivemind's AllReduce among themselves and the others run
-  none (a refused peer that sends its parts anyway is turned away: it is not among their senders);
-- the trainer's process (``RoundVetting``, in the scheduler thread), below.
-
-Per round, in the scheduler thread:
-
-1. ``payload()``, when the round starts: our weight summary (a sketch of the averaged tensors, taken under
-   ``dsgd.lock``), the point of the average we last applied (our reference), our step, and, with a swarm secret, our
-   member token. hivemind's gather hands every member the payloads of the whole group.
-2. ``judge(round, gathered)``, when the round ended: the group's verdict, the one our averager process acted on (it
-   ran the AllReduce without the outliers). Logged with the numbers and counted. If we are the outlier,
-   the round is discarded and a heal is asked for.
-3. ``check_update(...)``: the update ``averaged - snapshot`` against what the summaries and our recent rounds predict
-   (``outliers.UpdateCheck``: its size, and how far it outgrew the prediction, measured with the summaries' projection);
-   a far larger one is discarded and our local weights are kept.
-
-The heal (``heal_if_asked``) runs in the trainer's thread at its next step boundary, outside ``dsgd.lock`` (so that
-VISSL's hooks see the new weights at a step boundary, as they see an applied round): no round starts, none not yet
-triggered goes on, nobody may download our state; we take a donor's state (keeping our own step count) and continue.
-
-``on_tick()`` (every scheduler tick): the counts of join requests our averager refused, and the membership check of
-``secret`` (a peer whose secret matches nobody's says so instead of waiting silently).
+- the averager process (``GroupGuard``): a leader refuses the join request of an outsider (swarm secret) or of a
+  peer a recent verdict refused; in a formed group, only the members ``judge`` keeps run hivemind's AllReduce;
+- the scheduler thread (``RoundVetting``): ``payload()`` when a round starts (our weight summary, reference, step and
+  token), ``judge()`` when it ended (the same verdict, logged and counted; refused: discard and ask for a heal), then
+  ``check_update()`` (a far larger update than predicted is discarded, ``outliers.UpdateCheck``);
+- the trainer thread: ``heal_if_asked()`` at a step boundary, outside ``dsgd.lock``: no round starts meanwhile, and
+  nobody downloads our state; we take a donor's (keeping our step count).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -48,6 +28,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
+from .hivemind_slow_peer_fixes import SharedCounts
 from .outliers import OutlierRule, Summary, UpdateCheck, Verdict, WeightSketch, expected_update_norm
 from .secret import MembershipCheck, SwarmSecret
 
@@ -55,19 +36,14 @@ if TYPE_CHECKING:  # the trainer's side only names them: the averager (which imp
     from .rounds import Round, RoundBook, TrainerState
     from .state_transfer import StateTransfer
     from .supervisor import AveragerSupervisor
-    from .tensors import AveragedTensors
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = (
-    "rounds_outliers_excluded",
-    "rounds_refused_as_outlier",
-    "rounds_rejected_large_update",
-    "outlier_heals",
-    "outlier_heals_failed",
-    "joins_refused_banned",
-    "joins_refused_token",
+COUNTERS = (  # RoundVetting.counts
+    *"rounds_outliers_excluded rounds_refused_as_outlier rounds_rejected_large_update".split(),
+    *"outlier_heals outlier_heals_failed".split(),
 )
+JOIN_COUNTS = ("joins_refused_banned", "joins_refused_token")  # GroupGuard.counts, added to by the averager
 LOCK_POLL_S = 0.1  # longest the summary waits for dsgd.lock (then the round starts at a later tick)
 REFUSED = "refused by its group as an outlier"  # discard reasons (the records' "error")
 ALONE = "no groupmate left after refusing outliers"
@@ -107,31 +83,17 @@ def judge(
     return summaries, dataclasses.replace(verdict, members=tuple(gathered), outliers=outliers)
 
 
-class JoinRefusals:
-    """Join requests refused, counted in the averager process and read by the trainer's (``counters``); they survive
-    an averager restart (the trainer creates them)."""
-
-    def __init__(self) -> None:
-        self.banned = mp.Value(ctypes.c_long, 0)  # from a peer refused in one of our recent groups
-        self.token = mp.Value(ctypes.c_long, 0)  # without a valid swarm token
-
-    @staticmethod
-    def count(value: Any) -> None:
-        with value.get_lock():
-            value.value += 1
-
-
 class GroupGuard:
     """The averager process's side: whom it lets into its groups, and whom it averages with once a group formed.
-    Built in the trainer's process (its ``sketch``, ``rule`` and ``refusals`` are shared with ``RoundVetting``) and
-    handed to every averager it starts. ``ban_s``: how long a peer a verdict refused is refused at our matchmaking
-    (as leader; as a follower we may meet it in another's group, where the verdict decides again)."""
+    Built in the trainer's process (shared with ``RoundVetting``: sketch, rule, secret; ``counts`` in shared memory,
+    surviving a restart) and handed to every averager it starts. ``ban_s``: how long a leader refuses a peer a
+    verdict refused."""
 
     BAN_S = 30.0
 
     def __init__(self, sketch: WeightSketch, secret: SwarmSecret | None = None, ban_s: float = BAN_S):
         self.sketch, self.secret, self.ban_s = sketch, secret, ban_s
-        self.rule, self.refusals = OutlierRule(), JoinRefusals()
+        self.rule, self.counts = OutlierRule(), SharedCounts(JOIN_COUNTS)
         self._banned_until: dict[PeerID, float] = {}  # averager process only
         self._logged_outsiders: set[PeerID] = set()
 
@@ -145,7 +107,7 @@ class GroupGuard:
         """A leader's answer to a join request it refuses; None: let hivemind answer it."""
         until = self._banned_until.get(sender)
         if until is not None and until > get_dht_time():
-            JoinRefusals.count(self.refusals.banned)
+            self.counts.add("joins_refused_banned")
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
         self._banned_until.pop(sender, None)
         if self.secret is None:
@@ -157,7 +119,7 @@ class GroupGuard:
             token = None
         if self.secret.is_member(sender.to_bytes(), token):
             return None
-        JoinRefusals.count(self.refusals.token)
+        self.counts.add("joins_refused_token")
         if sender not in self._logged_outsiders:  # once per peer: it asks again every round
             self._logged_outsiders.add(sender)
             logger.warning(
@@ -191,28 +153,26 @@ class GroupGuard:
 
 class RoundVetting:
     """The trainer's side: one peer's summaries, verdicts, update check, heal and membership check. ``guard``: the
-    averager's (its sketch, rule, secret and join counts)."""
+    averager's; ``membership``: says when our secret matches nobody's (None: nobody to tell); ``heal_timeout``: how
+    long a heal waits for a donor."""
 
     def __init__(
         self,
         guard: GroupGuard,
         trainer: TrainerState,
-        tensors: AveragedTensors,
         book: RoundBook,
         supervisor: AveragerSupervisor,
         state: StateTransfer,
-        counters: dict[str, float],
-        peer_id: PeerID,
         membership: MembershipCheck | None,
         *,
+        peer_id: PeerID,
         heal_timeout: float,
         update_check: UpdateCheck | None = None,
     ):
-        """``membership``: the check that says when our secret matches nobody's (it announces us in the DHT); None
-        for a peer that has nobody to announce itself to. ``heal_timeout``: how long a heal waits for a donor."""
-        self.trainer, self.tensors, self.book, self.supervisor, self.state = trainer, tensors, book, supervisor, state
-        self.counters, self.peer_id, self.heal_timeout = counters, peer_id, heal_timeout
-        self.sketch, self.rule, self.secret, self.refusals = guard.sketch, guard.rule, guard.secret, guard.refusals
+        self.trainer, self.tensors, self.book = trainer, trainer.tensors, book
+        self.supervisor, self.state = supervisor, state
+        self.counts, self.peer_id, self.heal_timeout = dict.fromkeys(COUNTERS, 0), peer_id, heal_timeout
+        self.sketch, self.rule, self.secret = guard.sketch, guard.rule, guard.secret
         self.update_check = update_check or UpdateCheck()
         self.membership = membership
         # the point of the last average we applied (or of a heal) and our local step it stands for: changed with
@@ -246,9 +206,6 @@ class RoundVetting:
         return not self._heal.is_set()
 
     def on_tick(self) -> None:
-        counters = self.counters
-        counters["joins_refused_banned"] = self.refusals.banned.value
-        counters["joins_refused_token"] = self.refusals.token.value
         if self.membership is None:
             return
         line = self.membership.poll(time.monotonic(), group_formed=self._met_member)
@@ -265,12 +222,12 @@ class RoundVetting:
         group = [str(peer) for peer in verdict.inliers]
         r.extra["outliers"] = [str(peer) for peer in verdict.outliers]
         if own in verdict.outliers:
-            self.counters["rounds_refused_as_outlier"] += 1
+            self.counts["rounds_refused_as_outlier"] += 1
             if not r.stale:  # a round that started before a heal says nothing about the healed weights
                 self._ask_heal(r, verdict.explain(own))
             return Judgement(group, REFUSED)
         if verdict.outliers:
-            self.counters["rounds_outliers_excluded"] += 1
+            self.counts["rounds_outliers_excluded"] += 1
             if len(verdict.inliers) < 2:
                 logger.warning(
                     f"Round {r.index}: no groupmate left after refusing outliers, keeping local weights: "
@@ -296,7 +253,7 @@ class RoundVetting:
         ok, line = self.update_check.check(update_norm, judgement.expected, judgement.own_norm, sketched)
         if ok:
             return None
-        self.counters["rounds_rejected_large_update"] += 1
+        self.counts["rounds_rejected_large_update"] += 1
         logger.warning(f"Round {r.index}: the update is far larger than expected, keeping local weights: {line}")
         return TOO_LARGE
 
@@ -356,12 +313,12 @@ class RoundVetting:
                 self._reference = np.asarray(self.sketch(self.tensors.local()))  # shared with the swarm
                 self._reference_step = step
             self.update_check.reset()
-            self.counters["outlier_heals"] += 1
+            self.counts["outlier_heals"] += 1
             logger.warning(
                 f"DecentralizedSGD: took the swarm's state in {time.monotonic() - t0:.1f}s; averaging resumes"
             )
         else:
-            self.counters["outlier_heals_failed"] += 1
+            self.counts["outlier_heals_failed"] += 1
             logger.error(
                 "DecentralizedSGD: could not take the swarm's state (no peer shared it in time); this peer "
                 "keeps training and tries again when a group refuses it next"

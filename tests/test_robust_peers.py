@@ -183,11 +183,11 @@ def test_only_peers_with_the_swarm_secret_average_together(swarm, caplog, monkey
 
     payload = mate.vetting.payload()
     assert refusal(request(payload), mate.peer_id) is None
-    before = guard.refusals.token.value
+    before = guard.counts.as_dict()["joins_refused_token"]
     assert refusal(request(payload), thief.peer_id).code == averaging_pb2.PROTOCOL_VIOLATION
     assert refusal(averaging_pb2.JoinRequest(gather=b"junk"), mate.peer_id) is not None
-    assert guard.refusals.token.value == before + 2
-    banned_before = guard.refusals.banned.value
+    assert guard.counts.as_dict()["joins_refused_token"] == before + 2
+    banned_before = guard.counts.as_dict()["joins_refused_banned"]
     guard._banned_until[mate.peer_id] = get_dht_time() + 60
     assert refusal(request(payload), mate.peer_id).code == averaging_pb2.NOT_LOOKING_FOR_GROUP
-    assert guard.refusals.banned.value == banned_before + 1
+    assert guard.counts.as_dict()["joins_refused_banned"] == banned_before + 1

@@ -28,7 +28,6 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, get_dht_time
 
 from decentralized_sgd import DecentralizedSGD
-from decentralized_sgd.optimizer import COUNTERS
 from decentralized_sgd.outer import OuterOptimizer, OuterSettings
 from decentralized_sgd.outliers import Summary, WeightSketch
 from decentralized_sgd.rounds import Round, RoundBook
@@ -440,9 +439,7 @@ def test_the_round_book_moves_several_rounds_at_once_and_records_them_in_order()
         torch.optim.SGD([param], lr=0.1), None, average_buffers=False, average_optimizer_state=False
     )
     marks = StepBoundaryMarks(tensors.local())
-    book = RoundBook(
-        ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), COUNTERS, None, False, "me"
-    )
+    book = RoundBook(ResultSlots(lambda: FlatStaging(tensors.local(), marks, torch.float32)), None, False, "me")
     counters = book.counters
     rounds = [Round(i, new_step(), time.time(), 0) for i in range(4)]
     with book.lock:
