@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from vissl.utils.env import get_machine_local_and_dist_rank
 from vissl.utils.misc import set_torch_seed
 
 from decentralized_sgd import DecentralizedSGD
+from decentralized_sgd.scheduler import RoundSettings
 from vissl_swarm import local_replicas, swarm
 from vissl_swarm.averaging_protocol import Averaging
 from vissl_swarm.initial_model import initial_model_seed, weights_fingerprint
@@ -258,6 +260,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             weight_by_samples=settings.weight_by_samples,
             **settings.outer_options(),
             **self._averager_options(settings, records_path),
+            # the alone warning names a secret that matches nobody's (swarm_progress): the box is told once, not twice
+            settings=RoundSettings(no_group_patience=math.inf),
         )
 
     def _averager_options(self, settings: swarm.SwarmSettings, records_path: Path) -> dict[str, Any]:
