@@ -217,6 +217,7 @@ def run_job(job: Job, out: Path, index: int) -> dict:
     except Exception as error:
         record["error"] = f"{type(error).__name__}: {error}"
         record["logs"] = [str(run_dir / f"peer{rank}.log") for rank in range(count)]
+        record["unfinished"] = how_far(run_dir, count)
     finally:
         for process in processes:
             kill_session(process)
@@ -227,6 +228,22 @@ def run_job(job: Job, out: Path, index: int) -> dict:
     record["leftover_processes"] = leftovers([process.pid for process in processes])
     record["wall_s"] = time.time() - started
     return record
+
+
+def how_far(run_dir: Path, count: int) -> dict:
+    """A run that missed its deadline: the results of the boxes that finished (curves timed) and the last step
+    each box reported (``optimizer_churn.ProgressFiles``, every few steps)."""
+    finished, reached = [], {}
+    go = run_dir / "go.json"
+    for rank in range(count):
+        with contextlib.suppress(OSError, ValueError):
+            reached[rank] = json.loads((run_dir / f"progress{rank}.json").read_text())["step"]
+        with contextlib.suppress(OSError, ValueError):
+            result = json.loads((run_dir / f"result{rank}.json").read_text())
+            timing = json.loads((run_dir / f"timing{rank}.json").read_text())
+            start_at = json.loads(go.read_text())["start_at"]
+            finished.append({**result, "curve": timed_curve(result["curve"], timing["evaluations"], start_at)})
+    return {"finished": finished, "steps_reached": reached}
 
 
 def timed_curve(curve: list[dict], evaluations: list[list[float]], start_at: float) -> list[dict]:
@@ -241,11 +258,14 @@ def timed_curve(curve: list[dict], evaluations: list[list[float]], start_at: flo
 # ----------------------------------------------------------------------------------------------------- the plan
 
 
-def jobs_for(arm: str, seed: int, emulation: Emulation, args: argparse.Namespace, period: int) -> list[Job]:
-    """The runs an arm of a seed is made of (ddp: the shaped timing run, then the unshaped curve run)."""
+def jobs_for(
+    arm: str, seed: int, emulation: Emulation, args: argparse.Namespace, period: int, budget: float = 1.0
+) -> list[Job]:
+    """The runs an arm of a seed is made of (ddp: the shaped timing run, then the unshaped curve run). ``budget``:
+    the swarm's samples in multiples of one box's, as a user sets ``num_epochs`` (the arm is then "<arm> x<budget>")."""
     scale = emulation.time_scale
     settings = Settings(
-        samples=args.samples,
+        samples=round(args.samples * budget),
         curve_points=args.curve_points,
         min_step_s=args.pace_s,
         hivemind_averaging_timeout=HIVEMIND_TIMEOUT_S * scale,
@@ -254,6 +274,12 @@ def jobs_for(arm: str, seed: int, emulation: Emulation, args: argparse.Namespace
     flags, _ = emulation.swarm_flags()
     extra = {"swarm_flags": flags, "ddp_fp16": args.ddp_fp16}
     shaped = emulation.emulated_mbit
+    if budget != 1.0:
+        name, mode = f"{arm} x{budget:g}", arm
+        spec = RunSpec(mode, seed, swarm_lr=args.swarm_lr)
+        if mode == "hivemind_optimizer":
+            spec = RunSpec(mode, seed, swarm_lr=args.swarm_lr, min_matchmaking_time=HIVEMIND_MATCHMAKING_S * scale)
+        return [Job(name, spec, settings, shaped, True, extra)]
     if arm == "hivemind_optimizer":
         spec = RunSpec(arm, seed, swarm_lr=args.swarm_lr, min_matchmaking_time=HIVEMIND_MATCHMAKING_S * scale)
         return [Job(arm, spec, settings, shaped, True, extra)]
@@ -279,6 +305,10 @@ def swarm_period(runs: list[dict], seed: int, link: float) -> int:
     return 179
 
 
+def done(runs: list[dict], arm: str, seed: int, link: float) -> bool:
+    return any(r["arm"] == arm and r["seed"] == seed and r["link_mbit"] == link and not r["error"] for r in runs)
+
+
 # ----------------------------------------------------------------------------------------------------- main
 
 
@@ -294,6 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--curve_points", type=int, default=8)
     parser.add_argument("--swarm_lr", choices=("box", "sqrt", "linear"), default="sqrt", help="bench_optimizer's")
+    parser.add_argument(
+        "--longer",
+        nargs="*",
+        type=float,
+        default=[],
+        help="the swarm and hivemind_optimizer (of --arms) also at these multiples of one box's samples",
+    )
+    parser.add_argument(
+        "--append", type=Path, default=None, help="a JSON of this script with the same emulation: add the runs to it"
+    )
     parser.add_argument("--ddp_steps", type=int, default=12, help="ddp's steps on the shaped link (its step time)")
     parser.add_argument("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--data_dir", type=Path, default=DATA_DIR)
@@ -301,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--report_only", type=Path, default=None, help="rewrite the outputs from this JSON; run nothing"
+    )
     return parser
 
 
@@ -312,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.pace_s <= 0 or args.gpu_step_s <= 0 or min(args.links) <= 0 or args.samples < 3 * 32:
         parser.error("--pace_s, --gpu_step_s and --links must be positive, --samples at least 96")
+    if args.report_only is not None:
+        write_outputs(args, json.loads(args.report_only.read_text()))
+        return 0
     if not (args.data_dir / "train-images-idx3-ubyte.gz").exists():
         parser.error(f"{args.data_dir} lacks Fashion-MNIST (apt-get install dataset-fashion-mnist)")
     if not netns.inside():  # git may not read the repository inside the user namespace: record its state now
@@ -346,13 +392,25 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "runs": [],
     }
+    if args.append is not None:
+        previous = json.loads(args.append.read_text())
+        if previous["emulations"] != result["emulations"] or previous["samples"] != args.samples:
+            parser.error(f"--append {args.append}: measured with another emulation or budget")
+        result["runs"] = previous["runs"]
+        result["commands"] = [*previous.get("commands", [previous["command"]]), result["command"]]
+        result["machine_before"] = previous["machine_before"]
+        result["git"] = previous["git"] | {"appended_at": result["git"]}
     print(f"bench_time_to_trunk: links {args.links} Mbit/s, arms {args.arms}, {args.seeds} seeds; logs in {out}")
     index = 0
     for emulation in emulations:
         for seed in range(args.seeds):
-            for arm in args.arms:
+            plan = [(arm, 1.0) for arm in args.arms]
+            plan += [(arm, b) for b in args.longer for arm in args.arms if arm in ("swarm", "hivemind_optimizer")]
+            for arm, budget in plan:
                 period = swarm_period(result["runs"], seed, emulation.link_mbit)
-                for job in jobs_for(arm, seed, emulation, args, period):
+                for job in jobs_for(arm, seed, emulation, args, period, budget):
+                    if done(result["runs"], job.arm, seed, emulation.link_mbit):  # --append: kept from before
+                        continue
                     run = run_job(job, out, index)
                     run["link_mbit"] = emulation.link_mbit
                     result["runs"].append(run)

@@ -48,6 +48,14 @@ def step_seconds(run: dict) -> float | None:
 def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
     """A seed's arms: curve (seconds, accuracy), how it was made, and its measured timings."""
     ok = {run["arm"]: run for run in runs if run["error"] is None}
+    for run in runs:  # missed its deadline: the boxes that finished, said so
+        finished = (run.get("unfinished") or {}).get("finished")
+        if run["error"] and finished and run["arm"] not in ok and run["arm"] not in ("ddp", "ddp_curve"):
+            reached = run["unfinished"]["steps_reached"]
+            how = (
+                f"{len(finished)} of {len(reached)} boxes finished by the deadline; the last steps reported: {reached}"
+            )
+            ok[run["arm"]] = {**run, "peers": finished, "how": how}
     arms: dict[str, dict] = {}
     for arm, run in ok.items():
         if arm in ("ddp", "ddp_curve"):
@@ -55,7 +63,8 @@ def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
         peers = run["peers"]
         arms[arm] = {
             "curve": mean_curve(peers, pace_s),
-            "how": "measured" if arm != "ideal" else f"ideal at H={run['spec']['period']}, link free",
+            "how": run.get("how")
+            or ("measured" if arm != "ideal" else f"ideal at H={run['spec']['period']}, link free"),
             "step_s": step_seconds(run) if arm != "ideal" else pace_s,
             "allreduce_s": median([p["allreduce_s_median"] for p in peers if p.get("allreduce_s_median")] or [0])
             or None,
@@ -82,6 +91,8 @@ def seed_metrics(arms: dict[str, dict]) -> dict[str, dict]:
     alone = arms["alone"]["curve"]
     target, alone_s = alone[-1][1], alone[-1][0]
     alone_to_target = crossing(alone, target)
+    half_target = value_at(alone, alone_s / 2)  # a lower bar every arm may clear: one box's half-run accuracy
+    alone_to_half = crossing(alone, half_target)
     metrics = {}
     for arm, entry in arms.items():
         curve = entry["curve"]
@@ -92,6 +103,10 @@ def seed_metrics(arms: dict[str, dict]) -> dict[str, dict]:
             "time_to_target_share": reached / alone_to_target if reached is not None else None,
             "speedup": alone_to_target / reached if reached else None,
             "accuracy_at_half": value_at(curve, alone_s / 2),
+            "half_target": half_target,
+            "time_to_half_target_share": None
+            if crossing(curve, half_target) is None
+            else crossing(curve, half_target) / alone_to_half,
             "accuracy_at_third": value_at(curve, alone_s / 3),
             "final_accuracy": curve[-1][1],
             "final_s": curve[-1][0],
@@ -109,12 +124,19 @@ def summarize(result: dict) -> list[dict]:
         per_seed = {seed: arm_curves([r for r in runs if r["seed"] == seed], pace) for seed in seeds}
         metrics = {seed: seed_metrics(arms) for seed, arms in per_seed.items()}
         arms = {}
-        for arm in ORDER:
+        names = {arm for seed in seeds for arm in per_seed[seed]}
+        for arm in [*[a for a in ORDER if a in names], *sorted(names - set(ORDER))]:
             entries = [metrics[s][arm] for s in seeds if arm in metrics[s]]
             if not entries:
                 continue
             summary: dict[str, Any] = {"seeds": len(entries), "how": per_seed[seeds[0]].get(arm, {}).get("how")}
-            for key in ("time_to_target_s", "time_to_target_share", "speedup", "accuracy_at_half"):
+            for key in (
+                "time_to_target_s",
+                "time_to_target_share",
+                "speedup",
+                "accuracy_at_half",
+                "time_to_half_target_share",
+            ):
                 summary[key] = [rounded(e[key]) for e in entries]
             for key in ("accuracy_at_third", "final_accuracy", "final_s", "target"):
                 summary[key] = [rounded(e[key]) for e in entries]
@@ -146,7 +168,7 @@ def check(emulation: dict, arms: dict) -> list[dict]:
         return values * bytes_per_value * 2 * (group - 1) / group * 8 / (mbit * 1e6)
 
     rows = []
-    for arm in ("alone", "swarm", "hivemind_optimizer"):
+    for arm in ("alone", "swarm"):
         if arm in arms and arms[arm]["step_s"]:
             rows.append({"what": f"{arm}: s per step", "aimed": pace, "measured": arms[arm]["step_s"]})
     swarm = arms.get("swarm", {})
@@ -158,6 +180,15 @@ def check(emulation: dict, arms: dict) -> list[dict]:
                 "what": "swarm: AllReduce / step",
                 "aimed": aimed / pace,
                 "measured": swarm["allreduce_s"] / swarm["step_s"],
+            }
+        )
+    if arms.get("hivemind_optimizer", {}).get("step_s"):  # its rounds block its steps: no aim for those
+        measured = arms["hivemind_optimizer"]["step_s"]
+        rows.append(
+            {
+                "what": "hivemind_optimizer: s per step, its blocking rounds included",
+                "aimed": pace,
+                "measured": measured,
             }
         )
     if "ddp" in arms and arms["ddp"]["step_s"]:
@@ -173,10 +204,11 @@ def hours(seconds: float | None, emulation: dict) -> float | None:
 def markdown(result: dict, links: list[dict]) -> str:
     git = result.get("git", {})
     commit = (git.get("commit") or "?")[:10] + ("+changes" if git.get("dirty") else "")
+    commands = "; then ".join(f"`{' '.join(command)}`" for command in result.get("commands", [result["command"]]))
     lines = [
         "# Time to a trunk: 3 boxes on a shaped link against one box",
         "",
-        f"Commit {commit}; command `{' '.join(result['command'])}`; budget {result['samples']:,} samples "
+        f"Commit {commit}; commands {commands}; budget {result['samples']:,} samples "
         f"(one box's, and the swarm's total); seeds {result['seeds']}. Machine: 2 cores shared with other work "
         f"(load before {result.get('machine_before', {}).get('loadavg')}, after "
         f"{result.get('machine_after', {}).get('loadavg')}): the pace (a sleep floor per step) is what keeps the "
@@ -198,7 +230,9 @@ def markdown(result: dict, links: list[dict]) -> str:
             f"Emulated: step {e['pace_s']} s, link {e['emulated_mbit']:.3f} Mbit/s each way "
             f"({e['values_emulated']:,} values against {e['values_real']:,}); one emulated second = "
             f"{1 / e['time_scale']:.3f} GPU seconds. Swarm flags (pre-flight's advice, seconds scaled): "
-            f"`{e['swarm_flags']}`.",
+            "`"
+            + " ".join(f"--{k} {round(v, 2) if isinstance(v, float) else v}" for k, v in e["swarm_flags"].items())
+            + "` (DecentralizedSGD's allreduce_timeout is run_trainer's --averaging_timeout).",
             "",
         ]
         rows = []
@@ -213,6 +247,9 @@ def markdown(result: dict, links: list[dict]) -> str:
                     "of one box's time": mean_std(share, share_sd, 2),
                     "speed-up": mean_std(*spread(s["speedup"]), 2),
                     "acc. at 1/2 of one box's time": mean_std(*spread(s["accuracy_at_half"])),
+                    "time to one box's half-run acc. (x one box's)": mean_std(
+                        *spread(s["time_to_half_target_share"]), 2
+                    ),
                     "acc. at 1/3": mean_std(*spread(s["accuracy_at_third"])),
                     "final acc.": mean_std(*spread(s["final_accuracy"])),
                     "how": s["how"],
@@ -237,12 +274,17 @@ def plot(links: list[dict], path: Path) -> None:
         e = entry["emulation"]
         for arm, s in entry["arms"].items():
             xs = [hours(t, e) for t, _ in s["curve"]]
-            axis.plot(xs, [a for _, a in s["curve"]], marker=".", color=COLORS[arm], label=f"{arm} ({s['how']})"[:70])
+            share = spread(s["time_to_target_share"])[0]
+            reached = "one box's final not reached" if share is None else f"one box's final in {share:.2f}x its time"
+            label = f"{arm}: {reached}" + (" (composed)" if s["how"].startswith("composed") else "")
+            base, longer = arm.split(" x")[0], " x" in arm
+            axis.plot(
+                xs, [a for _, a in s["curve"]], "--" if longer else "-", marker=".", color=COLORS[base], label=label
+            )
         if "alone" in entry["arms"]:
             axis.axhline(entry["arms"]["alone"]["curve"][-1][1], color="k", lw=0.5, ls=":")
-        alone_h = hours(entry["arms"].get("alone", {}).get("curve", [(None, 0)])[-1][0], e)
-        if alone_h:
-            axis.set_xlim(0, 1.5 * alone_h)
+        measured = [s["curve"][-1][0] for s in entry["arms"].values() if not s["how"].startswith("composed")]
+        axis.set_xlim(0, 1.1 * hours(max(measured), e))  # a composed curve (DDP) may run on past the right edge
         axis.set_title(f"{e['link_mbit']:g} Mbit/s, GPU step {e['gpu_step_s']} s")
         axis.set_xlabel("wall-clock hours at the GPU's step time")
         axis.set_ylabel("test accuracy")
