@@ -24,6 +24,7 @@ ENV_FLAG = "BENCH_INSIDE_NETNS"  # set when this process was re-executed inside 
 SUBNET = "10.79.0"
 BRIDGE = "br0"
 _CLONE_NEWNET = 0x40000000
+FRAME = 1514  # bytes of one Ethernet frame at MTU 1500
 
 
 def missing_tools() -> list[str]:
@@ -74,9 +75,12 @@ def enter_own_namespace() -> None:
     _run("ip", "link", "set", "lo", "up")
 
 
-def _shape(netns: Sequence[str], device: str, mbit: float) -> None:
-    """Token bucket at `mbit`: a bucket of 10 ms of traffic (at least 64 KiB, so GSO packets pass), queue 50 ms."""
-    burst = max(int(mbit * 1e6 / 8 * 0.01), 64 * 1024)
+def _shape(netns: Sequence[str], device: str, mbit: float, small_packets: bool = False) -> None:
+    """Token bucket at `mbit`: a bucket of 10 ms of traffic (at least 64 KiB, so GSO packets pass), queue 50 ms.
+    ``small_packets`` (links of a few hundred kbit/s, where 64 KiB would be seconds of free traffic): the bucket
+    holds 4 packets and the queue 64 KiB; the link's devices then send no GSO packet above one frame (plug_in)."""
+    burst = max(int(mbit * 1e6 / 8 * 0.01), 4 * FRAME if small_packets else 64 * 1024)
+    latency_ms = max(50, 64 * 1024 * 8 / (mbit * 1e3)) if small_packets else 50
     _run(
         *netns,
         "tc",
@@ -91,7 +95,7 @@ def _shape(netns: Sequence[str], device: str, mbit: float) -> None:
         "burst",
         str(burst),
         "latency",
-        "50ms",
+        f"{latency_ms:.0f}ms",
     )
 
 
@@ -104,20 +108,23 @@ def wait_for_own_namespace(pid: int, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def plug_in(pid: int, rank: int, mbit: float | None) -> None:
+def plug_in(pid: int, rank: int, mbit: float | None, small_packets: bool = False) -> None:
     """Orchestrator: a veth pair from the bridge into process `pid`'s namespace, address host_address(rank),
-    both directions shaped to `mbit` (None: unshaped)."""
+    both directions shaped to `mbit` (None: unshaped); ``small_packets``: see _shape."""
     inner, outer = f"p{rank}", f"h{rank}"
     netns = ("nsenter", f"--net=/proc/{pid}/ns/net")
     _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+    if small_packets:
+        for device in (outer, inner):
+            _run("ip", "link", "set", device, "gso_max_size", str(FRAME))
     _run("ip", "link", "set", inner, "netns", str(pid))
     _run("ip", "link", "set", outer, "master", BRIDGE)
     _run("ip", "link", "set", outer, "up")
     _run(*netns, "ip", "addr", "add", f"{host_address(rank)}/24", "dev", inner)
     _run(*netns, "ip", "link", "set", inner, "up")
     if mbit is not None:
-        _shape((), outer, mbit)  # the peer's download
-        _shape(netns, inner, mbit)  # the peer's upload
+        _shape((), outer, mbit, small_packets)  # the peer's download
+        _shape(netns, inner, mbit, small_packets)  # the peer's upload
 
 
 def unplug(rank: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, trainer_env
+from tests.test_bench_optimizer import digits_idx
 
 # benchmark: (its arguments besides --quick and the JSON's path, the fields its chapter reads: "a.b" is
 # result["a"]["b"], "runs.0.x" the first run's x)
@@ -47,6 +48,19 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
     "bench_preflight": ([], ["meta.commit", "results.0.regime", "results.0.rows.0.exit_code"]),
     "bench_restart": ([], ["commit", "first_round_s_median", "runs.0.first_round_s", "runs.0.dialed_known_peers"]),
     "traffic": ([], ["meta.commit", "rows.0.config", "rows.0.values", "rows.0.sent_per_round_mb_group4"]),
+    "bench_time_to_trunk": (
+        ["--out", "{tmp}/trunk", "--data_dir", "{tmp}/idx"],  # Fashion-MNIST's IDX files, of the digits
+        [
+            "git.commit",
+            "emulations.0.aimed_ratio",
+            "emulations.0.emulated_mbit",
+            "emulations.0.swarm_flags",
+            "summary.0.arms.alone.time_to_target_s",
+            "summary.0.arms.swarm.accuracy_at_half",
+            "summary.0.arms.swarm.allreduce_s",
+            "summary.0.check.0.measured",
+        ],
+    ),
 }
 
 NEEDS = {"bench_nat": ("unshare", "nsenter", "ip", "iptables"), "bench_preflight": ("unshare", "ip", "tc")}
@@ -70,6 +84,8 @@ def test_quick(benchmark: str, tmp_path: Path) -> None:
     arguments, fields = QUICK[benchmark]
     out = tmp_path / f"{benchmark}.json"
     nat_json = tmp_path / "nat.json"  # bench_nat writes <--out>.json
+    if "{tmp}/idx" in arguments:  # a fresh machine lacks Debian's dataset-fashion-mnist
+        digits_idx(tmp_path / "idx")
     command = [sys.executable, "-m", f"benchmarks.{benchmark}", "--quick"]
     command += [argument.format(tmp=tmp_path) for argument in arguments]
     command += [] if benchmark == "bench_nat" else ["--json", str(out)]
