@@ -276,6 +276,9 @@ async def leave_matchmaking(averager: Any, timeout: float) -> bool:
     return True
 
 
+_leaving = False  # this process's averager is shutting down (shut_down_averager)
+
+
 async def shut_down_averager(
     averager: Any,
     timeout: float | None,
@@ -287,6 +290,8 @@ async def shut_down_averager(
     matchmaking first (the last withdrawal reaches the DHT), within 80% of ``timeout``; ``steps``: steps in flight to
     cancel; ``dht_requests``: awaited. PR to file: "DecentralizedAverager._shutdown: finalize the runners, tolerate a
     gone daemon" (a few lines)."""
+    global _leaving
+    _leaving = True  # the rounds this process abandons now are cancelled ones (QuietHivemindLog)
     deadline = time.monotonic() + 0.8 * (timeout if timeout is not None else averager.shutdown_timeout)
     if not averager.client_mode:
         try:
@@ -388,11 +393,14 @@ class QuietHivemindLog(logging.Filter):
     """hivemind logs expected outcomes as errors with tracebacks (each round's outcome is counted anyway): a round
     without a group is dropped (hivemind#519, #387); a departure (a groupmate gone mid-AllReduce, a closed stream, a
     daemon Ctrl-C ended, a cancelled task, a donor too busy) is one line; a cancelled matchmaking task that ended on a
-    departure ("Task exception was never retrieved") one warning. Other errors keep their traceback."""
+    departure ("Task exception was never retrieved") one warning; the parts a round we leave never received are no
+    warning (``shut_down_averager`` cancels it). Other errors keep their traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message, error = record.getMessage(), record.exc_info[1] if record.exc_info else None
         if record.name == "hivemind.averaging.averager" and "could not find a group" in message:
+            return False
+        if _leaving and record.name == "hivemind.averaging.partition" and message.startswith("Reducer: received"):
             return False
         if record.name == "asyncio":
             if message.startswith("Task exception was never retrieved") and isinstance(error, _DEPARTURE_ERRORS):
