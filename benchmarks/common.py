@@ -99,6 +99,11 @@ def commit_label() -> str:
     return (state["commit"] or "?")[:10] + ("+changes" if state["dirty"] else "")
 
 
+def machine() -> dict:
+    """What else ran: the machine is shared, so a result keeps its load with it."""
+    return {"cpus": os.cpu_count(), "loadavg": [round(load, 2) for load in os.getloadavg()]}
+
+
 # --------------------------------------------------------------------------------------------------- statistics
 
 
@@ -152,6 +157,10 @@ def fmt(value: float | None, digits: int = 4, signed: bool = False) -> str:
     if value is None:
         return "—"
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def mean_std(value: float | None, std: float | None, digits: int = 4) -> str:
+    return fmt(value, digits) + ("" if std is None else f" ± {std:.{digits}f}")
 
 
 # ------------------------------------------------------------------------------------------------------ rounds
