@@ -564,36 +564,44 @@ def test_the_baselines_serve_their_state_as_copies_and_leave_the_donors_tensors_
 
 
 # A fresh interpreter: a plain hivemind.DHT forked before decentralized_sgd was even imported, then a DecentralizedSGD
-# on it. Prints whether the DHT process found MPFuture's update lock taken while the trainer held its own.
+# on it. The DHT process takes MPFuture's update lock (hivemind's own, as it was forked) and holds it until the trainer
+# has looked: the trainer's wrapped lock must be that one. The trainer never holds the lock across a DHT round trip:
+# the DHT process's loop sends its own MPFuture updates under it, and would stall behind the trainer.
 _PLAIN_DHT_FIRST = """
 import functools, os, sys, time
 import hivemind, torch
 from hivemind.utils import MPFuture
 
-async def try_the_update_lock(path, _dht, _node):  # DHT process: is the lock it was forked with free now?
+async def hold_the_update_lock(path, _dht, _node):  # DHT process: hold the lock it was forked with until looked at
     lock = MPFuture._update_lock
-    raw = getattr(lock, "_lock", lock)  # hivemind's lock, wrapped or not
-    taken = not raw.acquire(block=False)
-    if not taken:
+    raw = getattr(lock, "_lock", lock)
+    assert raw.acquire(timeout=60), "the DHT process could not take its update lock in 60s"
+    try:
+        open(path + ".held", "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path + ".looked") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
         raw.release()
-    with open(path + ".tmp", "w") as f:
-        f.write("taken" if taken else "free")
-    os.replace(path + ".tmp", path)
 
 dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 sys.path.insert(0, {repo!r})
 from decentralized_sgd import DecentralizedSGD
 model = torch.nn.Linear(2, 1)
 dsgd = DecentralizedSGD(torch.optim.SGD(model.parameters(), lr=0.1), dht, prefix="lock_order", model=model)
-with MPFuture._update_lock:
-    future = dht.run_coroutine(functools.partial(try_the_update_lock, {path!r}), return_future=True)
-    deadline = time.monotonic() + 60
-    while not os.path.exists({path!r}) and time.monotonic() < deadline:
-        time.sleep(0.05)
+future = dht.run_coroutine(functools.partial(hold_the_update_lock, {path!r}), return_future=True)
+deadline = time.monotonic() + 60
+while not os.path.exists({path!r} + ".held") and time.monotonic() < deadline:
+    time.sleep(0.05)
+mine = MPFuture._update_lock._lock  # the trainer's: DeadHolderBreakingLock around hivemind's
+taken = not mine.acquire(block=False)
+if not taken:
+    mine.release()
+open({path!r} + ".looked", "w").close()
 future.result(timeout=60)
 dsgd.shutdown()
 dht.shutdown()
-print("DHT process found the lock", open({path!r}).read())
+print("trainer found the lock", "taken" if taken else "free")
 """
 
 
@@ -605,4 +613,4 @@ def test_a_dht_started_before_decentralized_sgd_shares_its_mpfuture_lock(tmp_pat
     script = _PLAIN_DHT_FIRST.format(repo=repo, path=str(tmp_path / "lock"))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=140)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "DHT process found the lock taken" in result.stdout, (result.stdout + result.stderr)[-3000:]
+    assert "trainer found the lock taken" in result.stdout, (result.stdout + result.stderr)[-3000:]
