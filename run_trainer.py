@@ -424,7 +424,7 @@ def check_resume_checkpoint(config) -> None:
 
 def address_book_path(config) -> str:
     """The file in the box's checkpoint folder where it keeps the peers it met (a restart dials them)."""
-    from decentralized_sgd.address_book import KNOWN_PEERS_FILE
+    from vissl_swarm.address_book import KNOWN_PEERS_FILE
 
     return str(Path(config.CHECKPOINT.DIR) / KNOWN_PEERS_FILE)
 
@@ -451,7 +451,7 @@ def checkpoint_folder(config_name: str, overrides: list[str]) -> Path:
 def remove_if_new(folder: Path, new: bool) -> None:
     """A box that never trained leaves nothing behind: the checkpoint folder this run made goes, with the address
     book its DHT may have started there (anything else in it stays)."""
-    from decentralized_sgd.address_book import KNOWN_PEERS_FILE
+    from vissl_swarm.address_book import KNOWN_PEERS_FILE
 
     if new and folder.is_dir():
         (folder / KNOWN_PEERS_FILE).unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 from tempfile import mkdtemp
 
 from benchmarks.common import REPO, commit_label, fast_round_flags, markdown_table, parse_with_quick
-from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
+from vissl_swarm.address_book import KNOWN_PEERS_FILE, AddressBook
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until
 
 FLAGS = fast_round_flags("restart")

@@ -6,13 +6,12 @@ this order, are the design (docs/design.md):
 
 - the core: ``optimizer``, ``rounds``, ``scheduler``, ``tensors``, ``state_transfer``, ``averager``, ``supervisor``;
 - optional parts: ``outer``, ``vetting`` with ``outliers``, ``secret``, ``starvation`` and
-  ``hivemind_slow_peer_fixes``, ``dht_rejoin`` with ``address_book``, ``compression``;
+  ``hivemind_slow_peer_fixes``, ``compression`` (the DHT's owner keeps it connected: ``vissl_swarm.dht_rejoin``);
 - hivemind work-arounds: ``hivemind_fixes`` (docs/upstream.md lists each), ``end_with_parent``.
 """
 
 from .compression import make_compression, schema_fingerprint
-from .dht_rejoin import keep_dht_connected
 from .hivemind_fixes import FixedDHT
 from .optimizer import DecentralizedSGD
 
-__all__ = ["DecentralizedSGD", "FixedDHT", "keep_dht_connected", "make_compression", "schema_fingerprint"]
+__all__ = ["DecentralizedSGD", "FixedDHT", "make_compression", "schema_fingerprint"]

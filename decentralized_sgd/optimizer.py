@@ -22,7 +22,6 @@ from hivemind.p2p import PeerID
 from . import vetting
 from .averager import Averager, handler_address_slot
 from .compression import make_compression, schema_fingerprint
-from .dht_rejoin import note_groupmates, rejoin_count
 from .hivemind_slow_peer_fixes import SLOW_PEER_COUNTS, SharedCounts, install_slow_reply_blacklist
 from .outer import OuterOptimizer, OuterSettings
 from .rounds import ROUND_COUNTS, RoundBook, TrainerState
@@ -41,7 +40,7 @@ TRAINER_COUNTS = ("ssp_waits", "ssp_timeouts", "ssp_wait_s", "trainer_s")  # Dec
 COUNTERS = (  # every count of a peer (DecentralizedSGD.counters), in this order; each part counts its own
     *ROUND_COUNTS,
     *TRAINER_COUNTS,
-    *"dht_rejoins averager_failures averager_restarts".split(),
+    *"averager_failures averager_restarts".split(),
     *EXCHANGE_COUNTS,
     *STARVATION_COUNTS,
     *SLOW_PEER_COUNTS,
@@ -177,13 +176,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
 
     def _make_round_book(self, records_path: str | None) -> RoundBook:
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
-        return RoundBook(
-            slots,
-            records_path,
-            self.settings.verbose,
-            self.peer,
-            lambda group: note_groupmates(self.dht, group),
-        )
+        return RoundBook(slots, records_path, self.settings.verbose, self.peer)  # on_group: see vissl_swarm.dht_rejoin
 
     def _make_averager(self) -> Averager:
         """The averager process; called again on each restart (see supervisor)."""
@@ -238,7 +231,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         counters, supervisor = dict.fromkeys(COUNTERS, 0), self._supervisor
         counters.update(self.round_book.counters, **self._counts, **self.exchange.counts, **self.vetting.counts)
         counters.update(averager_failures=supervisor.failures, averager_restarts=supervisor.restarts)
-        counters.update(self.slow_peer_counts.as_dict(), dht_rejoins=rejoin_count(self.dht))
+        counters.update(self.slow_peer_counts.as_dict())
         counters.update(self.guard.counts.as_dict(), **(self.starvation.counts() if self.starvation else {}))
         return counters
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from classy_vision.hooks import ClassyHook
 
-from decentralized_sgd.dht_rejoin import dht_peer_count
 from vissl_swarm.averaging_protocol import Averaging
+from vissl_swarm.dht_rejoin import dht_peer_count
 from vissl_swarm.recipe import recipe_fixes
 from vissl_swarm.swarm import ALONE_AFTER_S  # the warning, after this long with no applied round
 

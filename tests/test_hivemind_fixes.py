@@ -34,7 +34,6 @@ from hivemind.utils.mpfuture import SharedBytes
 from baselines.hivemind_averagers import keep_ctrl_c
 from benchmarks.uint8_compression import STOCK_EXTRACT, fixed_8bit_decoding
 from decentralized_sgd.averager import Averager, handler_address_slot
-from decentralized_sgd.dht_rejoin import rejoin_if_alone
 from decentralized_sgd.hivemind_fixes import (
     PATCHES,
     AveragerUnresponsive,
@@ -47,6 +46,7 @@ from decentralized_sgd.hivemind_fixes import (
     release_ended_step,
     stock,
 )
+from vissl_swarm.dht_rejoin import rejoin_if_alone
 
 
 def test_only_the_patches_this_hivemind_needs_are_installed_at_import():

@@ -28,11 +28,11 @@ from dsgd_swarm import FAST, Swarm, make_model, port_is_free
 from hivemind.p2p import P2P, PeerID
 
 from decentralized_sgd import DecentralizedSGD
-from decentralized_sgd.address_book import AddressBook, routing_table_peers
-from decentralized_sgd.dht_rejoin import dht_peer_count, keep_dht_connected, note_groupmates, rejoiner_of
 from decentralized_sgd.end_with_parent import child_pids, is_running
 from tests.conftest import REPO
 from vissl_swarm import swarm
+from vissl_swarm.address_book import AddressBook, routing_table_peers
+from vissl_swarm.dht_rejoin import dht_peer_count, keep_dht_connected, rejoiner_of
 from vissl_swarm.local_swarm import free_port, wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -72,7 +72,7 @@ def test_the_address_book_notes_a_peer_at_first_sight(tmp_path: Path) -> None:
     first = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
     others: list[hivemind.DHT] = []
     try:
-        keep_dht_connected(first, period=600, book=AddressBook(book_path))
+        rejoiner = keep_dht_connected(first, period=600, book=AddressBook(book_path))
         addresses = [str(address) for address in first.get_visible_maddrs()]
         others.append(swarm.start_dht(swarm.SwarmSettings(host_maddrs=LOOPBACK, initial_peers=addresses)))
         joiner = str(others[0].peer_id)
@@ -80,7 +80,7 @@ def test_the_address_book_notes_a_peer_at_first_sight(tmp_path: Path) -> None:
         assert all("/p2p/" in address for address in AddressBook(book_path).addresses())
         others.append(hivemind.DHT(start=True, client_mode=True, host_maddrs=LOOPBACK, initial_peers=addresses))
         groupmate = str(others[1].peer_id)
-        note_groupmates(first, [groupmate, str(first.peer_id)])  # a round's group: ourselves included
+        rejoiner.note([groupmate, str(first.peer_id)])  # a round's group: ourselves included
         wait_until(lambda: groupmate in book_ids(book_path), 60, "the groupmate in the first box's address book")
         assert book_ids(book_path) == {joiner, groupmate}  # never our own id
     finally:

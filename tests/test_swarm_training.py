@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from decentralized_sgd.address_book import KNOWN_PEERS_FILE, AddressBook
 from run_eval import resolve_checkpoint
 from tests.conftest import run_trainer
 from tests.paced_trainer import paced_peer
 from tests.test_recipe import build_task_model
+from vissl_swarm.address_book import KNOWN_PEERS_FILE, AddressBook
 from vissl_swarm.initial_model import weights_fingerprint
 from vissl_swarm.local_replicas import compare_replica_logs
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, read_jsonl, start_swarm, stop_all, wait_until

@@ -5,6 +5,7 @@ VISSL task (``decentralized_task.py``) and its hooks (``hooks/``):
   anything of VISSL), each naming the upstream issue it covers;
 - ``config_loading`` and ``recipe``: a config by name with overrides, and the recipe rescaled to this box's batch;
 - ``swarm``: the settings of a box in the swarm, its DHT start and join (``start_dht``), the join line;
+- ``dht_rejoin`` with ``address_book``: the DHT found again after an outage or a restart;
 - ``swarm_progress``: each box's one signed record (its sample count, which the swarm-wide schedule follows, its
   recipe and the status the monitor shows);
 - ``local_replicas``: the broadcasts that keep the GPUs of one box identical; ``ctrl_c``: Ctrl-C at a step boundary;

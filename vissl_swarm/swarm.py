@@ -62,7 +62,7 @@ class SwarmSettings:
     weight_by_samples: bool = True  # a box's weight in a round: its samples since its last round (as FedAvg)
     join_timeout: float = 30.0  # seconds a joiner keeps dialing --initial_peers at start before it gives up
     alone_warning_after: float = ALONE_AFTER_S  # seconds without an applied round before the box warns; 0: never
-    address_book: str = ""  # the file where this box keeps the peers it met (decentralized_sgd.address_book)
+    address_book: str = ""  # the file where this box keeps the peers it met (vissl_swarm.address_book)
     averager: str = "improved"  # "old": hivemind's TrainingAverager, the benchmarks' baseline
     schedule: str = "swarm"  # "swarm": the recipe is the whole swarm's budget; "local": each box runs all of it
     swarm_lr: str = "sqrt"  # with the swarm schedule: each box's LR x sqrt(swarm batch / box batch); see README
@@ -218,8 +218,8 @@ def join(settings: SwarmSettings, startup_timeout: float = 30.0) -> Any:
     when nobody answered. A p2p daemon that cannot reach any initial peer at all fails before that and leaves
     nothing behind: it is started again.
     """
-    from decentralized_sgd import keep_dht_connected
-    from decentralized_sgd.address_book import AddressBook
+    from vissl_swarm.address_book import AddressBook
+    from vissl_swarm.dht_rejoin import keep_dht_connected
 
     check_multiaddrs("--initial_peers", settings.initial_peers)
     check_multiaddrs("--host_maddrs", settings.host_maddrs)
@@ -329,7 +329,7 @@ def _joined(dht: Any, deadline: float, addresses: Callable[[], list[str]], warn:
     """Dial and ping ``addresses()`` until one answered (then it is in our routing table) or the deadline."""
     import functools
 
-    from decentralized_sgd.dht_rejoin import rejoin_if_alone
+    from vissl_swarm.dht_rejoin import rejoin_if_alone
 
     while True:
         rejoin = functools.partial(rejoin_if_alone, addresses=addresses())

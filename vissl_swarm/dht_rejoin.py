@@ -1,9 +1,9 @@
-"""Re-bootstrap a hivemind DHT that lost every peer: a small helper whoever owns a DHT starts (``swarm.start_dht``).
-hivemind 1.1.12 dials its initial peers only once, at start, so after an outage a peer stays alone for good, and a
-restarted first box is dialed by nobody. ``keep_dht_connected`` starts one thread per DHT that, when the routing
-table is empty, dials the initial peers and those of the address book (``address_book``) and pings them; and notes
-every new peer in the book at first sight (routing table, groupmates). No public API: it uses
-``node.protocol.routing_table`` and ``node.p2p._client.connect``.
+"""Re-bootstrap a hivemind DHT that lost every peer: the DHT's owner starts it (``swarm.start_dht``), as it owns the
+DHT (the optimizer only uses one). hivemind 1.1.12 dials its initial peers only once, at start, so after an outage a
+peer stays alone for good, and a restarted first box is dialed by nobody. ``keep_dht_connected`` starts one thread per
+DHT that, when the routing table is empty, dials the initial peers and those of the address book (``address_book``)
+and pings them; and notes every new peer in the book at first sight (routing table, groupmates:
+``note_groupmates_of``). No public API: it uses ``node.protocol.routing_table`` and ``node.p2p._client.connect``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import hivemind
 from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from decentralized_sgd.address_book import AddressBook, dht_neighbours, peer_addresses, routing_table_peers
+from vissl_swarm.address_book import AddressBook, dht_neighbours, peer_addresses, routing_table_peers
 
 logger = logging.getLogger(__name__)
 
@@ -175,26 +176,16 @@ def keep_dht_connected(
         return rejoiner
 
 
-def note_groupmates(dht: hivemind.DHT, peer_ids: Iterable[str]) -> None:
-    """A round's group showed these peers: the thread keeping `dht` connected (if any) notes the new ones."""
-    rejoiner = _rejoiners.get(dht)
-    if rejoiner is not None and rejoiner.book is not None:
-        rejoiner.note(peer_ids)
-
-
 def rejoiner_of(dht: hivemind.DHT) -> DHTRejoiner | None:
     """The thread that keeps `dht` connected, if any (its ``alone`` tells whether our DHT knows anybody)."""
     return _rejoiners.get(dht)
 
 
-def rejoin_count(dht: hivemind.DHT) -> int:
-    """How often `dht` rejoined the swarm (0 if nobody keeps it connected)."""
+def note_groupmates_of(optimizer: Any, dht: hivemind.DHT) -> None:
+    """A ``DecentralizedSGD``'s rounds tell the book of the thread keeping `dht` connected whom they averaged with."""
     rejoiner = _rejoiners.get(dht)
-    return 0 if rejoiner is None else rejoiner.rejoins
-
-
-async def _routing_table_size(_dht: hivemind.DHT, node: DHTNode) -> int:
-    return len(node.protocol.routing_table.uid_to_peer_id)
+    if rejoiner is not None and rejoiner.book is not None:
+        optimizer.round_book.on_group = rejoiner.note
 
 
 def dht_peer_count(dht: hivemind.DHT | None, timeout: float = 3.0) -> int | None:
@@ -202,7 +193,7 @@ def dht_peer_count(dht: hivemind.DHT | None, timeout: float = 3.0) -> int | None
     if dht is None:
         return None
     try:
-        return int(dht.run_coroutine(_routing_table_size, return_future=True).result(timeout=timeout))
+        return len(dht.run_coroutine(routing_table_peers, return_future=True).result(timeout=timeout))
     except Exception as error:  # busy or shutting down: the caller says it does not know
         logger.debug(f"routing table size: {error!r}")
         return None
