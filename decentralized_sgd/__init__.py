@@ -7,7 +7,7 @@ this order, are the design (docs/design.md):
 - the core: ``optimizer``, ``rounds``, ``scheduler``, ``tensors``, ``state_transfer``, ``averager``, ``supervisor``;
 - optional parts: ``outer``, ``vetting`` with ``outliers``, ``secret``, ``starvation`` and
   ``hivemind_slow_peer_fixes``, ``compression`` (the DHT's owner keeps it connected: ``vissl_swarm.dht_rejoin``);
-- hivemind work-arounds: ``hivemind_fixes`` (docs/upstream.md lists each), ``end_with_parent``.
+- hivemind work-arounds: ``hivemind_fixes`` (docs/upstream.md lists each).
 """
 
 from .compression import make_compression, schema_fingerprint

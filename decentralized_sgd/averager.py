@@ -32,8 +32,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from . import hivemind_fixes as fixes
-from .end_with_parent import end_with_parent
-from .hivemind_fixes import AveragerUnresponsive, LockedConnection
+from .hivemind_fixes import AveragerUnresponsive, LockedConnection, end_with_parent
 from .hivemind_slow_peer_fixes import SharedCounts, SlowPeerFixes
 from .vetting import GroupGuard
 

@@ -1,8 +1,8 @@
 """Work-arounds for hivemind 1.1.12 (the version requirements.txt pins); ``docs/upstream.md`` is their table, and
 ``tests/test_hivemind_fixes.py`` shows each bug on stock hivemind. Each says what hivemind does wrong, where, and the
 upstream issue or PR to file (hivemind#N: github.com/learning-at-home/hivemind). Three kinds: process-wide patches
-(``PATCHES``, installed at import only while ``Patch.fixed_in`` says the installed hivemind needs them; ``stock()``
-restores hivemind's for a test); helpers the averager and the round machine call (and ``FixedDHT``); one log filter
+(``PATCHES``, installed at import only while ``Patch.fixed_in`` says the installed hivemind needs them; ``STOCK``
+keeps hivemind's for the tests); helpers the averager and the round machine call (and ``FixedDHT``); one log filter
 (``QuietHivemindLog``) for what only makes noise.
 """
 
@@ -17,10 +17,12 @@ import logging
 import multiprocessing
 import multiprocessing.sharedctypes
 import os
+import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -32,8 +34,6 @@ from hivemind.utils import MPFuture
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 from packaging.version import Version
-
-from .end_with_parent import end_with_parent, is_running
 
 logger = logging.getLogger(__name__)
 
@@ -140,18 +140,6 @@ def install() -> None:
         if patch.needed() and key not in STOCK:
             STOCK[key] = patch.owner.__dict__[patch.name]
             setattr(patch.owner, patch.name, patch.make(STOCK[key]))
-
-
-@contextlib.contextmanager
-def stock(key: str) -> Iterator[None]:
-    """hivemind's own version of a patch while the block runs (the tests show its bug)."""
-    patch = PATCHES[key]
-    fixed = patch.owner.__dict__[patch.name]
-    setattr(patch.owner, patch.name, STOCK[key])
-    try:
-        yield
-    finally:
-        setattr(patch.owner, patch.name, fixed)
 
 
 # --- the trainer's process ---
@@ -310,6 +298,79 @@ async def shut_down_averager(
         await asyncio.sleep(LEAVE_POLL_S)
     if dht_requests:
         await asyncio.wait(list(dht_requests), timeout=max(0.0, deadline - time.monotonic()))
+
+
+# --- processes that end with their parent ---
+
+PARENT_CHECK_PERIOD_S = 1.0
+KILL_GRACE_S = 2.0  # between SIGTERM and SIGKILL of our children
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The direct children of process ``pid`` (default: this one), from every thread's ``/proc`` children list."""
+    tasks = Path(f"/proc/{pid or os.getpid()}/task")
+    children: list[int] = []
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            children += [int(word) for word in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return children
+
+
+def stop_children(pids: list[int], grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM each, then SIGKILL those still alive after ``grace`` seconds."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+
+
+def end_with_parent(period: float = PARENT_CHECK_PERIOD_S) -> threading.Thread | None:
+    """dht/dht.py:89, averaging/averager.py: hivemind's processes are ``multiprocessing`` daemons, which end only
+    with a parent that exits normally: after a SIGKILL of the trainer they and ``p2pd`` hold the box's port and peer
+    id. Called first in such a child: a thread that stops its children and exits once the parent is gone; None where
+    there is no /proc. PR to file: "DHT, DecentralizedAverager: end with the parent process"."""
+    if not Path("/proc/self/task").is_dir():
+        logger.info("no /proc here: a SIGKILLed trainer may leave its DHT and p2p daemon running")
+        return None
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        logger.warning(f"process {os.getpid()}: the trainer that started it (pid {parent}) is gone; stopping")
+        stop_children(child_pids())
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="end-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie, not yet reaped, has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel (a zombie counts as running there)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
+def _signal(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
 
 
 # --- the DHT's process ---

@@ -10,6 +10,7 @@ process by test_ctrl_c_still_stops_the_trainer_after_the_averager_started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import hivemind
 import pytest
@@ -36,6 +38,7 @@ from benchmarks.uint8_compression import STOCK_EXTRACT, fixed_8bit_decoding
 from decentralized_sgd.averager import Averager, handler_address_slot
 from decentralized_sgd.hivemind_fixes import (
     PATCHES,
+    STOCK,
     AveragerUnresponsive,
     DeadHolderBreakingLock,
     FixedDHT,
@@ -44,9 +47,20 @@ from decentralized_sgd.hivemind_fixes import (
     cancel_step_first,
     install,
     release_ended_step,
-    stock,
 )
 from vissl_swarm.dht_rejoin import rejoin_if_alone
+
+
+@contextlib.contextmanager
+def stock(key: str) -> Iterator[None]:
+    """hivemind's own version of a patch while the block runs (to show its bug)."""
+    patch = PATCHES[key]
+    fixed = patch.owner.__dict__[patch.name]
+    setattr(patch.owner, patch.name, STOCK[key])
+    try:
+        yield
+    finally:
+        setattr(patch.owner, patch.name, fixed)
 
 
 def test_only_the_patches_this_hivemind_needs_are_installed_at_import():

@@ -28,7 +28,7 @@ from dsgd_swarm import FAST, Swarm, make_model, port_is_free
 from hivemind.p2p import P2P, PeerID
 
 from decentralized_sgd import DecentralizedSGD
-from decentralized_sgd.end_with_parent import child_pids, is_running
+from decentralized_sgd.hivemind_fixes import child_pids, is_running
 from tests.conftest import REPO
 from vissl_swarm import swarm
 from vissl_swarm.address_book import AddressBook, routing_table_peers

@@ -67,7 +67,7 @@ def _own_session(create_subprocess_exec):
     """hivemind starts ``p2pd`` in our process group (``hivemind/p2p/p2p_daemon.py``, ``P2P.create``), so a terminal's
     Ctrl-C, sent to the whole group, ends it at once, under the DHT that still uses it (an ERROR per DHT call, then a
     WARN that the DHT did not shut down in time). In a session of its own it ends when the DHT shuts it down (and with
-    its parent: ``decentralized_sgd.end_with_parent``). Upstream: none found; the PR: "start p2pd in a session of its
+    its parent: ``hivemind_fixes.end_with_parent``). Upstream: none found; the PR: "start p2pd in a session of its
     own"."""
 
     @functools.wraps(create_subprocess_exec)
