@@ -261,7 +261,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             weight_by_samples=settings.weight_by_samples,
             **settings.outer_options(),
             **self._averager_options(settings, records_path),
-            # the alone warning names a secret that matches nobody's (swarm_progress): the box is told once, not twice
+            # the alone warning names a secret that matches nobody's (membership_problem): told once, not twice
             settings=RoundSettings(no_group_patience=math.inf),
         )
         note_groupmates_of(optimizer, self.dht)  # the address book keeps the peers our rounds met

@@ -248,6 +248,11 @@ class DecentralizedSGD(TorchOptimizerFacade):
         return self.dht.peer_id
 
     @property
+    def membership_problem(self) -> str | None:
+        """Why no peer of the run averages with us, when the run's members tell (``secret.MembershipCheck``)."""
+        return None if self.vetting.membership is None else self.vetting.membership.problem
+
+    @property
     def averager(self) -> Averager:
         """The current averager process (a new one after a restart)."""
         return self._supervisor.averager

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from hivemind.dht.routing import DHTID
@@ -27,7 +26,7 @@ TAG_BYTES = 16
 
 
 class SwarmSecretError(ValueError):
-    """A bad --swarm_secret / --swarm_secret_file; the message says what to do."""
+    """An empty secret, or two secrets for one DHT; the message says what to do."""
 
 
 class SwarmSecret:
@@ -40,27 +39,6 @@ class SwarmSecret:
 
     def __repr__(self) -> str:
         return "SwarmSecret(<hidden>)"
-
-    @classmethod
-    def from_args(cls, secret: str | None = None, secret_file: str | Path | None = None) -> SwarmSecret | None:
-        """From ``--swarm_secret`` or ``--swarm_secret_file`` (surrounding whitespace stripped); None for neither."""
-        if secret and secret_file:
-            raise SwarmSecretError("pass either --swarm_secret or --swarm_secret_file, not both")
-        if secret_file:
-            path = Path(secret_file).expanduser()
-            try:
-                content = path.read_bytes().strip()
-            except OSError as error:
-                raise SwarmSecretError(f"--swarm_secret_file: cannot read {path}: {error.strerror or error}") from error
-            if not content:
-                raise SwarmSecretError(
-                    f"--swarm_secret_file: {path} is empty; put the swarm's secret in it "
-                    "(e.g. python -c 'import secrets; print(secrets.token_hex(16))' > swarm.key)"
-                )
-            return cls(content)
-        if secret is not None and not secret.strip():
-            raise SwarmSecretError("--swarm_secret is empty; leave it out to run without a secret")
-        return cls(secret.strip().encode()) if secret else None
 
     def tag(self, purpose: str, *parts: bytes) -> bytes:
         """HMAC over the purpose and length-prefixed parts (so that no two different inputs share a message)."""
@@ -92,19 +70,14 @@ def members_key(prefix: str) -> str:
     return f"{prefix}_members"
 
 
-def member_tag(secret: SwarmSecret | None, peer_id: bytes) -> bytes:
-    """What a peer writes under :func:`members_key`: a tag of its id, or b"" without a secret."""
-    return b"" if secret is None else secret.tag("members-key", peer_id)
-
-
 def announce_member(dht: Any, prefix: str, secret: SwarmSecret | None, ttl: float = 60.0) -> Any:
-    """Write our entry under :func:`members_key` (expires after ``ttl`` s: call it again well before); returns the
+    """Write our entry under :func:`members_key`, a tag of our id (b"" without a secret), for ``ttl`` s; returns the
     DHT's future (True if stored)."""
     peer_id = dht.peer_id.to_bytes()
     return dht.store(
         members_key(prefix),
         subkey=peer_id,
-        value=member_tag(secret, peer_id),
+        value=b"" if secret is None else secret.tag("members-key", peer_id),
         expiration_time=get_dht_time() + ttl,
         return_future=True,
     )
@@ -152,33 +125,41 @@ def diagnose_members(
 
 
 class MembershipCheck:
-    """Keeps our entry under :func:`members_key` fresh and, when no group formed for ``patience`` s, returns the line
-    that says why (:func:`diagnose_members`). Never blocks: each call starts or collects a DHT future."""
+    """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries every
+    ``READ_PERIOD_S``: ``problem`` is what they say of our secret (:func:`diagnose_members`), the one source of that
+    diagnosis. ``poll`` returns it once no group formed for ``patience`` s (inf: never; the VISSL task's alone warning
+    names it instead). Never blocks: each call starts or collects a DHT future."""
+
+    READ_PERIOD_S = 5.0
 
     def __init__(self, dht: Any, run: str, secret: SwarmSecret | None, patience: float = 60.0, ttl: float = 60.0):
         self.dht, self.run, self.secret, self.patience, self.ttl = dht, run, secret, patience, ttl
-        self._next_announce = 0.0
+        self.problem: str | None = None
+        self._next_announce = self._next_read = 0.0
         self._quiet_since: float | None = None
         self._announcing: Any = None
         self._reading: Any = None
 
     def poll(self, now: float, group_formed: bool) -> str | None:
         """``now``: time.monotonic(); ``group_formed``: a group formed since the previous call."""
-        if self._announcing is None or self._announcing.done():
-            if now >= self._next_announce:
-                self._announcing = announce_member(self.dht, self.run, self.secret, self.ttl)
-                self._next_announce = now + self.ttl / 3
+        if (self._announcing is None or self._announcing.done()) and now >= self._next_announce:
+            self._announcing = announce_member(self.dht, self.run, self.secret, self.ttl)
+            self._next_announce = now + self.ttl / 3
         if group_formed or self._quiet_since is None:
-            self._quiet_since = now
+            self._quiet_since, self._next_read, self.problem = now, now + min(self.patience, self.READ_PERIOD_S), None
             return None
-        if self._reading is None and now - self._quiet_since >= self.patience:
+        if self._reading is None and now >= self._next_read:
             self._reading = self.dht.get(members_key(self.run), latest=True, return_future=True)
-        if self._reading is None or not self._reading.done():
+            self._next_read = now + self.READ_PERIOD_S
+        if self._reading is not None and self._reading.done():
+            reading, self._reading = self._reading, None
+            if reading.exception() is None:
+                own = self.dht.peer_id.to_bytes()
+                self.problem = diagnose_members(_entries(reading.result()), own, self.secret, self.run)
+        if self.problem is None or now - self._quiet_since < self.patience:
             return None
-        reading, self._reading, self._quiet_since = self._reading, None, now
-        if reading.exception() is not None:
-            return None
-        return diagnose_members(_entries(reading.result()), self.dht.peer_id.to_bytes(), self.secret, self.run)
+        self._quiet_since = now  # said again after another ``patience`` s without a group
+        return self.problem
 
 
 class SwarmSecretValidator(RecordValidatorBase):

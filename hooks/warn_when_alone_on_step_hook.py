@@ -16,11 +16,12 @@ from vissl_swarm.recipe import recipe_fixes
 from vissl_swarm.swarm import ALONE_AFTER_S  # the warning, after this long with no applied round
 
 
-def alone_cause(progress: Any, dht_peers: int | None, run_id: str, config_name: str) -> str:
-    """The likely cause and its fix, from what this box sees: the run's members (a secret that matches nobody's),
-    live records of its run id with another config or recipe, and how many peers its DHT knows."""
-    if progress is not None and progress.secret_problem:
-        return progress.secret_problem
+def alone_cause(secret_problem: str | None, progress: Any, dht_peers: int | None, run_id: str, config_name: str) -> str:
+    """The likely cause and its fix, from what this box sees: the run's members (a secret that matches nobody's,
+    ``DecentralizedSGD.membership_problem``), live records of its run id with another config or recipe, and how many
+    peers its DHT knows."""
+    if secret_problem:
+        return secret_problem
     for record in getattr(progress, "others", []):
         box = f"box {record['peer_id'][-8:]} of run {run_id!r}"
         if record["config"] != config_name:
@@ -86,6 +87,7 @@ class WarnWhenAloneOnStepHook(ClassyHook):
             return
         settings = task.swarm_settings
         cause = alone_cause(
+            getattr(optimizer, "membership_problem", None),  # DecentralizedSGD's (the baselines have none)
             getattr(task, "swarm_progress", None),
             dht_peer_count(getattr(task, "dht", None)),
             settings.run_id,

@@ -22,27 +22,33 @@ from decentralized_sgd.secret import (
     members_key,
     read_members,
 )
+from vissl_swarm.swarm import SECRET_ENV, SwarmError, SwarmSettings
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 
 @pytest.mark.timeout(30)
-def test_secret_flags_give_clear_errors(tmp_path):
-    assert SwarmSecret.from_args() is None and SwarmSecret.from_args(None, "") is None
+def test_secret_flags_give_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+
+    def from_args(secret: str = "", secret_file: object = "") -> SwarmSecret | None:
+        return SwarmSettings(swarm_secret=secret, swarm_secret_file=str(secret_file)).secret()
+
+    assert from_args() is None and from_args("", "") is None
     key_file = tmp_path / "swarm.key"
     key_file.write_text("  s3cret\n")
-    from_file, from_flag = SwarmSecret.from_args(secret_file=key_file), SwarmSecret.from_args("s3cret")
+    from_file, from_flag = from_args(secret_file=key_file), from_args("s3cret")
     assert from_file.keyed_prefix("run") == from_flag.keyed_prefix("run")  # whitespace around it does not count
     assert "s3cret" not in repr(from_flag)
-    with pytest.raises(SwarmSecretError, match="either --swarm_secret or --swarm_secret_file"):
-        SwarmSecret.from_args("a", key_file)
-    with pytest.raises(SwarmSecretError, match="--swarm_secret is empty"):
-        SwarmSecret.from_args("   ")
+    with pytest.raises(SwarmError, match="either --swarm_secret or --swarm_secret_file"):
+        from_args("a", key_file)
+    with pytest.raises(SwarmError, match="--swarm_secret is empty"):
+        from_args("   ")
     (tmp_path / "empty.key").write_text("\n")
-    with pytest.raises(SwarmSecretError, match="empty.key is empty"):
-        SwarmSecret.from_args(secret_file=tmp_path / "empty.key")
-    with pytest.raises(SwarmSecretError, match="cannot read .*missing.key"):
-        SwarmSecret.from_args(secret_file=tmp_path / "missing.key")
+    with pytest.raises(SwarmError, match="empty.key is empty"):
+        from_args(secret_file=tmp_path / "empty.key")
+    with pytest.raises(SwarmError, match="cannot read .*missing.key"):
+        from_args(secret_file=tmp_path / "missing.key")
 
 
 @pytest.mark.timeout(30)

@@ -45,14 +45,14 @@ def test_warns_once_after_a_minute_alone_and_again_after_a_round(caplog: pytest.
 
 
 def test_the_cause_is_what_the_swarm_shows_with_the_fix() -> None:
-    wrong_secret = SimpleNamespace(secret_problem="no peer of this swarm accepts our secret: ...", others=[])
-    assert alone_cause(wrong_secret, 2, "r", "swav_tiny").startswith("no peer of this swarm accepts our secret")
+    wrong_secret = "no peer of this swarm accepts our secret: ..."
+    assert alone_cause(wrong_secret, None, 2, "r", "swav_tiny").startswith("no peer of this swarm accepts our secret")
     other = {"peer_id": "QmOtherBox01", "config": "swav_tiny", "recipe": {"config.OPTIMIZER.num_epochs": "12"}}
-    recipe = SimpleNamespace(secret_problem=None, others=[other], recipe={})
-    assert "pass config.OPTIMIZER.num_epochs=12" in alone_cause(recipe, 2, "r", "swav_tiny")
-    config = SimpleNamespace(secret_problem=None, others=[{**other, "config": "swav_resnet50"}], recipe={})
-    assert "start this one with --config swav_resnet50" in alone_cause(config, 2, "r", "swav_tiny")
-    nobody = SimpleNamespace(secret_problem=None, others=[], recipe={})
-    assert "no other box is reachable" in alone_cause(nobody, 0, "r", "swav_tiny")
-    assert "none of them trains --run_id r --config swav_tiny" in alone_cause(nobody, 2, "r", "swav_tiny")
-    assert "did not answer" in alone_cause(nobody, None, "r", "swav_tiny")
+    recipe = SimpleNamespace(others=[other], recipe={})
+    assert "pass config.OPTIMIZER.num_epochs=12" in alone_cause(None, recipe, 2, "r", "swav_tiny")
+    config = SimpleNamespace(others=[{**other, "config": "swav_resnet50"}], recipe={})
+    assert "start this one with --config swav_resnet50" in alone_cause(None, config, 2, "r", "swav_tiny")
+    nobody = SimpleNamespace(others=[], recipe={})
+    assert "no other box is reachable" in alone_cause(None, nobody, 0, "r", "swav_tiny")
+    assert "none of them trains --run_id r --config swav_tiny" in alone_cause(None, nobody, 2, "r", "swav_tiny")
+    assert "did not answer" in alone_cause(None, nobody, None, "r", "swav_tiny")

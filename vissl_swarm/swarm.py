@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -114,14 +115,28 @@ class SwarmSettings:
 
     def secret(self) -> Any:
         """The swarm secret (a ``decentralized_sgd.secret.SwarmSecret``) from --swarm_secret, --swarm_secret_file or
-        else the SWAV_SWARM_SECRET environment variable; None without one. SwarmError for an empty or unreadable one."""
-        from decentralized_sgd.secret import SwarmSecret, SwarmSecretError
+        else the SWAV_SWARM_SECRET environment variable, surrounding whitespace stripped; None without one. SwarmError
+        for an empty or unreadable one, or for both flags."""
+        from decentralized_sgd.secret import SwarmSecret
 
-        from_environment = None if self.swarm_secret_file else os.environ.get(SECRET_ENV)
-        try:
-            return SwarmSecret.from_args(self.swarm_secret or from_environment or None, self.swarm_secret_file or None)
-        except SwarmSecretError as error:
-            raise SwarmError(str(error)) from None
+        text = self.swarm_secret or (None if self.swarm_secret_file else os.environ.get(SECRET_ENV)) or None
+        if text and self.swarm_secret_file:
+            raise SwarmError("pass either --swarm_secret or --swarm_secret_file, not both")
+        if self.swarm_secret_file:
+            path = Path(self.swarm_secret_file).expanduser()
+            try:
+                content = path.read_bytes().strip()
+            except OSError as error:
+                raise SwarmError(f"--swarm_secret_file: cannot read {path}: {error.strerror or error}") from None
+            if not content:
+                raise SwarmError(
+                    f"--swarm_secret_file: {path} is empty; put the swarm's secret in it "
+                    "(e.g. python -c 'import secrets; print(secrets.token_hex(16))' > swarm.key)"
+                )
+            return SwarmSecret(content)
+        if text is not None and not text.strip():
+            raise SwarmError("--swarm_secret is empty; leave it out to run without a secret")
+        return SwarmSecret(text.strip().encode()) if text else None
 
 
 def hide_secret(settings: SwarmSettings) -> SwarmSettings:
@@ -288,13 +303,10 @@ def _start_dht_process(
     from hivemind.p2p import P2PDaemonError
 
     from decentralized_sgd import FixedDHT
-    from decentralized_sgd.secret import SwarmSecretValidator, members_key
+    from decentralized_sgd.secret import SwarmSecretValidator
 
     secret = settings.secret()
-    # the run's members' key stays open to every secret: a box whose secret matches nobody's learns so from it
-    validators = (
-        [SwarmSecretValidator(secret, exempt_keys=[members_key(settings.run_id)])] if secret is not None else []
-    )
+    validators = [SwarmSecretValidator(secret)] if secret is not None else []  # the optimizer adds its exempt key
     check_identity = True  # hivemind's check that no running peer has our identity dials the initial peers too
     while True:
         try:

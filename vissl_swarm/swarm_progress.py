@@ -44,7 +44,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from decentralized_sgd.secret import SwarmSecret, SwarmSecretValidator, announce_member, diagnose_members, read_members
+from decentralized_sgd.secret import SwarmSecret, SwarmSecretValidator
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,6 @@ class SwarmProgress:
         self._left = False
         self.others: list[dict[str, Any]] = []  # live records of this run id with another config or recipe
         self.refused = 0  # our records the DHT refused in a row
-        self.secret_problem: str | None = None  # what the run's members say of our secret (diagnose_members)
         self.rejected = 0  # counts whose signature did not check (from the DHT, a checkpoint or a donor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -376,7 +375,7 @@ class SwarmProgress:
                     self.refused = 0
                 self.refresh()
                 if self.refused == 2:  # twice in a row: not a record caught in a DHT that was busy
-                    logger.warning(self.secret_problem or REFUSED)
+                    logger.warning(REFUSED)
             except Exception as error:  # a DHT that fails now may answer next period; training goes on
                 logger.warning(
                     f"Swarm progress: could not publish or read the swarm's records ({error!r}); "
@@ -431,10 +430,6 @@ class SwarmProgress:
             for owner, seen in self._seen.items():
                 seen.live = owner in live
             self.others = others
-        # every box of the run id, whatever its secret, says it is here (a key the secret exempts, see swarm.start_dht)
-        announce_member(self.dht, self.run_id, self.secret, ttl=self.expiration)
-        members = read_members(self.dht, self.run_id, timeout=timeout)
-        self.secret_problem = diagnose_members(members, self.dht.peer_id.to_bytes(), self.secret, self.run_id)
 
     def _measure_rate(self) -> float:
         now = time.monotonic()
