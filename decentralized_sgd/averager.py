@@ -19,7 +19,7 @@ import multiprocessing.sharedctypes
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only parses typing hints)
 
 import hivemind
@@ -33,7 +33,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from . import hivemind_fixes as fixes
 from .hivemind_fixes import AveragerUnresponsive, LockedConnection, end_with_parent
-from .hivemind_slow_peer_fixes import SharedCounts, SlowPeerFixes
+from .hivemind_slow_peer_fixes import SharedCounts, install_slow_peer_fixes
 from .vetting import GroupGuard
 
 START_TIMEOUT_S = 120.0  # Averager(start=True): how long it may take to start (hivemind waits for ever)
@@ -66,7 +66,8 @@ class Averager(hivemind.DecentralizedAverager):
         self.state_fn, self.trigger_grace = state_fn, trigger_grace
         self._handler_address = handler_address if handler_address is not None else handler_address_slot()
         self.guard = guard
-        self.slow_peers = SlowPeerFixes(slow_peer_counts) if slow_peer_fixes else None
+        self._slow_peer_counts = (slow_peer_counts or SharedCounts()) if slow_peer_fixes else None
+        self._withdrawals: Collection[asyncio.Task] = ()  # the slow-peer fixes' DHT requests still on their way
         self._stamps = torch.zeros(3, dtype=torch.float64).share_memory_()  # AllReduce began, ended; refused part
         self._live_steps: set[asyncio.Task] = set()
         self._installed = False  # the averager process's fixes on hivemind's objects (see _step)
@@ -98,8 +99,10 @@ class Averager(hivemind.DecentralizedAverager):
         """The first step installs the fixes on hivemind's matchmaking; every step is held until it ends."""
         if not self._installed:
             fixes.no_group_fails_at_once(self._matchmaking)
-            if self.slow_peers is not None:
-                self._state_updated = self.slow_peers.install(self._matchmaking, self._state_updated)
+            if self._slow_peer_counts is not None:
+                self._state_updated, self._withdrawals = install_slow_peer_fixes(
+                    self._matchmaking, self._state_updated, self._slow_peer_counts
+                )
             self._installed = True
         async with fixes.hold_step(self._live_steps, kwargs["step"]):
             await super()._step(**kwargs)
@@ -144,8 +147,7 @@ class Averager(hivemind.DecentralizedAverager):
             yield message
 
     async def _shutdown(self, timeout: float | None) -> None:
-        pending = () if self.slow_peers is None else self.slow_peers.pending
-        await fixes.shut_down_averager(self, timeout, dht_requests=pending)
+        await fixes.shut_down_averager(self, timeout, dht_requests=self._withdrawals)
 
     # --- trainer's process ---
     def allreduce_stamps(self) -> tuple[float, float]:

@@ -297,25 +297,15 @@ def install_slow_reply_blacklist(dht: hivemind.DHT, counts: SharedCounts, timeou
         return False
 
 
-class SlowPeerFixes:
-    """Fixes 1-3, installed by ``averager.Averager`` at its first step; ``pending``: withdrawals still on their way
-    (the averager's shutdown waits for them)."""
-
-    def __init__(self, counts: SharedCounts | None = None):
-        self.counts = counts if counts is not None else SharedCounts()
-        self._declarations: BackgroundDeclarations | None = None
-
-    @property
-    def pending(self) -> Collection[asyncio.Task]:
-        return () if self._declarations is None else self._declarations.pending
-
-    def install(self, matchmaking: Any, state_updated: asyncio.Event) -> asyncio.Event:
-        """Patches `matchmaking`; returns the event to use instead of `state_updated` (the averager's)."""
-        state_declared = CoalescedEvent(STATE_DECLARE_MIN_PERIOD)
-        state_updated.set()  # the declaring loop may wait on the old event: wake it once, it uses the new one then
-        key_manager = matchmaking.group_key_manager
-        self._declarations = BackgroundDeclarations(key_manager.declare_averager)
-        key_manager.declare_averager = self._declarations.declare_averager
-        avoidance = LeaderAvoidance(matchmaking.request_timeout, self.counts)
-        matchmaking._request_join_group = avoidance.wrap(matchmaking._request_join_group)
-        return state_declared
+def install_slow_peer_fixes(
+    matchmaking: Any, state_updated: asyncio.Event, counts: SharedCounts
+) -> tuple[asyncio.Event, Collection[asyncio.Task]]:
+    """Fixes 1-3 on the averager's ``matchmaking``, at its first step: returns the event to use instead of
+    ``state_updated``, and the withdrawals still on their way (the averager's shutdown waits for them)."""
+    state_updated.set()  # the declaring loop may wait on the old event: wake it once, it uses the new one then
+    key_manager = matchmaking.group_key_manager
+    declarations = BackgroundDeclarations(key_manager.declare_averager)
+    key_manager.declare_averager = declarations.declare_averager
+    avoidance = LeaderAvoidance(matchmaking.request_timeout, counts)
+    matchmaking._request_join_group = avoidance.wrap(matchmaking._request_join_group)
+    return CoalescedEvent(STATE_DECLARE_MIN_PERIOD), declarations.pending
