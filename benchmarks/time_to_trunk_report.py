@@ -214,7 +214,7 @@ def markdown(result: dict, links: list[dict]) -> str:
         f"{result.get('machine_after', {}).get('loadavg')}): the pace (a sleep floor per step) is what keeps the "
         "emulation honest under that load; the check below says how far it held.",
         "",
-        "Emulated: each box's link (tbf, each way) at a rate that makes an exchange of the small CNN last as many "
+        "Emulated: each box's link (htb, ACKs first) at a rate that makes an exchange of the small CNN last as many "
         "paced steps as one of swav_resnet50 lasts GPU steps; a GPU step as a paced step. Not emulated: latency, "
         "fixed per-round costs (DHT, matchmaking RPCs: this machine's real seconds), data loading. GPU step: "
         "SwAV batch 64, 2x224+6x96 crops, at 2470 images/s (ResNet-50 v1.5, one A100 80GB, AMP: NVIDIA "
