@@ -9,19 +9,8 @@ from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
-from benchmarks.common import (
-    crossing,
-    fmt,
-    markdown_table,
-    mean_std,
-    pyplot,
-    rounded,
-    save_figure,
-    spread,
-    value_at,
-    write_json,
-    write_text,
-)
+from benchmarks import common
+from benchmarks.common import crossing, mean_std, spread, value_at
 
 ORDER = ("alone", "swarm", "hivemind_optimizer", "ddp", "ideal")
 COLORS = {"alone": "k", "swarm": "tab:blue", "hivemind_optimizer": "tab:orange", "ddp": "tab:red", "ideal": "0.6"}
@@ -130,16 +119,8 @@ def summarize(result: dict) -> list[dict]:
             if not entries:
                 continue
             summary: dict[str, Any] = {"seeds": len(entries), "how": per_seed[seeds[0]].get(arm, {}).get("how")}
-            for key in (
-                "time_to_target_s",
-                "time_to_target_share",
-                "speedup",
-                "accuracy_at_half",
-                "time_to_half_target_share",
-            ):
-                summary[key] = [rounded(e[key]) for e in entries]
-            for key in ("accuracy_at_third", "final_accuracy", "final_s", "target"):
-                summary[key] = [rounded(e[key]) for e in entries]
+            for key in entries[0]:
+                summary[key] = [common.rounded(e[key]) for e in entries]
             summary["reached"] = sum(e["time_to_target_s"] is not None for e in entries)
             summary["curve"] = (
                 per_seed[seeds[0]][arm]["curve"]
@@ -148,7 +129,7 @@ def summarize(result: dict) -> list[dict]:
             )
             for key in ("step_s", "allreduce_s", "group_size", "steps_per_round", "rounds_applied"):
                 values = [per_seed[s][arm].get(key) for s in seeds if per_seed[s].get(arm, {}).get(key) is not None]
-                summary[key] = rounded(mean(values), 4) if values else None
+                summary[key] = common.rounded(mean(values), 4) if values else None
             arms[arm] = summary
         links.append({"link_mbit": link, "emulation": emulation, "arms": arms, "check": check(emulation, arms)})
     return links
@@ -164,8 +145,8 @@ def check(emulation: dict, arms: dict) -> list[dict]:
     pace = emulation["pace_s"]
     values, mbit = emulation["values_emulated"], emulation["emulated_mbit"]
 
-    def exchange(group: float, bytes_per_value: float = 2.0) -> float:
-        return values * bytes_per_value * 2 * (group - 1) / group * 8 / (mbit * 1e6)
+    def exchange(group: float, bytes_per_value: float = 2.0) -> float:  # in full frames, as the bench's aim
+        return values * bytes_per_value * 2 * (group - 1) / group * 1514 / 1448 * 8 / (mbit * 1e6)
 
     rows = []
     for arm in ("alone", "swarm"):
@@ -183,14 +164,8 @@ def check(emulation: dict, arms: dict) -> list[dict]:
             }
         )
     if arms.get("hivemind_optimizer", {}).get("step_s"):  # its rounds block its steps: no aim for those
-        measured = arms["hivemind_optimizer"]["step_s"]
-        rows.append(
-            {
-                "what": "hivemind_optimizer: s per step, its blocking rounds included",
-                "aimed": pace,
-                "measured": measured,
-            }
-        )
+        what, measured = "hivemind_optimizer: s per step, its blocking rounds included", arms["hivemind_optimizer"]
+        rows.append({"what": what, "aimed": pace, "measured": measured["step_s"]})
     if "ddp" in arms and arms["ddp"]["step_s"]:
         aimed = max(pace, exchange(3, 2.0 if emulation.get("ddp_fp16", True) else 4.0))
         rows.append({"what": "ddp: s per step (AllReduce-bound)", "aimed": aimed, "measured": arms["ddp"]["step_s"]})
@@ -255,11 +230,11 @@ def markdown(result: dict, links: list[dict]) -> str:
                     "how": s["how"],
                 }
             )
-        lines += [markdown_table(rows), "", "Did the emulation hold (emulated seconds):", ""]
-        lines += [markdown_table(entry["check"])]
+        lines += [common.markdown_table(rows), "", "Did the emulation hold (emulated seconds):", ""]
+        lines += [common.markdown_table(entry["check"])]
         details = [
-            f"{arm}: steps/round {fmt(s['steps_per_round'], 0)}, group {fmt(s['group_size'], 2)}, "
-            f"rounds applied/peer {fmt(s['rounds_applied'], 1)}"
+            f"{arm}: steps/round {common.fmt(s['steps_per_round'], 0)}, group {common.fmt(s['group_size'], 2)}, "
+            f"rounds applied/peer {common.fmt(s['rounds_applied'], 1)}"
             for arm, s in entry["arms"].items()
             if s.get("rounds_applied")
         ]
@@ -268,7 +243,7 @@ def markdown(result: dict, links: list[dict]) -> str:
 
 
 def plot(links: list[dict], path: Path) -> None:
-    plt = pyplot()
+    plt = common.pyplot()
     figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.2), squeeze=False)
     for axis, entry in zip(axes[0], links, strict=True):
         e = entry["emulation"]
@@ -290,13 +265,13 @@ def plot(links: list[dict], path: Path) -> None:
         axis.set_ylabel("test accuracy")
         axis.legend(fontsize=7, loc="lower right")
         axis.grid(alpha=0.3)
-    save_figure(figure, path)
+    common.save_figure(figure, path)
 
 
 def write_outputs(args: argparse.Namespace, result: dict) -> None:
     links = summarize(result)
     result["summary"] = [{k: v for k, v in entry.items() if k != "emulation"} for entry in links]
-    write_json(args.json, result)
-    write_text(args.markdown, markdown(result, links))
+    common.write_json(args.json, result)
+    common.write_text(args.markdown, markdown(result, links))
     if args.plot is not None and any(entry["arms"] for entry in links):
         plot(links, args.plot)
