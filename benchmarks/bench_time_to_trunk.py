@@ -18,10 +18,9 @@ its loop, its swarm-wide schedule: ``benchmarks/optimizer_peer.py``):
 - each link's rate is the real one times (the CNN's values / ResNet-50's) times (gpu_step_s / pace_s), so an
   exchange of the CNN lasts as many paced steps as one of ResNet-50 lasts GPU steps;
 - seconds the swarm and hivemind.Optimizer are configured with (matchmaking, timeouts) are scaled the same way.
-The default GPU step, 0.0804 s, is a SwAV step of batch 64 with 2x224+6x96 crops (64 x (2 + 6 x (96/224)^2) =
-198.5 images of 224 px) at 2470 images/s: ResNet-50 v1.5 training on one A100 80GB, mixed precision, NVIDIA's
-DeepLearningExamples (PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA DGX
-A100 (8x A100 80GB)", pytorch-21.03 NGC container); SwAV's head and Sinkhorn are not counted.
+The default GPU step, 0.0804 s: a SwAV step of batch 64, 2x224+6x96 crops (198.5 images of 224 px), at 2470 images/s
+(ResNet-50 v1.5 on one A100 80GB, AMP: NVIDIA DeepLearningExamples' resnet50v1.5 README, "Training performance:
+NVIDIA DGX A100 (8x A100 80GB)"); SwAV's head and Sinkhorn are not counted.
 
 Arms (every one real code in real processes, on the same links):
   alone               one box, the whole budget S (bench_optimizer's alone).
@@ -30,18 +29,14 @@ Arms (every one real code in real processes, on the same links):
   hivemind_optimizer  hivemind.Optimizer(use_local_updates=True) as bench_optimizer builds it (target_batch_size
                       6144, average_state_every=1, its default fp32 state averaging), hivemind's default
                       matchmaking_time (15 s) and averaging_timeout (60 s) scaled.
-  ddp                 torch DistributedDataParallel over gloo across the namespaces, torch's fp16 compression hook
-                      (``--no-ddp_fp16``: without). An AllReduce per step makes the whole budget far too long on a
-                      slow link: it runs ``--ddp_steps`` steps on the shaped link (its measured time per step) and the
-                      whole budget on unshaped links (its per-sample curve); its time is composed of both, and the
-                      report says so.
+  ddp                 torch DistributedDataParallel over gloo, torch's fp16 compression hook (``--no-ddp_fp16``:
+                      without): ``--ddp_steps`` steps on the shaped link (its time per step), the whole budget
+                      unshaped (its per-sample curve); its time is composed of both, and the report says so.
   ideal               the ideal swarm (benchmarks/ideal_swarm.py) at the swarm's measured steps per round, on a
                       link that costs nothing: the reference no real swarm can beat.
 
-Emulated: bandwidth, each way of each box's link; the pace of a GPU step. Not emulated: latency (the veths add
-none), per-round fixed costs (DHT look-ups, matchmaking RPCs, process start-up take this machine's real seconds,
-i.e. gpu_step_s / pace_s as many GPU seconds), data loading, and the CPU contention of a loaded 2-core machine
-beyond what the pace absorbs; the report gives the measured step and AllReduce times against the ones aimed for.
+Not emulated: latency, per-round fixed costs (DHT, matchmaking RPCs: this machine's real seconds), data loading,
+CPU contention beyond what the pace absorbs; the report gives the measured step and AllReduce times against the aim.
 
 ``--quick``: alone and swarm, 9,600 samples (300 steps alone), 1 seed, 4 curve points, 100 Mbit/s.
 """
@@ -325,16 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--curve_points", type=int, default=8)
     parser.add_argument("--swarm_lr", choices=("box", "sqrt", "linear"), default="sqrt", help="bench_optimizer's")
-    parser.add_argument(
-        "--longer",
-        nargs="*",
-        type=float,
-        default=[],
-        help="the swarm and hivemind_optimizer (of --arms) also at these multiples of one box's samples",
-    )
-    parser.add_argument(
-        "--append", type=Path, default=None, help="a JSON of this script with the same emulation: add the runs to it"
-    )
+    parser.add_argument("--longer", nargs="*", type=float, default=[], help="swarm arms also at these x samples")
+    parser.add_argument("--append", type=Path, default=None, help="add the runs to this JSON (the same emulation)")
     parser.add_argument("--ddp_steps", type=int, default=12, help="ddp's steps on the shaped link (its step time)")
     parser.add_argument("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--data_dir", type=Path, default=DATA_DIR)
@@ -342,9 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument(
-        "--report_only", type=Path, default=None, help="rewrite the outputs from this JSON; run nothing"
-    )
+    parser.add_argument("--report_only", type=Path, default=None, help="rewrite the outputs from this JSON")
     return parser
 
 
