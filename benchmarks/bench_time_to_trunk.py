@@ -58,7 +58,7 @@ from benchmarks import netns
 from benchmarks.bench_optimizer import leftovers, peer_env, wait_for_all
 from benchmarks.common import REPO, git_state, kill_session, machine, parse_with_quick, write_json
 from benchmarks.optimizer_plan import DATA_DIR, SETUP_TIMEOUT_S, SHUTDOWN_GRACE_S, RunSpec, Settings, make_model
-from benchmarks.time_to_trunk_report import write_outputs
+from benchmarks.time_to_trunk_report import merge, write_outputs
 from vissl_swarm import preflight
 
 ARMS = ("alone", "swarm", "ideal", "ddp", "hivemind_optimizer")  # in the order they run: the longest last
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--report_only", type=Path, default=None, help="rewrite the outputs from this JSON")
+    parser.add_argument("--report_only", type=Path, nargs="+", help="write the outputs of these JSONs; run nothing")
     return parser
 
 
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pace_s <= 0 or args.gpu_step_s <= 0 or min(args.links) <= 0 or args.samples < 3 * 32:
         parser.error("--pace_s, --gpu_step_s and --links must be positive, --samples at least 96")
     if args.report_only is not None:
-        write_outputs(args, json.loads(args.report_only.read_text()))
+        write_outputs(args, merge([json.loads(path.read_text()) for path in args.report_only]))
         return 0
     if not (args.data_dir / "train-images-idx3-ubyte.gz").exists():
         parser.error(f"{args.data_dir} lacks Fashion-MNIST (apt-get install dataset-fashion-mnist)")

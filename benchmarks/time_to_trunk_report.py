@@ -268,6 +268,25 @@ def plot(links: list[dict], path: Path) -> None:
     common.save_figure(figure, path)
 
 
+def merge(results: list[dict]) -> dict:
+    """Results of the same budget on other links or arms (run side by side) in one report, each command kept."""
+    emulations: dict[float, dict] = {}
+    for result in results:
+        for emulation in result["emulations"]:
+            if emulations.setdefault(emulation["link_mbit"], emulation) != emulation:
+                raise SystemExit(f"{emulation['link_mbit']:g} Mbit/s was measured with two emulations: rerun one")
+    if len({result["samples"] for result in results}) > 1:
+        raise SystemExit("these results have different budgets (--samples): report them apart")
+    return {
+        **results[0],
+        "emulations": sorted(emulations.values(), key=lambda emulation: emulation["link_mbit"]),
+        "runs": [run for result in results for run in result["runs"]],
+        "commands": [command for result in results for command in result.get("commands", [result["command"]])],
+        "seeds": max(result["seeds"] for result in results),
+        "machine_after": results[-1].get("machine_after"),
+    }
+
+
 def write_outputs(args: argparse.Namespace, result: dict) -> None:
     links = summarize(result)
     result["summary"] = [{k: v for k, v in entry.items() if k != "emulation"} for entry in links]
