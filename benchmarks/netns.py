@@ -81,54 +81,18 @@ def _shape(netns: Sequence[str], device: str, mbit: float, small_packets: bool =
     busy both ways, as in an AllReduce, carried one direction at 2/3 of the rate; real hosts' fq_codel sends sparse
     flows first. ``small_packets`` (links of a few hundred kbit/s): the link's devices send no GSO packet above one
     frame (plug_in) and the bucket holds 4 frames."""
-    rate, burst = f"{mbit}mbit", str(max(int(mbit * 1e6 / 8 * 0.01), 4 * FRAME if small_packets else 64 * 1024))
-    tc = (*netns, "tc")
-    _run(*tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "20")
-    _run(*tc, "class", "add", "dev", device, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "burst", burst)
-    for leaf, share, priority in (("10", 0.1, "0"), ("20", 0.9, "1")):
-        guaranteed = f"{mbit * share}mbit"
-        _run(*tc, "class", "add", "dev", device, "parent", "1:1", "classid", f"1:{leaf}", "htb", "rate", guaranteed)
-        _run(
-            *tc,
-            "class",
-            "change",
-            "dev",
-            device,
-            "classid",
-            f"1:{leaf}",
-            "htb",
-            "rate",
-            guaranteed,
-            "ceil",
-            rate,
-            "burst",
-            burst,
-            "prio",
-            priority,
-        )
-        _run(*tc, "qdisc", "add", "dev", device, "parent", f"1:{leaf}", "bfifo", "limit", str(64 * 1024))
-    _run(
-        *tc,
-        "filter",
-        "add",
-        "dev",
-        device,
-        "parent",
-        "1:",
-        "protocol",
-        "ip",
-        "prio",
-        "1",
-        "u32",
-        "match",
-        "u16",
-        "0x0000",
-        "0xff80",
-        "at",
-        "2",
-        "flowid",
-        "1:10",
-    )  # IP total length < 128
+    burst, limit = max(int(mbit * 1e6 / 8 * 0.01), 4 * FRAME if small_packets else 64 * 1024), 64 * 1024
+    for command in (
+        "qdisc add dev {device} root handle 1: htb default 20",
+        "class add dev {device} parent 1: classid 1:1 htb rate {mbit:g}mbit burst {burst}",
+        "class add dev {device} parent 1:1 classid 1:10 htb rate {ack:g}mbit ceil {mbit:g}mbit burst {burst} prio 0",
+        "class add dev {device} parent 1:1 classid 1:20 htb rate {data:g}mbit ceil {mbit:g}mbit burst {burst} prio 1",
+        "qdisc add dev {device} parent 1:10 bfifo limit {limit}",
+        "qdisc add dev {device} parent 1:20 bfifo limit {limit}",
+        "filter add dev {device} parent 1: protocol ip prio 1 u32 match u16 0x0000 0xff80 at 2 flowid 1:10",  # < 128 B
+    ):
+        fields = {"device": device, "mbit": mbit, "ack": mbit / 10, "data": mbit * 0.9, "burst": burst, "limit": limit}
+        _run(*netns, "tc", *command.format(**fields).split())
 
 
 def wait_for_own_namespace(pid: int, timeout: float) -> None:
