@@ -131,7 +131,14 @@ def summarize(result: dict) -> list[dict]:
                 values = [per_seed[s][arm].get(key) for s in seeds if per_seed[s].get(arm, {}).get(key) is not None]
                 summary[key] = common.rounded(mean(values), 4) if values else None
             arms[arm] = summary
+        unfinished = [  # no box finished: no curve, how far it got
+            f"{run['arm']} seed {run['seed']}: no box finished in {run['wall_s']:.0f} s; the last steps reported: "
+            f"{run['unfinished']['steps_reached']} of {run['settings']['samples'] // 3 // run['settings']['batch']}"
+            for run in runs
+            if run["error"] and not (run.get("unfinished") or {}).get("finished")
+        ]
         links.append({"link_mbit": link, "emulation": emulation, "arms": arms, "check": check(emulation, arms)})
+        links[-1]["unfinished"] = unfinished
     return links
 
 
@@ -194,6 +201,7 @@ def markdown(result: dict, links: list[dict]) -> str:
         "fixed per-round costs (DHT, matchmaking RPCs: this machine's real seconds), data loading. GPU step: "
         "SwAV batch 64, 2x224+6x96 crops, at 2470 images/s (ResNet-50 v1.5, one A100 80GB, AMP: NVIDIA "
         "DeepLearningExamples' ResNet-50 v1.5 PyTorch README).",
+        *(f"\n{note}" for note in result.get("notes", [])),  # written into the JSON by hand: link checks, history
     ]
     for entry in links:
         e = entry["emulation"]
@@ -238,7 +246,7 @@ def markdown(result: dict, links: list[dict]) -> str:
             for arm, s in entry["arms"].items()
             if s.get("rounds_applied")
         ]
-        lines += ["", *(f"- {line}" for line in details)]
+        lines += ["", *(f"- {line}" for line in details + entry["unfinished"])]
     return "\n".join(lines)
 
 
@@ -284,6 +292,7 @@ def merge(results: list[dict]) -> dict:
         "commands": [command for result in results for command in result.get("commands", [result["command"]])],
         "seeds": max(result["seeds"] for result in results),
         "machine_after": results[-1].get("machine_after"),
+        "notes": [note for result in results for note in result.get("notes", [])],
     }
 
 
