@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How much sooner do 3 boxes on a given link reach one box's final accuracy, in wall-clock time? One box alone, the
 swarm (DecentralizedSGD), DDP over the same link and hivemind.Optimizer, each box in a network namespace of its
-own behind a ``tbf``-shaped link (``benchmarks/netns.py``).
+own behind a shaped link (``benchmarks/netns.py``).
 
     nice -n 10 .venv/bin/python -m benchmarks.bench_time_to_trunk --json benchmarks/results/time_to_trunk.json \\
         --markdown benchmarks/results/time_to_trunk.md --plot benchmarks/results/time_to_trunk.png
@@ -18,10 +18,9 @@ its loop, its swarm-wide schedule: ``benchmarks/optimizer_peer.py``):
 - each link's rate is the real one times (the CNN's values / ResNet-50's) times (gpu_step_s / pace_s), so an
   exchange of the CNN lasts as many paced steps as one of ResNet-50 lasts GPU steps;
 - seconds the swarm and hivemind.Optimizer are configured with (matchmaking, timeouts) are scaled the same way.
-The default GPU step, 0.0804 s, is a SwAV step of batch 64 with 2x224+6x96 crops (64 x (2 + 6 x (96/224)^2) =
-198.5 images of 224 px) at 2470 images/s: ResNet-50 v1.5 training on one A100 80GB, mixed precision, NVIDIA's
-DeepLearningExamples (PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA DGX
-A100 (8x A100 80GB)", pytorch-21.03 NGC container); SwAV's head and Sinkhorn are not counted.
+The default GPU step, 0.0804 s: a SwAV step of batch 64, 2x224+6x96 crops (198.5 images of 224 px), at 2470 images/s
+(ResNet-50 v1.5 on one A100 80GB, AMP: NVIDIA DeepLearningExamples' resnet50v1.5 README, "Training performance:
+NVIDIA DGX A100 (8x A100 80GB)"); SwAV's head and Sinkhorn are not counted.
 
 Arms (every one real code in real processes, on the same links):
   alone               one box, the whole budget S (bench_optimizer's alone).
@@ -30,18 +29,14 @@ Arms (every one real code in real processes, on the same links):
   hivemind_optimizer  hivemind.Optimizer(use_local_updates=True) as bench_optimizer builds it (target_batch_size
                       6144, average_state_every=1, its default fp32 state averaging), hivemind's default
                       matchmaking_time (15 s) and averaging_timeout (60 s) scaled.
-  ddp                 torch DistributedDataParallel over gloo across the namespaces, torch's fp16 compression hook
-                      (``--no-ddp_fp16``: without). An AllReduce per step makes the whole budget far too long on a
-                      slow link: it runs ``--ddp_steps`` steps on the shaped link (its measured time per step) and the
-                      whole budget on unshaped links (its per-sample curve); its time is composed of both, and the
-                      report says so.
+  ddp                 torch DistributedDataParallel over gloo, torch's fp16 compression hook (``--no-ddp_fp16``:
+                      without): ``--ddp_steps`` steps on the shaped link (its time per step), the whole budget
+                      unshaped (its per-sample curve); its time is composed of both, and the report says so.
   ideal               the ideal swarm (benchmarks/ideal_swarm.py) at the swarm's measured steps per round, on a
                       link that costs nothing: the reference no real swarm can beat.
 
-Emulated: bandwidth, each way of each box's link; the pace of a GPU step. Not emulated: latency (the veths add
-none), per-round fixed costs (DHT look-ups, matchmaking RPCs, process start-up take this machine's real seconds,
-i.e. gpu_step_s / pace_s as many GPU seconds), data loading, and the CPU contention of a loaded 2-core machine
-beyond what the pace absorbs; the report gives the measured step and AllReduce times against the ones aimed for.
+Not emulated: latency, per-round fixed costs (DHT, matchmaking RPCs: this machine's real seconds), data loading,
+CPU contention beyond what the pace absorbs; the report gives the measured step and AllReduce times against the aim.
 
 ``--quick``: alone and swarm, 9,600 samples (300 steps alone), 1 seed, 4 curve points, 100 Mbit/s.
 """
@@ -63,7 +58,7 @@ from benchmarks import netns
 from benchmarks.bench_optimizer import leftovers, peer_env, wait_for_all
 from benchmarks.common import REPO, git_state, kill_session, machine, parse_with_quick, write_json
 from benchmarks.optimizer_plan import DATA_DIR, SETUP_TIMEOUT_S, SHUTDOWN_GRACE_S, RunSpec, Settings, make_model
-from benchmarks.time_to_trunk_report import write_outputs
+from benchmarks.time_to_trunk_report import merge, write_outputs
 from vissl_swarm import preflight
 
 ARMS = ("alone", "swarm", "ideal", "ddp", "hivemind_optimizer")  # in the order they run: the longest last
@@ -91,9 +86,10 @@ class Emulation:
         return self.link_mbit * self.values_emulated / self.values_real / self.time_scale
 
     def exchange_s(self, group: int, bytes_per_value: float = 2.0, emulated: bool = True) -> float:
-        """One butterfly AllReduce (as many bytes as a ring's) among ``group`` boxes, fp16 by default."""
+        """One butterfly AllReduce (as many bytes as a ring's) among ``group`` boxes, fp16 by default, in full
+        frames (TCP/IP and Ethernet headers: 1514 bytes carry 1448), a cost real links pay too."""
         values, mbit = (self.values_emulated, self.emulated_mbit) if emulated else (self.values_real, self.link_mbit)
-        return preflight.allreduce_bytes(values, bytes_per_value, group) * 8 / (mbit * 1e6)
+        return preflight.allreduce_bytes(values, bytes_per_value, group) * netns.FRAME / 1448 * 8 / (mbit * 1e6)
 
     @property
     def aimed_ratio(self) -> float:
@@ -324,16 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--curve_points", type=int, default=8)
     parser.add_argument("--swarm_lr", choices=("box", "sqrt", "linear"), default="sqrt", help="bench_optimizer's")
-    parser.add_argument(
-        "--longer",
-        nargs="*",
-        type=float,
-        default=[],
-        help="the swarm and hivemind_optimizer (of --arms) also at these multiples of one box's samples",
-    )
-    parser.add_argument(
-        "--append", type=Path, default=None, help="a JSON of this script with the same emulation: add the runs to it"
-    )
+    parser.add_argument("--longer", nargs="*", type=float, default=[], help="swarm arms also at these x samples")
+    parser.add_argument("--append", type=Path, default=None, help="add the runs to this JSON (the same emulation)")
     parser.add_argument("--ddp_steps", type=int, default=12, help="ddp's steps on the shaped link (its step time)")
     parser.add_argument("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--data_dir", type=Path, default=DATA_DIR)
@@ -341,9 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument(
-        "--report_only", type=Path, default=None, help="rewrite the outputs from this JSON; run nothing"
-    )
+    parser.add_argument("--report_only", type=Path, nargs="+", help="write the outputs of these JSONs; run nothing")
     return parser
 
 
@@ -356,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pace_s <= 0 or args.gpu_step_s <= 0 or min(args.links) <= 0 or args.samples < 3 * 32:
         parser.error("--pace_s, --gpu_step_s and --links must be positive, --samples at least 96")
     if args.report_only is not None:
-        write_outputs(args, json.loads(args.report_only.read_text()))
+        write_outputs(args, merge([json.loads(path.read_text()) for path in args.report_only]))
         return 0
     if not (args.data_dir / "train-images-idx3-ubyte.gz").exists():
         parser.error(f"{args.data_dir} lacks Fashion-MNIST (apt-get install dataset-fashion-mnist)")

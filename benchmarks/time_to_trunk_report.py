@@ -9,19 +9,8 @@ from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
-from benchmarks.common import (
-    crossing,
-    fmt,
-    markdown_table,
-    mean_std,
-    pyplot,
-    rounded,
-    save_figure,
-    spread,
-    value_at,
-    write_json,
-    write_text,
-)
+from benchmarks import common
+from benchmarks.common import crossing, mean_std, spread, value_at
 
 ORDER = ("alone", "swarm", "hivemind_optimizer", "ddp", "ideal")
 COLORS = {"alone": "k", "swarm": "tab:blue", "hivemind_optimizer": "tab:orange", "ddp": "tab:red", "ideal": "0.6"}
@@ -130,16 +119,8 @@ def summarize(result: dict) -> list[dict]:
             if not entries:
                 continue
             summary: dict[str, Any] = {"seeds": len(entries), "how": per_seed[seeds[0]].get(arm, {}).get("how")}
-            for key in (
-                "time_to_target_s",
-                "time_to_target_share",
-                "speedup",
-                "accuracy_at_half",
-                "time_to_half_target_share",
-            ):
-                summary[key] = [rounded(e[key]) for e in entries]
-            for key in ("accuracy_at_third", "final_accuracy", "final_s", "target"):
-                summary[key] = [rounded(e[key]) for e in entries]
+            for key in entries[0]:
+                summary[key] = [common.rounded(e[key]) for e in entries]
             summary["reached"] = sum(e["time_to_target_s"] is not None for e in entries)
             summary["curve"] = (
                 per_seed[seeds[0]][arm]["curve"]
@@ -148,9 +129,16 @@ def summarize(result: dict) -> list[dict]:
             )
             for key in ("step_s", "allreduce_s", "group_size", "steps_per_round", "rounds_applied"):
                 values = [per_seed[s][arm].get(key) for s in seeds if per_seed[s].get(arm, {}).get(key) is not None]
-                summary[key] = rounded(mean(values), 4) if values else None
+                summary[key] = common.rounded(mean(values), 4) if values else None
             arms[arm] = summary
+        unfinished = [  # no box finished: no curve, how far it got
+            f"{run['arm']} seed {run['seed']}: no box finished in {run['wall_s']:.0f} s; the last steps reported: "
+            f"{run['unfinished']['steps_reached']} of {run['settings']['samples'] // 3 // run['settings']['batch']}"
+            for run in runs
+            if run["error"] and not (run.get("unfinished") or {}).get("finished")
+        ]
         links.append({"link_mbit": link, "emulation": emulation, "arms": arms, "check": check(emulation, arms)})
+        links[-1]["unfinished"] = unfinished
     return links
 
 
@@ -164,8 +152,8 @@ def check(emulation: dict, arms: dict) -> list[dict]:
     pace = emulation["pace_s"]
     values, mbit = emulation["values_emulated"], emulation["emulated_mbit"]
 
-    def exchange(group: float, bytes_per_value: float = 2.0) -> float:
-        return values * bytes_per_value * 2 * (group - 1) / group * 8 / (mbit * 1e6)
+    def exchange(group: float, bytes_per_value: float = 2.0) -> float:  # in full frames, as the bench's aim
+        return values * bytes_per_value * 2 * (group - 1) / group * 1514 / 1448 * 8 / (mbit * 1e6)
 
     rows = []
     for arm in ("alone", "swarm"):
@@ -183,14 +171,8 @@ def check(emulation: dict, arms: dict) -> list[dict]:
             }
         )
     if arms.get("hivemind_optimizer", {}).get("step_s"):  # its rounds block its steps: no aim for those
-        measured = arms["hivemind_optimizer"]["step_s"]
-        rows.append(
-            {
-                "what": "hivemind_optimizer: s per step, its blocking rounds included",
-                "aimed": pace,
-                "measured": measured,
-            }
-        )
+        what, measured = "hivemind_optimizer: s per step, its blocking rounds included", arms["hivemind_optimizer"]
+        rows.append({"what": what, "aimed": pace, "measured": measured["step_s"]})
     if "ddp" in arms and arms["ddp"]["step_s"]:
         aimed = max(pace, exchange(3, 2.0 if emulation.get("ddp_fp16", True) else 4.0))
         rows.append({"what": "ddp: s per step (AllReduce-bound)", "aimed": aimed, "measured": arms["ddp"]["step_s"]})
@@ -214,11 +196,12 @@ def markdown(result: dict, links: list[dict]) -> str:
         f"{result.get('machine_after', {}).get('loadavg')}): the pace (a sleep floor per step) is what keeps the "
         "emulation honest under that load; the check below says how far it held.",
         "",
-        "Emulated: each box's link (tbf, each way) at a rate that makes an exchange of the small CNN last as many "
+        "Emulated: each box's link (htb, ACKs first) at a rate that makes an exchange of the small CNN last as many "
         "paced steps as one of swav_resnet50 lasts GPU steps; a GPU step as a paced step. Not emulated: latency, "
         "fixed per-round costs (DHT, matchmaking RPCs: this machine's real seconds), data loading. GPU step: "
         "SwAV batch 64, 2x224+6x96 crops, at 2470 images/s (ResNet-50 v1.5, one A100 80GB, AMP: NVIDIA "
         "DeepLearningExamples' ResNet-50 v1.5 PyTorch README).",
+        *(f"\n{note}" for note in result.get("notes", [])),  # written into the JSON by hand: link checks, history
     ]
     for entry in links:
         e = entry["emulation"]
@@ -255,20 +238,20 @@ def markdown(result: dict, links: list[dict]) -> str:
                     "how": s["how"],
                 }
             )
-        lines += [markdown_table(rows), "", "Did the emulation hold (emulated seconds):", ""]
-        lines += [markdown_table(entry["check"])]
+        lines += [common.markdown_table(rows), "", "Did the emulation hold (emulated seconds):", ""]
+        lines += [common.markdown_table(entry["check"])]
         details = [
-            f"{arm}: steps/round {fmt(s['steps_per_round'], 0)}, group {fmt(s['group_size'], 2)}, "
-            f"rounds applied/peer {fmt(s['rounds_applied'], 1)}"
+            f"{arm}: steps/round {common.fmt(s['steps_per_round'], 0)}, group {common.fmt(s['group_size'], 2)}, "
+            f"rounds applied/peer {common.fmt(s['rounds_applied'], 1)}"
             for arm, s in entry["arms"].items()
             if s.get("rounds_applied")
         ]
-        lines += ["", *(f"- {line}" for line in details)]
+        lines += ["", *(f"- {line}" for line in details + entry["unfinished"])]
     return "\n".join(lines)
 
 
 def plot(links: list[dict], path: Path) -> None:
-    plt = pyplot()
+    plt = common.pyplot()
     figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.2), squeeze=False)
     for axis, entry in zip(axes[0], links, strict=True):
         e = entry["emulation"]
@@ -290,13 +273,33 @@ def plot(links: list[dict], path: Path) -> None:
         axis.set_ylabel("test accuracy")
         axis.legend(fontsize=7, loc="lower right")
         axis.grid(alpha=0.3)
-    save_figure(figure, path)
+    common.save_figure(figure, path)
+
+
+def merge(results: list[dict]) -> dict:
+    """Results of the same budget on other links or arms (run side by side) in one report, each command kept."""
+    emulations: dict[float, dict] = {}
+    for result in results:
+        for emulation in result["emulations"]:
+            if emulations.setdefault(emulation["link_mbit"], emulation) != emulation:
+                raise SystemExit(f"{emulation['link_mbit']:g} Mbit/s was measured with two emulations: rerun one")
+    if len({result["samples"] for result in results}) > 1:
+        raise SystemExit("these results have different budgets (--samples): report them apart")
+    return {
+        **results[0],
+        "emulations": sorted(emulations.values(), key=lambda emulation: emulation["link_mbit"]),
+        "runs": [run for result in results for run in result["runs"]],
+        "commands": [command for result in results for command in result.get("commands", [result["command"]])],
+        "seeds": max(result["seeds"] for result in results),
+        "machine_after": results[-1].get("machine_after"),
+        "notes": [note for result in results for note in result.get("notes", [])],
+    }
 
 
 def write_outputs(args: argparse.Namespace, result: dict) -> None:
     links = summarize(result)
     result["summary"] = [{k: v for k, v in entry.items() if k != "emulation"} for entry in links]
-    write_json(args.json, result)
-    write_text(args.markdown, markdown(result, links))
+    common.write_json(args.json, result)
+    common.write_text(args.markdown, markdown(result, links))
     if args.plot is not None and any(entry["arms"] for entry in links):
         plot(links, args.plot)
