@@ -53,15 +53,19 @@ DEFAULTS = {
     "curve_points": 8,
     "heldout_images": 1024,
     "heldout_batch": 64,
+    "train_images": 0,
+    "modes": list(MODES),
 }
 QUICK = {
     "data_path": REPO / "data/digits",
     "config": "swav_tiny",
-    "epochs": 6,
+    "epochs": 4,
     "seeds": 1,
     "curve_points": 3,
     "heldout_images": 128,
     "heldout_batch": 32,
+    "train_images": 720,  # 180 steps alone, 60 per box of 3: under 3 minutes on 2 cores
+    "modes": ["alone", "swarm", "random_init", "raw_pixels"],
 }
 NORMAL_MATCHMAKING_S, SLOW_MATCHMAKING_S = 3.0, 30.0
 NORMAL_HIVEMIND_STEPS, SLOW_HIVEMIND_STEPS = 20, 200
