@@ -20,10 +20,7 @@ import torch
 from benchmarks.common import crossing
 from benchmarks.learning_setup import SWARM_MODES, BenchError, Plan, count_images
 from run_eval import knn_top1
-from vissl_swarm.local_swarm import (
-    LocalPeer,
-    read_jsonl,
-)
+from vissl_swarm.local_swarm import LocalPeer, read_jsonl
 
 
 def load_split(folder: Path, transform: Any, indices: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -260,9 +260,7 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
                     )
                 )
     slowed = dict(
-        regime="slowed",
-        target_group_size=settings.peers + 1,
-        min_matchmaking_time=settings.slowed_min_matchmaking_time,
+        regime="slowed", target_group_size=settings.peers + 1, min_matchmaking_time=settings.slowed_min_matchmaking_time
     )
     periods = {"loopback": args.ideal_period, "slowed": args.slowed_ideal_period}
     outer = dict(outer_momentum=args.outer_momentum, outer_lr=args.outer_lr, outer_nesterov=args.outer_nesterov)

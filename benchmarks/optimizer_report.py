@@ -4,12 +4,22 @@ differences, the markdown tables and the plots."""
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
-from benchmarks.common import REPO, crossing, fmt, pyplot, save_figure, spread, value_at, write_json, write_text
+from benchmarks import common
+from benchmarks.common import (
+    crossing,
+    fmt,
+    paired_difference,
+    pyplot,
+    save_figure,
+    spread,
+    value_at,
+    write_json,
+    write_text,
+)
 
 # ----------------------------------------------------------------------------------------------------- summaries
 
@@ -113,10 +123,7 @@ def add_comparisons(summaries: list[dict]) -> None:
 
 
 def mean_std(entry: dict) -> str:
-    if entry.get("final_mean") is None:
-        return "—"
-    std = entry.get("final_std")
-    return f"{entry['final_mean']:.4f} ± {std:.4f}" if std is not None else f"{entry['final_mean']:.4f}"
+    return common.mean_std(entry.get("final_mean"), entry.get("final_std"))
 
 
 def speedup(entry: dict, name: str) -> str:
@@ -263,12 +270,11 @@ def markdown(result: dict) -> str:
 
 def paired(a: dict, b: dict) -> str:
     """a − b over the seeds both have: mean ± std of the per-seed differences (n)."""
-    seeds = sorted(set(a.get("per_seed", {})) & set(b.get("per_seed", {})), key=int)
-    diffs = [a["per_seed"][seed] - b["per_seed"][seed] for seed in seeds]
-    if not diffs:
+    difference = paired_difference(a.get("per_seed", {}), b.get("per_seed", {}))
+    if difference is None:
         return "—"
-    mean_diff, std = spread(diffs)
-    return f"{mean_diff:+.4f}" + (f" ± {std:.4f}" if std is not None else "") + f" (n={len(diffs)})"
+    std = "" if difference["std"] is None else f" ± {difference['std']:.4f}"
+    return f"{difference['mean']:+.4f}{std} (n={len(difference['seeds'])})"
 
 
 def gap_decomposition(summaries: list[dict]) -> list[str]:
@@ -413,13 +419,6 @@ def plot_headline(result: dict, path: Path, variants: tuple[str, ...] = HEADLINE
         f"Same total samples ({result['settings']['samples']}): plain PyTorch, bench_optimizer.py", fontsize=9
     )
     save_figure(figure, path)
-
-
-def git_commit() -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-
-    return {"head": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
 def write_outputs(args: argparse.Namespace, result: dict, final: bool = True) -> None:
