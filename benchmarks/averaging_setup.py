@@ -10,17 +10,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-BASE_MODES: tuple[str, ...] = (
-    "none",
-    "old",
-    "improved",
-    "no_delta",
-    "no_refresh",
-    "no_pipeline",
-    "fill_at_boundary",
-    "no_slow_peer_fixes",
-)
-MODES: tuple[str, ...] = (*BASE_MODES, "fill_at_once")
+ABLATED = ("no_delta", "no_refresh", "no_pipeline", "fill_at_boundary", "no_slow_peer_fixes")  # improved, one off
+BASE_MODES = ("none", "old", "improved", *ABLATED)
+MODES = (*BASE_MODES, "fill_at_once")
 ABLATIONS: dict[str, dict[str, Any]] = {  # the DecentralizedSGD switches that define each mode
     "improved": {},
     "no_delta": {"delta_rule": False},
@@ -32,22 +24,10 @@ ABLATIONS: dict[str, dict[str, Any]] = {  # the DecentralizedSGD switches that d
 }
 # the test suite's FAST settings (tests/dsgd_swarm.py) with a tiny model and quick steps: many rounds per minute, so
 # that what one uneven peer costs the others shows in a short window
-FAST_SWARM: dict[str, Any] = dict(
-    sim_params=100_000,
-    sim_step_s=0.05,
-    min_matchmaking_time=1.0,
-    request_timeout=0.5,
-    next_chunk_timeout=2.0,
-    allreduce_timeout=15.0,
-)
-WAN: dict[str, Any] = dict(
-    sim_params=25_600_000,
-    sim_step_s=0.3,
-    min_matchmaking_time=5.0,
-    request_timeout=3.0,
-    allreduce_timeout=60.0,
-    setup_timeout=120.0,
-)
+FAST_SWARM = dict(sim_params=100_000, sim_step_s=0.05, min_matchmaking_time=1.0, request_timeout=0.5)
+FAST_SWARM.update(next_chunk_timeout=2.0, allreduce_timeout=15.0)
+WAN = dict(sim_params=25_600_000, sim_step_s=0.3, min_matchmaking_time=5.0, request_timeout=3.0)
+WAN.update(allreduce_timeout=60.0, setup_timeout=120.0)
 
 
 @dataclass(frozen=True)

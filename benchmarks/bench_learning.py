@@ -7,8 +7,7 @@ default), as a DDP run's epochs count its global batch.
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
     python -m benchmarks.bench_learning --quick   # minutes: digits + swav_tiny, 1 seed, alone and swarm
 
-Dataset: Fashion-MNIST exported as ``data/fashion/{train,val}/<class>/*.png`` (60k / 10k; ``make data-fashion``),
-config ``swav_fashion`` (``--data_path``, ``--config`` to change; ``--quick`` uses the digits and ``swav_tiny``).
+Dataset: Fashion-MNIST as ``data/fashion/{train,val}/<class>/*.png`` (``make data-fashion``), config ``swav_fashion``.
 
 Modes, all from the same initial model per seed and at the same recipe (``config.OPTIMIZER.num_epochs``):
   alone               one box training alone: ``run_trainer.py --isolated`` (VISSL's stock task), the reference
@@ -16,9 +15,11 @@ Modes, all from the same initial model per seed and at the same recipe (``config
                       the swarm has trained on the budget
   swarm_outer         swarm with the outer step of bench_optimizer's experiment outer (``OUTER_FLAGS``: Nesterov b 0.5,
                       a 0.7; off by default in run_trainer.py)
-  swarm_churn         swarm whose last box crashes at a third of its steps and comes back as the README's restart
-                      (``Churn``, below): the users' normal case; paced (``--churn_pace_s``)
-  swarm_paced         swarm paced as swarm_churn, without the kill: the same samples, no kill
+  swarm_churn         swarm whose last box's session is SIGKILLed at a third of its steps and started again with its
+                      own command (the README's restart), back at two thirds of the budget: the users' normal case;
+                      paced (``--churn_pace_s``) so that it comes back before the others finish
+  swarm_paced         swarm paced as swarm_churn, without the kill: ``swarm_churn − swarm_paced`` (per seed) is what
+                      the kill costs at the same samples and pace
   old                 3 boxes, ``--averager old`` (hivemind's TrainingAverager one round at a time), same schedule
   hivemind_optimizer  3 boxes, ``--averager hivemind_optimizer`` (hivemind.Optimizer(use_local_updates=True) inside
                       VISSL's LARC), same schedule; its global epoch (one averaging round) every boxes x batch x R
@@ -37,11 +38,6 @@ seeds, and the steps (and samples) at which a mode's curve first reaches ``alone
 
 ``--slow_averaging``: swarm, old and hivemind_optimizer at the steps-per-round ratio of real ResNet-50 boxes
 (``--min_matchmaking_time`` 30 s, groups that never fill, hivemind's epoch every boxes x batch x 200 samples).
-
-Churn (``swarm_churn``): box 2's whole session is SIGKILLed at a third of its steps and started again with its own
-command (the README's restart) so that it is back at two thirds of the budget; paced (``--churn_pace_s``) so that it
-comes back before the others finish. ``swarm_churn − swarm_paced`` (per seed) is what the kill costs at the same
-samples and pace, ``swarm_paced − swarm`` what the pace changes.
 
 A seed is a run id: its boxes share the initial model in every mode; box i of seed s has SEED_VALUE 1000·s + i.
 Every invocation trains in a fresh ``--out``; the JSON (git state, dataset, recipe, per-seed values) is rewritten

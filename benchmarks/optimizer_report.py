@@ -13,6 +13,7 @@ from benchmarks.common import (
     crossing,
     fmt,
     paired_difference,
+    plot_band,
     pyplot,
     save_figure,
     spread,
@@ -403,13 +404,9 @@ def plot_headline(result: dict, path: Path, variants: tuple[str, ...] = HEADLINE
         entry = by_name.get(name)
         if entry is None:
             continue
-        steps = [point["step"] for point in entry["curve"]]
-        accuracy = [point["accuracy"] for point in entry["curve"]]
-        std = [point.get("std") or 0.0 for point in entry["curve"]]
-        line = axis.plot(steps, accuracy, marker=".", label=f"{labels.get(name, name)} (n={len(entry['seeds'])})")
-        low = [a - s for a, s in zip(accuracy, std, strict=True)]
-        high = [a + s for a, s in zip(accuracy, std, strict=True)]
-        axis.fill_between(steps, low, high, color=line[0].get_color(), alpha=0.15)
+        steps, accuracy = [p["step"] for p in entry["curve"]], [p["accuracy"] for p in entry["curve"]]
+        label = f"{labels.get(name, name)} (n={len(entry['seeds'])})"
+        plot_band(axis, steps, accuracy, [p.get("std") for p in entry["curve"]], marker=".", label=label)
     axis.set_xlabel("steps per box (batch 32 each)")
     axis.set_ylabel("Fashion-MNIST test accuracy")
     axis.set_ylim(0.8, None)
