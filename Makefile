@@ -103,7 +103,7 @@ GPU_BUNDLE ?= gpu_bundle
 .PHONY: gpu-check gpu-bundle
 
 gpu-check: venv
-	$(PY) -m benchmarks.gpu_check --out benchmarks/results
+	$(PY) -m scripts.gpu_check --out benchmarks/results
 
 gpu-bundle: venv
 	$(PY) scripts/gpu_bundle.py --python-version $(GPU_PYTHON) --out $(GPU_BUNDLE)

@@ -470,7 +470,7 @@ def report_fatal_errors() -> None:
 
 def main(argv: list[str] | None = None, hook_generator: Callable[[Any], list] | None = None) -> int:
     """The trainer's command line; ``hook_generator`` (``cfg -> hooks``), if given, replaces ``swarm_hook_generator``
-    (the GPU check's benchmarks/measured_trainer.py and the tests' tests/paced_trainer.py each add one hook to it)."""
+    (the GPU check's scripts/measured_trainer.py and the tests' tests/paced_trainer.py each add one hook to it)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config_path(args.config)

@@ -1,7 +1,7 @@
 """bench_averaging's arms: how a peer's training loop drives each design, and what it records of each round.
 
-The old design and hivemind.Optimizer are ``baselines/`` (what ``run_trainer.py --averager`` runs), seen through
-``StageWatch`` for the timeline; DecentralizedSGD comes from ``common.decentralized_sgd``.
+The old design is ``baselines.old_design`` (what ``run_trainer.py --averager old`` runs), seen through ``StageWatch``
+for the timeline; DecentralizedSGD comes from ``common.decentralized_sgd``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.averaging_setup import ABLATIONS, RunConfig, nominal_rate
+from benchmarks.averaging_setup import ABLATIONS, RunConfig
 from benchmarks.common import decentralized_sgd
 
 
@@ -21,8 +21,7 @@ class StepTimer:
     """Times the inner torch optimizer's steps with its own step hooks, in whatever thread runs them, and counts them.
 
     Why: how long averaging holds the trainer is the time a driver's optimizer-step call takes beyond the inner
-    step, the same measure for every mode; hivemind.Optimizer runs the inner step in its executor thread, where only
-    a hook on the optimizer itself sees it.
+    step, the same measure for every mode.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -156,7 +155,7 @@ class BaselineArm:
 
 class OldDesign(BaselineArm):
     """``baselines.old_design``: a background thread loops ``TrainingAverager.step(data_lock=lock)``; the trainer
-    holds the same lock for its optimizer step (and its forward/backward with real autograd)."""
+    holds the same lock for its optimizer step."""
 
     def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
         from baselines.old_design import OldDesignAverager
@@ -172,16 +171,10 @@ class OldDesign(BaselineArm):
         return [] if current is None else [(current, self.averager.averager.control)]
 
     def train_step(self) -> None:
-        """With real autograd the trainer holds the lock from forward to step: an in-place apply between them breaks
-        backward ("modified by an inplace operation")."""
-        whole = self.trainer.needs_lock_for_compute
-        if not whole:
-            self.trainer.compute()
+        self.trainer.compute()
         asked = time.perf_counter()
         with self.averager.lock:
             self.holds.append(time.perf_counter() - asked)
-            if whole:
-                self.trainer.compute()
             self.trainer.opt.step()
             self.averager.on_step_end(self.trainer.batch_size)
         time.sleep(0)  # let a waiting averager thread take the lock (a real loop would fetch data here)
@@ -237,56 +230,10 @@ class ImprovedDesign:
         self.opt.shutdown()
 
 
-class HivemindOptimizerDesign(BaselineArm):
-    """``baselines.hivemind_optimizer``: hivemind.Optimizer(use_local_updates=True), parameters averaged in the
-    background once every global epoch (average_state_every=1) with the delta rule, set up as a knowledgeable user
-    would (the baseline's docstring); target_batch_size from ``hivemind_target_batch_size``."""
-
-    def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
-        from baselines.hivemind_optimizer import HivemindOptimizerAverager
-
-        self.trainer, self.holds = trainer, []
-        self.epoch_times: list[float] = []  # when this peer entered each new global epoch
-        target = cfg.hivemind_target_batch_size or max(
-            1, round((nominal_rate(cfg) or 1000.0) * cfg.peers * cfg.min_matchmaking_time)
-        )
-        self.averager = HivemindOptimizerAverager(
-            trainer.opt,
-            dht,
-            prefix=prefix,
-            box_batch=trainer.batch_size,
-            model=trainer.model,
-            load_state_timeout=cfg.allreduce_timeout,
-            target_batch=target,
-            **cfg.averager_options(),
-        )
-        self.opt = self.averager.hivemind_optimizer
-        self.timer = StepTimer(trainer.opt)  # after hivemind's zero-gradient step that creates optimizer state
-        self.epoch = self.opt.local_epoch
-        self.watch = StageWatch(self.opt.rounds.in_flight)
-
-    def train_step(self) -> None:
-        self.trainer.compute()
-        self.holds.append(self.timer.hold(lambda: self.opt.step(batch_size=self.trainer.batch_size)))
-        self.averager.on_step_end(self.trainer.batch_size)
-        if self.opt.local_epoch != self.epoch:
-            self.epoch = self.opt.local_epoch
-            self.epoch_times.append(time.time())
-
-    def counters(self) -> dict:
-        return {
-            "rounds": len(self.averager.records),
-            "epochs": self.opt.local_epoch,
-            "state_loads": self.opt.state_downloads,
-        }
-
-
 def make_driver(cfg: RunConfig, trainer: Any, dht: Any) -> Any:
     prefix = f"bench_{cfg.regime}_{cfg.mode}"
     if cfg.mode == "none":
         return NoAveraging(trainer)
     if cfg.mode == "old":
         return OldDesign(trainer, dht, cfg, prefix)
-    if cfg.mode == "hivemind_optimizer":
-        return HivemindOptimizerDesign(trainer, dht, cfg, prefix)
     return ImprovedDesign(trainer, dht, cfg, prefix)

@@ -110,7 +110,6 @@ def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: fr
     copy_steps = {i for r in applied for i in _copy_step_indices(r) if i in measured_set}
     holds = peer.get("hold_s") or []
     held = [holds[i] for i in measured if i < len(holds)]
-    epoch_times = peer.get("epoch_times")
 
     return {
         # whole steps over the time they took: no error from a step cut in half by the window's edges
@@ -134,9 +133,6 @@ def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: fr
         "hold": held,
         "hold_total": sum(held),
         "hold_share": sum(held) / sum(durations) if durations else None,
-        "epochs_per_min": (
-            None if epoch_times is None else sum(1 for t in epoch_times if t0 < t <= t1) / (window / 60.0)
-        ),
     }
 
 
@@ -186,14 +182,12 @@ def summarize_peers(
         # trainer-side cost of averaging: steps that did (or waited for) a snapshot/fill or apply vs the others
         "copy_step_s_mean": _mean(pooled("copy_step_durations")),
         "other_step_s_median": _percentile(pooled("other_step_durations"), 0.5),
-        "loss_tail": _mean([p["loss_tail"] for p in peers if p.get("loss_tail") is not None]),
         # how long averaging held the trainer, over the steps that ended in the window (whole steps, as for the rate):
         # per peer in all, per step, the longest, and as a share of those steps' time
         "hold_s_total": _mean([m["hold_total"] for m in per_peer]),
         "hold_ms_per_step": None if not pooled("hold") else 1000 * _mean(pooled("hold")),
         "hold_s_max": max(pooled("hold"), default=None),
         "hold_share": _mean([m["hold_share"] for m in per_peer if m["hold_share"] is not None]),
-        "epochs_per_min": _mean([m["epochs_per_min"] for m in per_peer if m["epochs_per_min"] is not None]),
         "counters": counters or None,
         "peers": peers,
     }
@@ -215,7 +209,6 @@ COMPACT_KEYS = (
     "all_finite",
     "hold_s_total",
     "hold_ms_per_step",
-    "epochs_per_min",
     "counters",
 )
 
@@ -263,100 +256,3 @@ def add_throughput_ratios(runs: list[dict]) -> None:
     for run in runs:
         base, rate = baseline.get(run["regime"]), run.get("samples_per_s_per_peer")
         run["throughput_ratio"] = rate / base if base and rate is not None else None
-
-
-def _check(regime: str, text: str, value: float | None, threshold: float | None, at_most: bool) -> dict:
-    met = None if value is None or threshold is None else (value <= threshold if at_most else value >= threshold)
-    return {"regime": regime, "target": text, "value": value, "threshold": threshold, "met": met}
-
-
-def uneven_targets(runs: list[dict]) -> list[dict]:
-    """Issue 11's goals for `improved` in the regimes that ran: an uneven peer does not slow the others, and on a
-    100 Mbit/s link the rounds keep up with the cap."""
-    results = []
-    for run in runs:
-        if run["mode"] != "improved" or run.get("skipped") or run.get("error"):
-            continue
-        regime = run["regime"]
-        label = regime if run["compression"] == "none" else f"{regime}/{run['compression']}"
-        if regime == "straggler":
-            results += [
-                _check(
-                    label, "healthy rounds/min >= 0.7 x unthrottled", run.get("rounds_per_min_vs_reference"), 0.7, False
-                ),
-                _check(label, "no failed round among the healthy peers", run.get("rounds_failed"), 0, True),
-                _check(label, "every peer's tensors finite", float(bool(run.get("all_finite"))), 1.0, False),
-            ]
-        elif regime == "slow_step":
-            reference = (run.get("reference") or {}).get("formed_to_end_s_mean")
-            results.append(
-                _check(
-                    label,
-                    "fast peers' group formed -> round end <= all-fast + 0.1 s",
-                    run.get("formed_to_end_s_mean"),
-                    None if reference is None else reference + 0.1,
-                    True,
-                )
-            )
-        elif regime == "wan_100mbit":
-            results += [
-                _check(label, "steady rounds/min >= 0.95 x cap", run.get("rounds_per_min_steady_vs_cap"), 0.95, False),
-                _check(
-                    label,
-                    "staleness mean <= AllReduce steps + 1",
-                    run.get("staleness_steps_mean"),
-                    run.get("staleness_bound"),
-                    True,
-                ),
-            ]
-    return results
-
-
-def evaluate_targets(runs: list[dict], regime: str = "sim_not_full") -> list[dict]:
-    """The team's goals for `improved` vs `old` (brief); None where a needed run is missing."""
-    cells = {(r["regime"], r["mode"]): r for r in runs if r.get("compression", "none") == "none"}
-    if (regime, "improved") not in cells and (regime, "old") not in cells:
-        return uneven_targets(runs)
-    new, old = cells.get((regime, "improved"), {}), cells.get((regime, "old"), {})
-
-    def get(run: dict, key: str) -> float | None:
-        return run.get(key)
-
-    def scaled(value: float | None, factor: float, offset: float = 0.0) -> float | None:
-        return None if value is None else value * factor + offset
-
-    checks = [  # (description, value, threshold, value must be <= threshold)
-        (
-            "staleness mean <= AllReduce steps + 1",
-            get(new, "staleness_steps_mean"),
-            scaled(get(new, "allreduce_steps_mean"), 1.0, 1.0),
-            True,
-        ),
-        (
-            "staleness mean <= 0.5 x old",
-            get(new, "staleness_steps_mean"),
-            scaled(get(old, "staleness_steps_mean"), 0.5),
-            True,
-        ),
-        ("rounds/min >= 1.8 x old", get(new, "rounds_per_min"), scaled(get(old, "rounds_per_min"), 1.8), False),
-        (
-            "steady-state rounds/min (60 / interval between applied rounds) >= 1.8 x old",
-            get(new, "rounds_per_min_steady"),
-            scaled(get(old, "rounds_per_min_steady"), 1.8),
-            False,
-        ),
-        ("throughput ratio >= 0.97", get(new, "throughput_ratio"), 0.97, False),
-        ("duty cycle >= 0.95", get(new, "duty_cycle"), 0.95, False),
-    ]
-    results = [_check(regime, *check) for check in checks]
-    return results + uneven_targets(runs)
-
-
-def targets_markdown(targets: list[dict]) -> str:
-    lines = ["", "Targets (improved):"]
-    for t in targets:
-        mark = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
-        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
-        threshold = "n/a" if t["threshold"] is None else f"{t['threshold']:.3g}"
-        lines.append(f"- {mark}: [{t['regime']}] {t['target']} (observed {value}, threshold {threshold})")
-    return "\n".join(lines)

@@ -26,7 +26,7 @@ import torch.nn as nn
 from benchmarks import netns
 from benchmarks.averaging_arms import make_driver
 from benchmarks.averaging_metrics import _ratio, _to_wall, summarize_run
-from benchmarks.averaging_setup import ABLATIONS, RunConfig, make_trainer
+from benchmarks.averaging_setup import ABLATIONS, RunConfig, SimTrainer
 from benchmarks.common import kill_group, missing_ablations
 
 STRAGGLER_STOP_S, STRAGGLER_RUN_S = 0.4, 0.1  # the straggler's process group: stopped 80% of the time
@@ -67,7 +67,6 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
     """Train for warmup_s + seconds from t_train (the measured window [t0, t1] is the last `seconds`), and in the
     perturbed regimes on until t3. Remember when every local step ended (for throughput and the timeline)."""
     step_times: list[float] = []
-    losses: list[float] = []
     t0, t1, t2, t3 = cfg.windows(t_train)
     end = t1 if t3 is None else t3
     extend = cfg.extend_until_round_s if t3 is None and cfg.mode != "none" else 0.0
@@ -80,11 +79,8 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
             extended, last_look = True, now
         driver.train_step()
         step_times.append(time.time())
-        if trainer.last_loss is not None:
-            losses.append(trainer.last_loss)
     if extended:  # an extended window ends with its last step; a fixed one stays [t0, t1]
         t1 = step_times[-1]
-    tail = losses[-20:]
     return {
         "t_train": t_train,
         "t0": t0,
@@ -93,19 +89,14 @@ def _train_window(cfg: RunConfig, trainer: Any, driver: Any, t_train: float) -> 
         "t3": t3,
         "step_times": step_times,
         "hold_s": list(driver.holds),
-        "epoch_times": getattr(driver, "epoch_times", None),
         "batch_size": trainer.batch_size,
-        "loss_tail": sum(tail) / len(tail) if tail else None,
     }
 
 
 def _window_has_round(driver: Any, t0: float) -> bool:
-    """Whether a round was applied inside the window that began at t0 and, for hivemind.Optimizer, a global epoch
-    began inside it too (its rounds start at an epoch's end): what the window's metrics need to be defined."""
+    """Whether a round was applied inside the window that began at t0: what the window's metrics need."""
     offset = time.time() - time.monotonic()
-    applied = any(r.get("applied") and (_to_wall(r.get("t_end"), offset) or 0.0) >= t0 for r in driver.records())
-    epochs = getattr(driver, "epoch_times", None)
-    return applied and (epochs is None or any(t > t0 for t in epochs))
+    return any(r.get("applied") and (_to_wall(r.get("t_end"), offset) or 0.0) >= t0 for r in driver.records())
 
 
 def _suffix(cfg: RunConfig) -> str:
@@ -131,7 +122,7 @@ def _redirect_output(cfg: RunConfig, rank: int) -> None:
     os.close(fd)
 
 
-def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None) -> None:
+def _peer_main(rank: int, cfg: RunConfig, channels: Channels) -> None:
     """Entry point of one peer process. Reports exactly one result (or error) message, then cleans up."""
     os.setpgrp()  # own process group: the orchestrator can kill this peer's DHT/averager/p2pd children in one go
     torch.set_num_threads(1)
@@ -143,14 +134,10 @@ def _peer_main(rank: int, cfg: RunConfig, channels: Channels, data: tuple | None
         phases = {"start": time.time()}
         if cfg.spec.link_mbit:
             netns.enter_own_namespace()  # the orchestrator plugs our link in meanwhile
-        trainer = make_trainer(cfg, rank, data)
+        trainer = SimTrainer(cfg, rank)
         phases["trainer"] = time.time()
         if cfg.spec.link_mbit and not channels.net_ready.wait(cfg.setup_timeout):
             raise TimeoutError("the orchestrator never plugged in our network link")
-        if cfg.trace_dir:  # before the DHT and the averager fork: they inherit the timers
-            from benchmarks import hivemind_trace
-
-            hivemind_trace.install(Path(cfg.trace_dir) / f"{cfg.mode}{_suffix(cfg)}" / f"peer{rank}")
         dht = None if cfg.mode == "none" else _start_dht(rank, cfg, channels)
         phases["dht"] = time.time()
         driver = make_driver(cfg, trainer, dht)
@@ -261,7 +248,7 @@ def _plug_in_links(cfg: RunConfig, procs: Sequence[Any], channels: Channels) -> 
     channels.net_ready.set()
 
 
-def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
+def run_one(cfg: RunConfig) -> dict:
     """Run one (regime, mode) with fresh peer processes and fresh DHTs; always kill every process it started."""
     summary: dict[str, Any] = {
         "regime": cfg.regime,
@@ -274,7 +261,7 @@ def run_one(cfg: RunConfig, data: tuple | None = None) -> dict:
         return summary
     ctx = mp.get_context("fork")
     channels = Channels(ctx.Queue(), ctx.Queue(), ctx.Value("d", 0.0), ctx.Event(), ctx.Event())
-    procs = [ctx.Process(target=_peer_main, args=(rank, cfg, channels, data)) for rank in range(cfg.peers)]
+    procs = [ctx.Process(target=_peer_main, args=(rank, cfg, channels)) for rank in range(cfg.peers)]
     started = time.time()
     summary["loadavg_1m_before"] = os.getloadavg()[0]
     peers: dict[int, dict] = {}

@@ -1,60 +1,23 @@
 #!/usr/bin/env python
-"""Side-by-side benchmark of decentralized parameter averaging designs.
+"""The old design (TrainingAverager one round at a time), DecentralizedSGD, each of its improvements switched off,
+and hivemind.Optimizer(use_local_updates=True), on the same workloads: how often they average, how stale the averaged
+parameters are, how long they hold the trainer, and what one uneven peer or a slow link does to them.
 
-Why: the old design (TrainingAverager driven one round at a time from a background thread) spends much of its wall
-time between rounds and averages a snapshot taken *before* matchmaking, so its results are stale by the time they land.
-`decentralized_sgd.DecentralizedSGD` claims to fix that (delta rule, refresh right before AllReduce, pipelined
-matchmaking). This script measures each design, and each improvement switched off, on the same workloads, and what
-an uneven swarm (one overloaded or slow peer) and bandwidth-limited links do to them. Beside them runs the arm a
-user would pick instead of us: hivemind's own `hivemind.Optimizer(use_local_updates=True)`.
+    python -m benchmarks.bench_averaging [--quick] [--regimes R ...] [--modes M ...] [--json PATH] [--markdown PATH]
 
-Every peer is a separate OS process (fork) with its own DHT on 127.0.0.1 (peer 0 bootstraps the others), so GIL and
-CPU contention are realistic. Each (regime, mode) gets fresh processes; their process groups are killed afterwards.
-
-Usage (from the repository root):
-    python -m benchmarks.bench_averaging [--quick] [--regimes R ...] [--modes M ...] [--compressions C ...]
-        [--seconds S] [--peers N] [--warmup W] [--sim-params P] [--min-matchmaking-time T] [--json PATH [--json-peers]]
-        [--markdown PATH] [--plot PATH] [--verbose] [--hivemind-target-scale S] [--extend-until-round S]
-
-Regimes (default: the first four):
-    sim_full, sim_not_full (simulated GPU: a step is sleep(0.3 s); 25M fp32 params really averaged),
-    cpu_full, cpu_not_full (real CPU training of a ~0.5M-param CNN on sklearn digits).
-        "full": 3 peers, target_group_size 3; "not_full": 3 peers, target_group_size 4 (groups never fill up).
-    straggler: 5 peers, target 4, 0.05 s simulated steps, a 100k-param model, the test suite's fast timeouts. After a
-        reference window, the last peer's whole process group (trainer, averager, DHT, p2pd) is stopped 80% of the
-        time (SIGSTOP 0.4 s / SIGCONT 0.1 s, as a box whose CPUs are saturated); the healthy peers' rounds/min in
-        that window against the reference window of the same swarm.
-    slow_step: 3 peers, target 3 (full groups), 0.05 s steps; after the reference window the last peer steps 20x
-        slower; the fast peers' time from group formed to round end and their rounds/min against the reference.
-    wan_100mbit, wan_1gbit: 3 peers, target 4, 0.3 s simulated steps, ResNet-50-sized tensors (25.6M params), each
-        peer in its own network namespace behind a link shaped to 100 Mbit/s or 1 Gbit/s each way (benchmarks/netns.py;
-        the script re-executes itself inside `unshare -rn`); compression fp16 and uint8. Reported against the cap
-        min(60 / min_matchmaking_time, 60 / AllReduce s) rounds/min and staleness against AllReduce steps + 1.
-Modes:   none, old, improved, hivemind_optimizer (target_batch_size: the swarm's samples in one
-         min_matchmaking_time, at the rate the `improved` run of the regime trained at: hivemind_target_batch_size),
-         and improved with one switch off: no_delta, no_refresh, no_pipeline, fill_at_boundary (filled at the next
-         step boundary), no_slow_peer_fixes, fill_at_once (never waits for a boundary due within boundary_wait_share
-         of an AllReduce: wan_100mbit only). Each regime runs the modes that make sense for it; --modes picks.
-Each run trains for a warm-up (10 s; --quick 3 s; 1 s for `none`; hivemind_optimizer at least its start-up,
-hivemind_startup_s: 10 s + 2 x min_matchmaking_time) in which averaging already runs, then measures a
-window (60 s; --quick 6 s, 4 s for `none`): steady state, not start-up. Regimes with a perturbation measure a second
-window of the same length after a settling pause, with the last peer perturbed.
---quick: the code path of every arm in about 2 minutes: sim_full with none, old, improved and hivemind_optimizer
-(unless --regimes / --modes say otherwise), 1M params, min_matchmaking_time 2 s, short windows.
-
-Metrics (per run; rounds count if they finished inside the measured window; averaging_metrics.py defines each):
-    samples/s per peer and its ratio to `none`, rounds/min (and steady: 60 / mean interval between applied rounds),
-    staleness (local steps between the snapshot that went into the AllReduce and the apply), duty cycle, group size,
-    failed rounds, group formed to round end, how long averaging held the trainer (hold_*: its optimizer-step call
-    beyond the inner optimizer's step; for `old`, the wait for the data lock), and in the perturbed regimes the same
-    for the healthy peers against their reference window. Peer logs go to $TMPDIR/bench_averaging_logs/.
+Every peer is a forked process with its own DHT on 127.0.0.1 (peer 0 bootstraps); a step is a sleep and the
+parameters are really averaged (``averaging_setup.SimTrainer``). Regimes (``averaging_setup.REGIMES``): sim_full /
+sim_not_full (groups fill or never do, the default), straggler (the last of 5 peers SIGSTOPped 80% of the time),
+slow_step (the last peer's steps 20x slower), wan_100mbit / wan_1gbit (each peer in a network namespace behind a
+shaped link; the script re-executes itself inside ``unshare -rn``). Each run trains a warm-up, then a measured window
+(perturbed regimes: a reference window, then a perturbed one); ``averaging_metrics`` defines every number.
+``--quick``: sim_full with none, old and improved, 1M parameters, short windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import signal
 import sys
 import time
@@ -68,13 +31,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks import netns
-from benchmarks.averaging_metrics import (
-    _to_wall,
-    add_throughput_ratios,
-    evaluate_targets,
-    round_spans,
-    targets_markdown,
-)
+from benchmarks.averaging_metrics import _to_wall, add_throughput_ratios, round_spans
 from benchmarks.averaging_peers import run_one
 from benchmarks.averaging_setup import (
     ABLATIONS,
@@ -82,14 +39,12 @@ from benchmarks.averaging_setup import (
     MODES,
     REGIMES,
     RunConfig,
-    _digits,
-    hivemind_startup_s,
-    hivemind_target_batch_size,
 )
 from benchmarks.common import (
     OUTCOME_COLORS,
     REPO,
     git_state,
+    machine,
     pyplot,
     round_outcome,
     save_figure,
@@ -98,12 +53,22 @@ from benchmarks.common import (
 )
 
 QUICK_REGIMES = ("sim_full",)
-QUICK_MODES = ("none", "old", "improved", "hivemind_optimizer")
+QUICK_MODES = ("none", "old", "improved")
+QUICK = dict(  # setup is not measured: its timeout only catches a hung start (p2pd alone took > 40 s at load 15)
+    seconds=6.0,
+    warmup_s=3.0,
+    sim_params=1_000_000,
+    min_matchmaking_time=2.0,
+    request_timeout=1.0,
+    allreduce_timeout=20.0,
+    setup_timeout=90.0,
+    shutdown_grace=0.5,
+)
 SPAN_COLORS = {"matchmaking": "tab:blue", "awaiting": "tab:orange", "allreduce": "tab:green", "copy": "tab:gray"}
 
 
 def run_metadata(args: argparse.Namespace, started: float) -> dict:
-    """What the numbers depend on: versions, the exact optimizer file, and how busy the shared machine was."""
+    """What the numbers depend on: versions, the exact optimizer files, and how busy the shared machine was."""
     import hivemind
 
     sources = sorted((REPO / "decentralized_sgd").glob("*.py"))
@@ -114,8 +79,7 @@ def run_metadata(args: argparse.Namespace, started: float) -> dict:
         "quick": args.quick,
         "started": time.strftime("%F %T", time.localtime(started)),
         "total_s": time.time() - started,
-        "cpus": os.cpu_count(),
-        "loadavg": os.getloadavg(),
+        **machine(),
         "torch": torch.__version__,
         "hivemind": hivemind.__version__,
         "decentralized_sgd_sha256": digest,
@@ -222,36 +186,6 @@ def report_tables(runs: list[dict]) -> str:
     return "\n\n".join(markdown_table(chosen, columns) for chosen, columns in kinds if chosen)
 
 
-def hivemind_setup_markdown(runs: list[dict]) -> str:
-    """How each hivemind_optimizer run was set up, and whether its epochs came as often as that setup meant."""
-    lines = []
-    for run in runs:
-        setup = run.get("hivemind_setup")
-        if not setup:
-            continue
-        label = run["regime"] if run.get("compression", "none") == "none" else f"{run['regime']}/{run['compression']}"
-        counters, peers = run.get("counters") or {}, (run.get("config") or {}).get("peers")
-        epochs = run.get("epochs_per_min")
-        scale = setup.get("scale", 1.0)
-        scaled, epoch_s = ("" if scale == 1.0 else f" x {scale:g}"), setup["matchmaking_time"] * scale
-        lines.append(
-            f"- {label}: target_batch_size {setup['target_batch_size']} = {peers} peers x "
-            f"{setup['rate_samples_per_s_per_peer']:.1f} samples/s ({setup['rate_source']}) x "
-            f"{setup['matchmaking_time']:g} s{scaled}; epochs/min {'n/a' if epochs is None else f'{epochs:.1f}'} "
-            f"(one per {epoch_s:g} s: {60 / epoch_s:.1f}); rounds "
-            f"pre-scheduled {counters.get('prescheduled_rounds', 0):.0f} of {counters.get('rounds', 0):.0f}; "
-            f"state downloads {counters.get('state_loads', 0):.0f} (all peers, whole run)"
-        )
-    if not lines:
-        return ""
-    return (
-        "\n\nhivemind_optimizer: hivemind.Optimizer(use_local_updates=True, average_state_every=1), "
-        "matchmaking_time = min_matchmaking_time, averaging_timeout = our allreduce_timeout, same compression; "
-        "hold = time in opt.step() beyond the inner optimizer step; staleness = inner updates between the copy "
-        "into the averager and the apply\n" + "\n".join(lines)
-    )
-
-
 def _old_copy_spans(record: dict) -> list[tuple[str, float, float]]:
     """Old design only: snapshot before matchmaking and apply after AllReduce, both under data_lock (not duty)."""
     if "t_matchmaking_start" not in record or record.get("allreduce_s") is None:
@@ -322,53 +256,28 @@ def _json_ready(run: dict, keep_peers: bool) -> dict:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="every arm's code path in ~2 min on 2 cores: sim_full with none, old, improved and "
-        "hivemind_optimizer (unless --regimes / --modes), 1M-param sim model, min_matchmaking_time 2 s, short windows",
-    )
-    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=None)
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="among each regime's own modes")
-    parser.add_argument(
-        "--compressions",
-        nargs="+",
-        choices=["none", "fp16", "uint8"],
-        default=None,
-        help="instead of each regime's own (none; fp16 and uint8 in the wan_* regimes)",
-    )
-    parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (and per window)")
-    parser.add_argument("--warmup", type=float, default=None, help="seconds trained before the measured window")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--quick", action="store_true", help="every arm's code path in ~2 min on 2 cores (see above)")
+    add("--regimes", nargs="+", choices=list(REGIMES), default=None)
+    add("--modes", nargs="+", choices=list(MODES), default=None, help="among each regime's own modes")
+    add("--compressions", nargs="+", choices=["none", "fp16", "uint8"], default=None, help="instead of the regime's")
+    add("--seconds", type=float, default=None, help="measured seconds per run (and per window)")
+    add("--warmup", type=float, default=None, help="seconds trained before the measured window")
+    add(
         "--extend-until-round",
         type=float,
         default=0.0,
         metavar="S",
-        help="a measured window with no applied round goes on until one is, for at most S more "
-        "seconds (smoke tests on a loaded machine; default 0: fixed windows)",
+        help="a window without a round goes on for up to S s",
     )
-    parser.add_argument("--peers", type=int, default=None, help="instead of each regime's own (3; straggler 5)")
-    parser.add_argument("--sim-params", type=int, default=None, help="parameters of the simulated model")
-    parser.add_argument("--min-matchmaking-time", type=float, default=None)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--json-peers", action="store_true", help="also store per-peer step times and records")
-    parser.add_argument("--verbose", action="store_true", help="keep hivemind / DecentralizedSGD logs")
-    parser.add_argument(
-        "--hivemind-target-scale",
-        type=float,
-        default=1.0,
-        help="hivemind_optimizer: target_batch_size times this (default 1: the swarm's samples in "
-        "one min_matchmaking_time)",
-    )
-    parser.add_argument(
-        "--trace",
-        type=Path,
-        default=None,
-        help="time every hivemind matchmaking / DHT / AllReduce call into this folder "
-        "(summary: benchmarks/hivemind_trace.py)",
-    )
+    add("--peers", type=int, default=None, help="instead of each regime's own (3; straggler 5)")
+    add("--sim-params", type=int, default=None, help="parameters of the simulated model")
+    add("--min-matchmaking-time", type=float, default=None)
+    add("--json", type=Path, default=None)
+    add("--markdown", type=Path, default=None)
+    add("--plot", type=Path, default=None, help="the round timeline of sim_not_full's old and improved runs")
+    add("--json-peers", action="store_true", help="also store per-peer step times and records")
+    add("--verbose", action="store_true", help="keep hivemind / DecentralizedSGD logs")
     args = parser.parse_args(argv)
     args.regimes = args.regimes or list(QUICK_REGIMES if args.quick else DEFAULT_REGIMES)
     args.modes = args.modes or list(QUICK_MODES if args.quick else MODES)
@@ -379,33 +288,12 @@ def _regime_config(args: argparse.Namespace, name: str) -> RunConfig:
     """Defaults, then --quick's, then the regime's own settings (and their --quick variant), then the command line.
     Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
     regime = REGIMES[name]
-    base = RunConfig(
-        regime=name,
-        mode="none",
-        peers=args.peers or regime.peers or 3,
-        verbose=args.verbose,
-        trace_dir=None if args.trace is None else str(args.trace.resolve() / name),
+    base = RunConfig(name, "none", peers=args.peers or regime.peers or 3, verbose=args.verbose)
+    base = replace(base, **{**(QUICK if args.quick else {}), **regime.nominal, **(regime.quick if args.quick else {})})
+    given = {"seconds": args.seconds, "warmup_s": args.warmup, "sim_params": args.sim_params}
+    base = replace(
+        base, extend_until_round_s=args.extend_until_round, **{k: v for k, v in given.items() if v is not None}
     )
-    if args.quick:  # setup is not measured: its timeout only catches a hung start (p2pd alone took > 40 s at load 15)
-        base = replace(
-            base,
-            seconds=6.0,
-            warmup_s=3.0,
-            sim_params=1_000_000,
-            min_matchmaking_time=2.0,
-            request_timeout=1.0,
-            allreduce_timeout=20.0,
-            setup_timeout=90.0,
-            shutdown_grace=0.5,
-        )
-    base = replace(base, **{**regime.nominal, **(regime.quick if args.quick else {})})
-    if args.seconds is not None:
-        base = replace(base, seconds=args.seconds)
-    if args.warmup is not None:
-        base = replace(base, warmup_s=args.warmup)
-    base = replace(base, extend_until_round_s=args.extend_until_round)
-    if args.sim_params is not None:
-        base = replace(base, sim_params=args.sim_params)
     if args.min_matchmaking_time is not None:
         mmt = args.min_matchmaking_time
         base = replace(base, min_matchmaking_time=mmt, request_timeout=min(base.request_timeout, 0.6 * mmt))
@@ -423,8 +311,6 @@ def build_configs(args: argparse.Namespace) -> list[RunConfig]:
                 cfg = replace(base, mode=mode, compression=compression)
                 if mode == "none":
                     cfg = replace(cfg, seconds=baseline_seconds or cfg.seconds, warmup_s=min(cfg.warmup_s, 1.0))
-                if mode == "hivemind_optimizer":
-                    cfg = replace(cfg, warmup_s=max(cfg.warmup_s, hivemind_startup_s(cfg)))
                 configs.append(cfg)
     return configs
 
@@ -435,7 +321,7 @@ def _prewarm(configs: Sequence[RunConfig]) -> None:
     import hivemind  # noqa: F401
     from hivemind.optim.training_averager import TrainingAverager  # noqa: F401
 
-    if any(cfg.mode in ABLATIONS or cfg.mode == "hivemind_optimizer" for cfg in configs):
+    if any(cfg.mode in ABLATIONS for cfg in configs):
         try:
             import decentralized_sgd  # noqa: F401
         except Exception as e:  # each run will report the failure in its own row
@@ -451,46 +337,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         if not netns.inside():  # peers need network namespaces: rerun this command inside a user namespace
             netns.reexec_inside(["-m", "benchmarks.bench_averaging", *(sys.argv[1:] if argv is None else argv)])
         netns.create_bridge()
-    data = _digits() if any(c.trainer_kind == "cpu" for c in configs) else None  # load once, share via fork
     _prewarm(configs)
     started, runs = time.time(), []
     for cfg in configs:
-        setup = None
-        if cfg.mode == "hivemind_optimizer":  # from the runs of its regime so far: improved's rate, else none's
-            target, setup = hivemind_target_batch_size(cfg, runs, data, args.hivemind_target_scale)
-            cfg = replace(cfg, hivemind_target_batch_size=target)
-        print(
-            f"[bench] {cfg.regime:>13} / {cfg.mode:<18} / {cfg.compression:<5} ...",
-            end=" ",
-            flush=True,
-            file=sys.stderr,
-        )
-        run = run_one(cfg, data)
-        if setup is not None:
-            run["hivemind_setup"] = setup
+        print(f"[bench] {cfg.regime:>13} / {cfg.mode:<18} / {cfg.compression:<5} ...", end=" ", file=sys.stderr)
+        run = run_one(cfg)
         run["config"] = {k: v for k, v in asdict(cfg).items() if k not in ("regime", "mode", "verbose")}
         runs.append(run)
-        status = (
-            f"skipped: {run['skipped']}"
-            if run["skipped"]
-            else "ok"
-            if not run["error"]
-            else run["error"].splitlines()[0][:120]
-        )
+        status = f"skipped: {run['skipped']}" if run["skipped"] else (run["error"] or "ok").splitlines()[0][:120]
         print(f"{run.get('wall_s', 0.0):.1f}s {status}", flush=True, file=sys.stderr)
     add_throughput_ratios(runs)
-    targets = evaluate_targets(runs)
-    report = report_tables(runs) + hivemind_setup_markdown(runs) + "\n" + targets_markdown(targets)
+    report = report_tables(runs)
     print(report)
     print(f"\n[bench] total {time.time() - started:.0f}s for {len(runs)} runs", file=sys.stderr)
     write_text(args.markdown, report)
     if args.json:
-        payload = {
-            "runs": [_json_ready(r, args.json_peers) for r in runs],
-            "targets": targets,
-            "meta": run_metadata(args, started),
-        }
-        write_json(args.json, payload)
+        write_json(
+            args.json, {"runs": [_json_ready(r, args.json_peers) for r in runs], "meta": run_metadata(args, started)}
+        )
     if args.plot:
         plot_timeline(runs, args.plot)
     return runs

@@ -1,29 +1,14 @@
 #!/usr/bin/env python
 """What one averaging round's compression costs the weights, through hivemind's real AllReduce.
 
-Why: `--compression uint8` quantizes the *parameters themselves* (hivemind's Uniform8BitQuantization: 256 levels over
-+-3 standard deviations of each part), so its error scales with the weights, not with how far the peers are apart.
-Peers that averaging keeps close to each other may get more noise from one 8-bit round than the round removes.
-
-What it does: `--peers` peers hold ResNet-50-sized tensors (torchvision's resnet50: parameters and BatchNorm buffers,
-as DecentralizedSGD averages them; initial weights from a fixed seed; --checkpoint: a VISSL checkpoint's trained trunk),
-each perturbed by `level` x the tensor's RMS of Gaussian noise (peers that drifted apart by that much). They run one
-real AllReduce (hivemind.DecentralizedAverager on 127.0.0.1, our make_compression(name), every part serialized and
-deserialized as a receiving peer does), and each peer's result is compared with the exact float64 mean.
-
-Schemes: none, fp16, uint8 (what `--compression` offers), quantile8 (hivemind's Quantile8BitQuantization, same
-size rule), uint8_delta_ideal: uint8 applied to `w - w_ref` with a reference every peer shares exactly (here the
-common weights before perturbation): the best that quantizing a delta could do; uint8_all: 8 bits for every tensor of
-at least 1024 values (`uint8` sends tensors under 65536 values as fp16: all of swav_tiny's).
-
-Metrics (relative to the norm of the exact mean, all tensors together):
-    error: ||result_i - mean|| (mean over peers, and max);
-    correction: ||w_i - mean||, what averaging moves a peer; error / correction;
-    spread_after: mean pairwise ||result_i - result_j|| (exact averaging leaves 0), / the spread before.
-
-Usage:
-    python -m benchmarks.bench_compression [--peers 3] [--levels 1e-2 1e-3 1e-4] [--schemes ...] [--checkpoint PATH]
-        [--json PATH] [--markdown PATH]
+Why: 8-bit quantizes the *parameters themselves* (256 levels over +-3 standard deviations of each part), so its error
+scales with the weights, not with how far the peers are apart: peers that averaging keeps close may get more noise
+from one 8-bit round than the round removes. ``--peers`` peers hold ResNet-50's tensors (or ``--checkpoint``'s
+trunk), each perturbed by ``level`` x each tensor's RMS, run one real AllReduce (hivemind.DecentralizedAverager on
+127.0.0.1), and each result is compared with the exact float64 mean: error ||result - mean||, correction
+||w - mean|| (what averaging moves a peer), both relative to ||mean||. Schemes: none, fp16, uint8 (what
+``uint8_compression`` sends), quantile8, uint8_delta_ideal (uint8 of ``w - w_ref`` with a reference every peer
+shares exactly: the best a quantized delta could do), uint8_all (8 bits for every tensor of 1024 values or more).
 """
 
 from __future__ import annotations
@@ -48,8 +33,7 @@ SCHEMES = ("none", "fp16", "uint8", "quantile8", "uint8_delta_ideal", "uint8_all
 
 
 def compression_for(scheme: str):
-    """hivemind compression of a scheme; quantile8 uses the same size rule as uint8_compression(), uint8_all
-    quantizes every tensor of at least 1024 values (uint8_compression() sends tensors under 2**16 as fp16)."""
+    """hivemind compression of a scheme; quantile8 has uint8's size rule (tensors under 2**16 values as fp16)."""
     from hivemind.compression import (
         Float16Compression,
         Quantile8BitQuantization,
@@ -93,8 +77,8 @@ def perturbed_copies(base: Sequence[torch.Tensor], peers: int, level: float) -> 
 
 def allreduce(tensors: list[list[torch.Tensor]], scheme: str, round_index: int) -> list[list[torch.Tensor]]:
     """One real hivemind AllReduce of every peer's tensors (all peers in one group); each peer's result. Fresh DHTs
-    for every round: a DHT that outlives an averager keeps failing to read what the averager's process left in its
-    pipe ("No such file or directory" from multiprocessing's resource sharer), and the next round may hang."""
+    for every round: a DHT that outlives an averager can fail to read what the averager's process left in its pipe,
+    and the next round may hang."""
     import hivemind
 
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
@@ -102,35 +86,24 @@ def allreduce(tensors: list[list[torch.Tensor]], scheme: str, round_index: int) 
         hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
         for _ in range(len(tensors) - 1)
     ]
+    averagers = []
     try:
-        return _allreduce_once(tensors, scheme, dhts, f"compression_{scheme}_{round_index}")
-    finally:
-        for dht in dhts:
-            dht.shutdown()
-
-
-def _allreduce_once(
-    tensors: list[list[torch.Tensor]], scheme: str, dhts: Sequence, prefix: str
-) -> list[list[torch.Tensor]]:
-    import hivemind
-
-    averagers = [
-        hivemind.DecentralizedAverager(
-            [t.clone() for t in peer_tensors],
-            dht,
-            prefix=prefix,
-            target_group_size=len(dhts),
-            min_group_size=len(dhts),
-            min_matchmaking_time=2.0,
-            request_timeout=1.0,
-            allreduce_timeout=300.0,
-            next_chunk_timeout=120.0,
-            compression=compression_for(scheme),
-            start=True,
-        )
-        for peer_tensors, dht in zip(tensors, dhts, strict=True)
-    ]
-    try:
+        for peer_tensors, dht in zip(tensors, dhts, strict=True):
+            averagers.append(
+                hivemind.DecentralizedAverager(
+                    [t.clone() for t in peer_tensors],
+                    dht,
+                    prefix=f"compression_{scheme}_{round_index}",
+                    target_group_size=len(dhts),
+                    min_group_size=len(dhts),
+                    min_matchmaking_time=2.0,
+                    request_timeout=1.0,
+                    allreduce_timeout=300.0,
+                    next_chunk_timeout=120.0,
+                    compression=compression_for(scheme),
+                    start=True,
+                )
+            )
         with ThreadPoolExecutor(len(averagers)) as pool:
             groups = list(pool.map(lambda a: a.step(timeout=600.0), averagers))
         if any(group is None or len(group) != len(dhts) for group in groups):
@@ -141,8 +114,8 @@ def _allreduce_once(
                 results.append([t.clone() for t in averaged])
         return results
     finally:
-        for averager in averagers:
-            averager.shutdown()
+        for owner in [*averagers, *dhts]:
+            owner.shutdown()
 
 
 def _norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -207,20 +180,9 @@ def markdown(rows: list[dict]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument(
-        "--levels",
-        type=float,
-        nargs="+",
-        default=[1e-2, 1e-3, 1e-4],
-        help="per-peer perturbation, relative to each tensor's RMS",
-    )
+    parser.add_argument("--levels", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4], help="relative to the RMS")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="a VISSL checkpoint (file or folder): its trained trunk instead of ResNet-50's initial weights",
-    )
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a VISSL checkpoint's trunk, not ResNet-50's")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     return parse_with_quick(parser, argv, levels=[1e-3], schemes=["uint8"])
@@ -238,13 +200,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = []
     with fixed_8bit_decoding():  # the averagers fork from here and decode 8-bit parts: with the NumPy 2 fix
         for index, (level, scheme) in enumerate(itertools.product(args.levels, args.schemes)):
-            rows.append(measure(base, args.peers, level, scheme, index))
-            row = rows[-1]
-            print(
-                f"[compression] {scheme:>17} level {level:g}: error {row['error_mean']:.2e}, correction "
-                f"{row['correction_mean']:.2e}, {row['round_s']:.1f}s",
-                file=sys.stderr,
-            )
+            rows.append(row := measure(base, args.peers, level, scheme, index))
+            shown = f"error {row['error_mean']:.2e}, correction {row['correction_mean']:.2e}, {row['round_s']:.1f}s"
+            print(f"[compression] {scheme:>17} level {level:g}: {shown}", file=sys.stderr)
     table = markdown(rows)
     print(table)
     write_text(args.markdown, table)

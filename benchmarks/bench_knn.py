@@ -1,8 +1,6 @@
 #!/usr/bin/env python3
 """Memory and time of the streaming kNN (vissl_swarm/knn.py) on an ImageNet-sized feature bank: 1.3M x 2048 float32.
-
-Not a test (tests/test_eval.py checks that the streaming vote equals the exact one): a benchmark that shows the
-bank no longer has to fit in memory, and what each 1,000 queries cost on this machine's CPUs.
+(tests/test_eval.py checks that the streaming vote equals the exact one.)
 
     nice -n 19 python -m benchmarks.bench_knn --bank /tmp/knn_bank.npy --json benchmarks/results/knn.json \
         --markdown benchmarks/results/knn.md
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit_label, parse_with_quick
+from benchmarks.common import commit_label, machine, parse_with_quick, write_json, write_text
 
 
 def write_bank(path: Path, rows: int, dim: int, num_classes: int, chunk: int = 65536) -> None:
@@ -127,42 +125,23 @@ def main() -> int:
     print(f"bank ready in {time.perf_counter() - started:.0f} s", flush=True)
     runs = []
     for memory_gb in args.memory_gb:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.bench_knn",
-                "--bank",
-                str(args.bank),
-                "--queries",
-                str(args.queries),
-                "--num_classes",
-                str(args.num_classes),
-                "--measure_one",
-                str(memory_gb),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        one = f"--queries {args.queries} --num_classes {args.num_classes} --measure_one {memory_gb}".split()
+        command = [sys.executable, "-m", "benchmarks.bench_knn", "--bank", str(args.bank), *one]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
         print(runs[-1], flush=True)
-    import os
-
     report = {
         "commit": commit_label(),
         "rows": args.rows,
         "dim": args.dim,
         "queries": args.queries,
         "bank_gb": round(args.rows * args.dim * 4 / 1e9, 1),
-        "cpus": os.cpu_count(),
+        "cpus": machine()["cpus"],
         "exact_matrix_gb": round(args.queries * args.rows * 4 / 1e9, 1),
         "runs": runs,
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(markdown(report))
+    write_json(args.json, report)
+    write_text(args.markdown, markdown(report))
     print(markdown(report))
     return 0
 

@@ -5,10 +5,9 @@ default), as a DDP run's epochs count its global batch.
 
     python -m benchmarks.bench_learning --json benchmarks/results/learning.json \
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
-    python -m benchmarks.bench_learning --quick --modes alone swarm      # minutes: digits + swav_tiny, 1 seed
+    python -m benchmarks.bench_learning --quick   # minutes: digits + swav_tiny, 1 seed, alone and swarm
 
-Dataset: Fashion-MNIST exported as ``data/fashion/{train,val}/<class>/*.png`` (60k / 10k; ``make data-fashion``),
-config ``swav_fashion`` (``--data_path``, ``--config`` to change; ``--quick`` uses the digits and ``swav_tiny``).
+Dataset: Fashion-MNIST as ``data/fashion/{train,val}/<class>/*.png`` (``make data-fashion``), config ``swav_fashion``.
 
 Modes, all from the same initial model per seed and at the same recipe (``config.OPTIMIZER.num_epochs``):
   alone               one box training alone: ``run_trainer.py --isolated`` (VISSL's stock task), the reference
@@ -16,9 +15,11 @@ Modes, all from the same initial model per seed and at the same recipe (``config
                       the swarm has trained on the budget
   swarm_outer         swarm with the outer step of bench_optimizer's experiment outer (``OUTER_FLAGS``: Nesterov b 0.5,
                       a 0.7; off by default in run_trainer.py)
-  swarm_churn         swarm whose last box crashes at a third of its steps and comes back as the README's restart
-                      (``Churn``, below): the users' normal case; paced (``--churn_pace_s``)
-  swarm_paced         swarm paced as swarm_churn, without the kill: the same samples, no kill
+  swarm_churn         swarm whose last box's session is SIGKILLed at a third of its steps and started again with its
+                      own command (the README's restart), back at two thirds of the budget: the users' normal case;
+                      paced (``--churn_pace_s``) so that it comes back before the others finish
+  swarm_paced         swarm paced as swarm_churn, without the kill: ``swarm_churn − swarm_paced`` (per seed) is what
+                      the kill costs at the same samples and pace
   old                 3 boxes, ``--averager old`` (hivemind's TrainingAverager one round at a time), same schedule
   hivemind_optimizer  3 boxes, ``--averager hivemind_optimizer`` (hivemind.Optimizer(use_local_updates=True) inside
                       VISSL's LARC), same schedule; its global epoch (one averaging round) every boxes x batch x R
@@ -37,11 +38,6 @@ seeds, and the steps (and samples) at which a mode's curve first reaches ``alone
 
 ``--slow_averaging``: swarm, old and hivemind_optimizer at the steps-per-round ratio of real ResNet-50 boxes
 (``--min_matchmaking_time`` 30 s, groups that never fill, hivemind's epoch every boxes x batch x 200 samples).
-
-Churn (``swarm_churn``): box 2's whole session is SIGKILLed at a third of its steps and started again with its own
-command (the README's restart) so that it is back at two thirds of the budget; paced (``--churn_pace_s``) so that it
-comes back before the others finish. ``swarm_churn − swarm_paced`` (per seed) is what the kill costs at the same
-samples and pace, ``swarm_paced − swarm`` what the pace changes.
 
 A seed is a run id: its boxes share the initial model in every mode; box i of seed s has SEED_VALUE 1000·s + i.
 Every invocation trains in a fresh ``--out``; the JSON (git state, dataset, recipe, per-seed values) is rewritten
@@ -96,111 +92,42 @@ from benchmarks.learning_setup import (
     fresh_out_dir,
     make_plan,
 )
-from vissl_swarm.local_swarm import (
-    LocalPeer,
-    start_swarm_together,
-    stop_all,
-)
+from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, stop_all
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="minutes: the digits and swav_tiny, 1 seed, 2 epochs, 3 curve points (what the tests run)",
-    )
-    parser.add_argument(
-        "--data_path",
-        type=Path,
-        default=None,
-        help=f"train/ and val/ ImageFolders; default {DEFAULTS['data_path']} (--quick: data/digits)",
-    )
-    parser.add_argument(
-        "--config", default=None, help="config of every process; default swav_fashion (--quick: swav_tiny)"
-    )
-    parser.add_argument(
-        "--epochs",
-        type=int,
-        default=None,
-        help=f"the recipe's num_epochs, the budget of samples in every mode (default "
-        f"{DEFAULTS['epochs']}; --quick {QUICK['epochs']})",
-    )
-    parser.add_argument("--seeds", type=int, default=None, help="runs per mode: seeds 0 .. SEEDS-1 (default 3)")
-    parser.add_argument("--boxes", type=int, default=3, help="boxes of a swarm (ddp: local processes)")
-    parser.add_argument(
-        "--train_images",
-        type=int,
-        default=0,
-        help="train on this many images of the train split (0: all, rounded down to a multiple of boxes x batch)",
-    )
-    parser.add_argument("--curve_points", type=int, default=None, help="checkpoints evaluated along each box's run")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
-    parser.add_argument(
-        "--knn_train",
-        type=int,
-        default=20000,
-        help="kNN bank: this many train images (a fixed subset); 0: the whole train split",
-    )
-    parser.add_argument(
-        "--heldout_images",
-        type=int,
-        default=None,
-        help=f"val images of the held-out SwAV loss (default {DEFAULTS['heldout_images']}; --quick "
-        f"{QUICK['heldout_images']})",
-    )
-    parser.add_argument(
-        "--heldout_batch",
-        type=int,
-        default=None,
-        help=f"Sinkhorn batch of the held-out SwAV loss (default {DEFAULTS['heldout_batch']}; --quick "
-        f"{QUICK['heldout_batch']})",
-    )
-    parser.add_argument(
-        "--churn_pace_s",
-        type=float,
-        default=CHURN_PACE_S,
-        help="swarm_churn and swarm_paced: each step of their boxes lasts at least this long, so that a restarted "
-        "box (12-45 s to start on 2 cores) is back before the others finish the budget; 0: unpaced, as swarm",
-    )
-    parser.add_argument(
-        "--slow_averaging",
-        action="store_true",
-        help="swarm/old/hivemind_optimizer at ~100-400 local steps per round, as ResNet-50 boxes",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    quick = ", ".join(f"--{key} {' '.join(map(str, v)) if isinstance(v, list) else v}" for key, v in QUICK.items())
+    add("--quick", action="store_true", help=f"minutes: {quick} (what the tests run)")
+    add("--data_path", type=Path, default=None, help=f"train/ and val/ ImageFolders (default {DEFAULTS['data_path']})")
+    add("--config", default=None, help=f"config of every process (default {DEFAULTS['config']})")
+    add("--epochs", type=int, default=None, help=f"the recipe's num_epochs, every mode's budget ({DEFAULTS['epochs']})")
+    add("--seeds", type=int, default=None, help=f"runs per mode: seeds 0 .. SEEDS-1 ({DEFAULTS['seeds']})")
+    add("--boxes", type=int, default=3, help="boxes of a swarm (ddp: local processes)")
+    add("--train_images", type=int, default=None, help="train on this many images of the train split (default 0: all)")
+    add("--curve_points", type=int, default=None, help="checkpoints evaluated along each box's run")
+    add("--modes", nargs="+", choices=MODES, default=None, help="modes to run (default: all)")
+    add("--knn_train", type=int, default=20000, help="kNN bank: this many train images (0: all)")
+    add("--heldout_images", type=int, default=None, help=f"of the held-out SwAV loss ({DEFAULTS['heldout_images']})")
+    add("--heldout_batch", type=int, default=None, help=f"its Sinkhorn batch ({DEFAULTS['heldout_batch']})")
+    add("--churn_pace_s", type=float, default=CHURN_PACE_S, help="swarm_churn and swarm_paced: least step time")
+    add("--slow_averaging", action="store_true", help="the swarm modes at ResNet-50 boxes' ~100-400 steps per round")
+    slow = f"(--slow_averaging {SLOW_MATCHMAKING_S:g} s, {SLOW_HIVEMIND_STEPS} steps)"
+    add(
         "--min_matchmaking_time",
         type=float,
         default=None,
-        help=f"of swarm/old/hivemind_optimizer (default {NORMAL_MATCHMAKING_S:g} s; --slow_averaging "
-        f"{SLOW_MATCHMAKING_S:g} s)",
+        help=f"of the swarm modes ({NORMAL_MATCHMAKING_S:g} s) {slow}",
     )
-    parser.add_argument(
-        "--hivemind_steps_per_round",
-        type=float,
-        default=None,
-        help="hivemind_optimizer's local steps per box per global epoch when swarm did not run first "
-        f"for the seed (default {NORMAL_HIVEMIND_STEPS}; --slow_averaging {SLOW_HIVEMIND_STEPS})",
-    )
-    parser.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a Hydra override of the config for every process and the evaluation, e.g. "
-        "config.LOSS.swav_loss.epsilon=0.03 (repeatable)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="checkpoints and logs, a new or empty folder; default: benchmarks/out/learning/<time>",
-    )
-    parser.add_argument("--json", type=Path, default=None, help="write settings, runs and summary here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
-    parser.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
+    add("--hivemind_steps_per_round", type=float, default=None, help=f"if swarm did not run ({NORMAL_HIVEMIND_STEPS})")
+    add("--override", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override of every process")
+    add("--out", type=Path, default=None, help="a new or empty folder (default benchmarks/out/learning/<time>)")
+    add("--json", type=Path, default=None, help="write settings, runs and summary here")
+    add("--markdown", type=Path, default=None, help="write the table here")
+    add("--plot", type=Path, default=None, help="write the curves here (PNG)")
     return parser
 
 

@@ -8,8 +8,7 @@ boxes + one NATed, ``b`` one public box + two NATed (each behind its own router)
 boxes ``--force_reachability public``: libp2p's AutoNAT never dials private addresses back, so on these addresses a
 NATed box never finds itself private, nor a public box public, which its relay service waits for).
 
-Writes benchmarks/results/nat.{md,json} (the JSON holds the git commit and every scenario's summary). Run:
-``python -m benchmarks.bench_nat`` (needs unshare, nsenter, ip and iptables; about 3 min per row on a busy machine).
+``python -m benchmarks.bench_nat`` writes benchmarks/results/nat.{md,json} (needs unshare, nsenter, ip and iptables).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, git_state, parse_with_quick
+from benchmarks.common import REPO, git_state, parse_with_quick, write_json, write_text
 from tests.nat_testbed import run_orchestrator
 
 SCENARIO = REPO / "tests" / "nat_scenario.py"
@@ -32,19 +31,8 @@ MODES = ("public", "none", "client_mode", "auto_relay", "auto_relay_private")
 def run_one(scenario: str, mode: str, out: Path, measure_s: float) -> dict:
     """One scenario x mode in its own namespace; its summary.json (with an "error" if the run failed)."""
     flags = ["--force_private"] if mode == "auto_relay_private" else []
-    command = [
-        "unshare",
-        "-rn",
-        sys.executable,
-        str(SCENARIO),
-        scenario,
-        mode.replace("_private", ""),
-        str(out),
-        "--measure_s",
-        str(measure_s),
-        "--join",
-        *flags,
-    ]
+    command = ["unshare", "-rn", sys.executable, str(SCENARIO), scenario, mode.replace("_private", ""), str(out)]
+    command += ["--measure_s", str(measure_s), "--join", *flags]
     t0 = time.monotonic()
     result = run_orchestrator(command, timeout=900)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
@@ -120,45 +108,21 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--measure_s", type=float, default=45.0)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "nat")
-    parser.add_argument(
-        "--from_runs",
-        nargs="+",
-        type=Path,
-        default=[],
-        help="only rebuild the table from these runs' folders (<scenario>_<mode>/summary.json)",
-    )
-    parser.add_argument(
-        "--runs_dir",
-        type=Path,
-        default=None,
-        help="keep each run's folder (logs, records, summary.json) here; default: a temporary one",
-    )
+    parser.add_argument("--runs_dir", type=Path, default=None, help="keep each run's folder here (default: a temp one)")
     args = parse_with_quick(parser, scenarios=["a"], modes=["public"], measure_s=20.0)
-    meta = {
-        "commit": git_state()["commit"],
-        "dirty": git_state()["dirty"],
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "measure_s": args.measure_s,
-    }
+    git = git_state()
+    meta = {"commit": git["commit"], "dirty": git["dirty"], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta["measure_s"] = args.measure_s
     summaries, rows = [], []
-    if args.from_runs:
-        for run in sorted(args.from_runs, key=lambda p: (p.name[0], MODES.index(p.name[2:]))):
-            summary = {**json.loads((run / "summary.json").read_text()), "mode": run.name[2:]}
-            if "maddrs_at_end" not in summary and list(run.glob("box*/maddrs.json")):  # the peers wrote them
-                summary["maddrs_at_end"] = {
-                    p.parent.name: json.loads(p.read_text())["maddrs"] for p in run.glob("box*/maddrs.json")
-                }
-            summaries.append(summary)
-            rows.append(row(summaries[-1]))
     with tempfile.TemporaryDirectory(prefix="bench_nat_") as tmp:
         runs_dir = args.runs_dir or Path(tmp)
-        for scenario in [] if args.from_runs else args.scenarios:
+        for scenario in args.scenarios:
             for mode in args.modes:
                 summaries.append(run_one(scenario, mode, runs_dir / f"{scenario}_{mode}", args.measure_s))
                 rows.append(row(summaries[-1]))
                 print(json.dumps(rows[-1]), flush=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows, "summaries": summaries}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(rows, meta))
+    write_json(args.out.with_suffix(".json"), {**meta, "rows": rows, "summaries": summaries})
+    write_text(args.out.with_suffix(".md"), markdown(rows, meta))
     print(markdown(rows, meta))
 
 

@@ -4,60 +4,27 @@
     nice -n 10 .venv/bin/python -m benchmarks.bench_optimizer --json benchmarks/results/optimizer.json \
         --markdown benchmarks/results/optimizer.md --plot benchmarks/results/optimizer.png
 
-Why this benchmark: ``bench_learning.py`` measures SwAV in VISSL, where collapse and a tiny dataset hide what the
-averaging does. Here the task rewards more samples: a small CNN (2 strided convs + 2 fc, ~0.1M parameters, a
-couple of ms per step on one CPU thread) classifies Fashion-MNIST (60k training images, test accuracy on the 10k
-test set; read from the IDX files of Debian's ``dataset-fashion-mnist``). SGD with momentum, a linear warm-up and a
-cosine decay over a fixed budget of SAMPLES ``S`` (``--samples``). Every peer is a separate process (its own
-session, killed as a whole afterwards), hivemind peers listen on 127.0.0.1 only, each with its own DHT; peer 0
-bootstraps, the others join through its visible multiaddrs. The peers of a run start training at the same
-instant (a file barrier), from the same initial model (``torch.manual_seed(seed)``: the same in every mode), and
-each peer has its own data order (peer ``i`` of seed ``s`` shuffles with ``1000·s + i``).
+Why: bench_learning measures SwAV in VISSL, where collapse and a tiny dataset hide what the averaging does; here the
+task rewards more samples. A small CNN (~0.1M parameters) on Fashion-MNIST's IDX files, SGD with momentum, warm-up
+and cosine over a budget of S samples (``--samples``) that in every swarm mode is the swarm's total (the LR
+schedule's position is the swarm's samples). Every peer is a process of its own session with its own DHT on
+127.0.0.1; the peers of a run start at one instant from the same initial model (``torch.manual_seed(seed)``), each
+with its own data order (peer i of seed s: ``1000·s + i``). An averaging peer's step lasts at least
+``--min_step_s`` (as an accelerator's would; unpaced, shared cores made steps per round vary tenfold).
 
-Modes:
-  alone               one peer trains the whole budget: S samples at batch B.
-  swarm               3 peers with DecentralizedSGD (target_group_size 3, compression none, min_matchmaking_time 1 s).
-  old                 the old design, ``baselines.old_design`` (its lock held from forward to step).
-  hivemind_optimizer  ``hivemind.Optimizer(use_local_updates=True)`` as its docstring tells a user, averaging at every
-                      global epoch of ``--hivemind_target_batch_size`` samples; its LR driven by this loop, no
-                      ``scheduler`` (hivemind steps one per epoch: a staircase).
-  ddp                 3 synchronous gloo processes, global batch 3B, the LR scaled linearly: the reference.
-  ideal               the swarm's 3 peers as replicas in one process (``ideal_swarm``), averaged exactly every H
-                      local steps (the swarm's measured median): swarm − ideal is what the system costs, ideal − ddp
-                      what periodic averaging costs.
+Modes: alone (the whole budget), swarm (DecentralizedSGD), old (``baselines.old_design``), hivemind_optimizer
+(``baselines.hivemind_optimizer``: a global epoch every ``--hivemind_target_batch_size`` samples), ddp (3 gloo
+processes, global batch 3B, LR scaled linearly: the reference), ideal (the swarm's peers as replicas in one process,
+``ideal_swarm``, averaged exactly every H local steps: swarm − ideal is what the system costs, ideal − ddp what
+periodic averaging costs). ``--swarm_lr``: a peer's LR for the swarm's total batch: box (its own batch's), sqrt
+(x sqrt(total / own)), linear (as DDP).
 
-Paced steps: an averaging peer's step lasts at least ``--min_step_s`` (the rest is a sleep), as a box whose
-accelerator takes a fixed time per step: unpaced, on a shared 2-core machine, the peers ran at very different speeds
-and steps per round varied tenfold between runs. Alone and ddp are not paced.
-
-The swarm-wide schedule: in every swarm mode the budget S is the swarm's total (each of 3 equal peers trains S/3)
-and the LR schedule's position is the swarm's samples (a peer's local steps times the swarm's batch per step).
-
-How each peer's LR scales with the swarm's total batch (``--swarm_lr``), with peak LR ``lr`` for
-batch B (``--lr``) and a box's own LR ``lr·b/B`` for its batch b (linear per box, as ``recipe.scale_lr``):
-  box     every peer keeps the LR of its own batch (lr·b/B);
-  sqrt    lr·b/B · sqrt(total batch / b);
-  linear  lr · total batch / B, as DDP does for the global batch.
-
-Experiments (``--experiments``):
-  main       the modes (``--modes``; default all) at ``--swarm_lr`` (>= 5 seeds).
-  lr         swarm at every rule of ``--lr_rules`` (the main rule's runs are shared with main).
-  weighting  peer 2 at batch 2B, peers 0 and 1 at B and paced to the same step rate: equal weights against
-             ``weight_by_samples=True``.
-  slowed     target_group_size 4 (never full) and ``--slowed_min_matchmaking_time``: rounds ~100-400 local steps
-             apart, the ratio of real ResNet-50 boxes at 100 Mbit/s; at every rule of ``--slowed_lr_rules``.
-  ideal      the ideal swarm in both regimes (``--seeds`` seeds).
-  outer      DecentralizedSGD's outer optimizer (``--outer_momentum``, ``--outer_lr``, ``--outer_nesterov``: Nesterov
-             b 0.5, a 0.7 by default), swarm and ideal, main and slowed regimes, each beside the same without it.
-
-Recorded: test accuracy at ``--curve_points`` points along each peer's run against the samples of the swarm and the
-steps per peer, local steps per applied round, the git state. The table gives the final accuracy (mean ± std over
-seeds) and the speed-up over alone (alone's steps / the steps at which the variant's curve first reaches alone's
-final accuracy). Nothing is measured in wall time. Run it under ``nice -n 10``.
-
-``--quick``: 24k samples, 1 seed, 4 curve points, ``--modes`` (default alone swarm), averaging steps paced to at
-least 100 ms so that a swarm peer averages a few times on any machine. ``--resume JSON``: keep that file's finished
-runs and run only the rest of the plan. How the defaults were chosen: benchmarks/results/optimizer.md.
+Experiments (``--experiments``): main (the modes, >= 5 seeds), lr (swarm at every rule), weighting (peer 2 at batch
+2B: equal weights against ``weight_by_samples``), slowed (groups that never fill, rounds ~100-400 steps apart as
+ResNet-50 boxes at 100 Mbit/s), ideal, outer (the outer step, swarm and ideal, beside the same without it), churn
+(the last peer killed or paused for the middle third). Nothing is measured in wall time: test accuracy at
+``--curve_points`` points against steps per peer and the swarm's samples; ``optimizer_report`` makes the tables.
+``--quick``: 24k samples, 1 seed, ``--modes`` (default alone swarm). ``--resume JSON``: run only what it lacks.
 """
 
 from __future__ import annotations
@@ -75,9 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, git_state, kill_session, write_json
-from benchmarks.optimizer_churn import (
-    ChurnPlan,
-)
+from benchmarks.optimizer_churn import ChurnPlan
 from benchmarks.optimizer_peer import PeerConfig
 from benchmarks.optimizer_plan import (
     DATA_DIR,
@@ -137,17 +102,7 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
         for rank in range(count):
             config = PeerConfig(asdict(settings), asdict(spec), rank, str(run_dir), deadline, os.getpid(), port)
             (run_dir / f"peer{rank}.json").write_text(json.dumps(asdict(config)))
-            logs.append(open(run_dir / f"peer{rank}.log", "w"))  # noqa: SIM115 (closed in finally)
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.optimizer_peer", str(run_dir / f"peer{rank}.json")],
-                    cwd=REPO,
-                    env=peer_env(),
-                    stdout=logs[-1],
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            processes.append(start_peer(run_dir / f"peer{rank}.json", logs))
         wait_for_all(
             processes, [run_dir / f"ready{rank}.json" for rank in range(count)], started + SETUP_TIMEOUT_S, "ready"
         )
@@ -172,9 +127,7 @@ def run_one(spec: RunSpec, settings: Settings, out: Path, index: int) -> dict:
             kill_session(process)
         for log in logs:
             log.close()
-    record["pids"] = [
-        process.pid for process in processes
-    ]  # (churn kill: the restarted process's)  # each led its own session: see leftovers()
+    record["pids"] = [process.pid for process in processes]  # each led its own session (see leftovers)
     record["leftover_processes"] = leftovers(record["pids"])
     record["wall_s"] = time.time() - started
     record["loadavg_after"] = os.getloadavg()[0]
@@ -211,14 +164,16 @@ def restart_churned_peer(
     )
     config_path = run_dir / f"peer{churn.rank}_restarted.json"
     config_path.write_text(json.dumps(asdict(config)))
-    logs.append(open(run_dir / f"peer{churn.rank}_restarted.log", "w"))  # noqa: SIM115 (closed by run_one)
-    processes[churn.rank] = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.optimizer_peer", str(config_path)],
-        cwd=REPO,
-        env=peer_env(),
-        stdout=logs[-1],
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    processes[churn.rank] = start_peer(config_path, logs)
+
+
+def start_peer(config_path: Path, logs: list) -> subprocess.Popen:
+    """``optimizer_peer`` with this config, in a session of its own, its output to the config's ``.log`` (added to
+    ``logs``, which the caller closes)."""
+    logs.append(open(config_path.with_suffix(".log"), "w"))  # noqa: SIM115
+    command = [sys.executable, "-m", "benchmarks.optimizer_peer", str(config_path)]
+    return subprocess.Popen(
+        command, cwd=REPO, env=peer_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True
     )
 
 
@@ -258,89 +213,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    defaults = Settings()
-    parser.add_argument("--quick", action="store_true", help="a tiny budget, 1 seed, experiment main with --modes")
-    parser.add_argument("--experiments", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
-    parser.add_argument(
-        "--modes",
-        nargs="+",
-        choices=MODES,
-        default=None,
-        help="modes of experiment main (default: all; --quick: alone swarm)",
-    )
-    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 of experiments main and lr")
-    parser.add_argument("--weighting_seeds", type=int, default=3)
-    parser.add_argument("--slowed_seeds", type=int, default=3)
-    parser.add_argument(
-        "--slowed_lr_rules",
-        nargs="+",
-        choices=LR_RULES,
-        default=list(LR_RULES),
-        help="experiment slowed: does the LR rule's ranking carry over to rounds far apart?",
-    )
-    parser.add_argument(
-        "--resume",
-        type=Path,
-        default=None,
-        help="a JSON this script wrote with the same settings: keep its runs, run only the rest "
-        "(a setting of one mode only, e.g. --hivemind_target_batch_size, may differ: that "
-        "mode's runs are redone)",
-    )
-    parser.add_argument(
-        "--swarm_lr",
-        choices=LR_RULES,
-        default="sqrt",
-        help="how a swarm peer's LR scales with the swarm's total batch (main, weighting, slowed)",
-    )
-    parser.add_argument("--lr_rules", nargs="+", choices=LR_RULES, default=list(LR_RULES), help="experiment lr")
-    parser.add_argument("--samples", type=int, default=defaults.samples, help="S, the budget (the swarm's total)")
-    parser.add_argument("--batch", type=int, default=defaults.batch, help="B, a peer's batch")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak LR at batch B")
-    parser.add_argument("--curve_points", type=int, default=defaults.curve_points)
-    parser.add_argument(
-        "--min_matchmaking_time",
-        type=float,
-        default=defaults.min_matchmaking_time,
-        help="the main regime's (hivemind_optimizer: its matchmaking_time)",
-    )
-    parser.add_argument("--slowed_min_matchmaking_time", type=float, default=defaults.slowed_min_matchmaking_time)
-    parser.add_argument(
-        "--ideal_period",
-        type=int,
-        default=25,
-        help="experiments ideal, outer: the ideal's local steps per round in the main regime (the swarm's median)",
-    )
-    parser.add_argument(
-        "--slowed_ideal_period", type=int, default=179, help="the same for the slowed regime (the swarm's median)"
-    )
-    parser.add_argument(
-        "--churn_pace_s",
-        type=float,
-        default=0.05,
-        help="experiment churn: every step of its runs lasts at least this long (a restarted peer needs ~20 s)",
-    )
-    parser.add_argument("--outer_momentum", type=float, default=0.5, help="experiment outer: the variant's b")
-    parser.add_argument("--outer_lr", type=float, default=0.7, help="experiment outer: the variant's a")
-    parser.add_argument(
-        "--outer_nesterov", action=argparse.BooleanOptionalAction, default=True, help="experiment outer: its form"
-    )
-    parser.add_argument("--hivemind_target_batch_size", type=int, default=defaults.hivemind_target_batch_size)
-    parser.add_argument(
-        "--min_step_s",
-        type=float,
-        default=defaults.min_step_s,
-        help="an averaging peer's step lasts at least this long (the rest is a sleep)",
-    )
-    parser.add_argument("--data_dir", type=Path, default=DATA_DIR, help="the Fashion-MNIST IDX files (.gz)")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="peer configs and logs; default benchmarks/out/optimizer/<time>"
-    )
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument(
-        "--headline_plot", type=Path, default=None, help="the README's plot: alone, swarm, ddp, hivemind_optimizer"
-    )
+    defaults, add = Settings(), parser.add_argument
+    add("--quick", action="store_true", help="a tiny budget, 1 seed, experiment main with --modes")
+    add("--experiments", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
+    add("--modes", nargs="+", choices=MODES, default=None, help="of experiment main (default all; --quick alone swarm)")
+    add("--seeds", type=int, default=5, help="seeds 0..N-1 of experiments main and lr")
+    add("--weighting_seeds", type=int, default=3)
+    add("--slowed_seeds", type=int, default=3)
+    add("--slowed_lr_rules", nargs="+", choices=LR_RULES, default=list(LR_RULES), help="experiment slowed's rules")
+    add("--resume", type=Path, default=None, help="a JSON of this script with the same settings: run only the rest")
+    add("--swarm_lr", choices=LR_RULES, default="sqrt", help="how a swarm peer's LR scales with the swarm's batch")
+    add("--lr_rules", nargs="+", choices=LR_RULES, default=list(LR_RULES), help="experiment lr")
+    add("--samples", type=int, default=defaults.samples, help="S, the budget (the swarm's total)")
+    add("--batch", type=int, default=defaults.batch, help="B, a peer's batch")
+    add("--lr", type=float, default=defaults.lr, help="peak LR at batch B")
+    add("--curve_points", type=int, default=defaults.curve_points)
+    add("--min_matchmaking_time", type=float, default=defaults.min_matchmaking_time, help="the main regime's")
+    add("--slowed_min_matchmaking_time", type=float, default=defaults.slowed_min_matchmaking_time)
+    add("--ideal_period", type=int, default=25, help="the ideal's local steps per round (the swarm's median)")
+    add("--slowed_ideal_period", type=int, default=179, help="the same in the slowed regime")
+    add("--churn_pace_s", type=float, default=0.05, help="experiment churn: every step lasts at least this long")
+    add("--outer_momentum", type=float, default=0.5, help="experiment outer: the variant's b")
+    add("--outer_lr", type=float, default=0.7, help="experiment outer: the variant's a")
+    add("--outer_nesterov", action=argparse.BooleanOptionalAction, default=True, help="experiment outer: its form")
+    add("--hivemind_target_batch_size", type=int, default=defaults.hivemind_target_batch_size)
+    add("--min_step_s", type=float, default=defaults.min_step_s, help="an averaging peer's least step time")
+    add("--data_dir", type=Path, default=DATA_DIR, help="the Fashion-MNIST IDX files (.gz)")
+    add("--out", type=Path, default=None, help="peer configs and logs; default benchmarks/out/optimizer/<time>")
+    add("--json", type=Path, default=None)
+    add("--markdown", type=Path, default=None)
+    add("--plot", type=Path, default=None)
+    add("--headline_plot", type=Path, default=None, help="the README's plot: alone, swarm, ddp, hivemind_optimizer")
     return parser
 
 
@@ -350,32 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: {args.data_dir} lacks {missing} (apt-get install dataset-fashion-mnist)", file=sys.stderr)
         return 2
+    given = {name: getattr(args, name) for name in Settings.__dataclass_fields__ if name != "data_dir" and name in args}
     if args.quick:
-        args.experiments, args.seeds = ["main"], 1
-        args.modes = args.modes or ["alone", "swarm"]
-        settings = Settings(
-            samples=24_000,
-            curve_points=4,
-            min_step_s=0.1,
-            data_dir=str(args.data_dir),
-            batch=args.batch,
-            lr=args.lr,
-            min_matchmaking_time=args.min_matchmaking_time,
-            hivemind_target_batch_size=min(args.hivemind_target_batch_size, 4 * 3 * args.batch),
-        )
-    else:
-        args.modes = args.modes or list(MODES)
-        settings = Settings(
-            samples=args.samples,
-            batch=args.batch,
-            lr=args.lr,
-            curve_points=args.curve_points,
-            min_matchmaking_time=args.min_matchmaking_time,
-            slowed_min_matchmaking_time=args.slowed_min_matchmaking_time,
-            hivemind_target_batch_size=args.hivemind_target_batch_size,
-            data_dir=str(args.data_dir),
-            min_step_s=args.min_step_s,
-        )
+        args.experiments, args.seeds, args.modes = ["main"], 1, args.modes or ["alone", "swarm"]
+        hivemind_target = min(args.hivemind_target_batch_size, 4 * 3 * args.batch)
+        given.update(samples=24_000, curve_points=4, min_step_s=0.1, hivemind_target_batch_size=hivemind_target)
+    settings = Settings(**given, data_dir=str(args.data_dir))
+    args.modes = args.modes or list(MODES)
     runs = plan(args, settings)
     out = args.out or REPO / "benchmarks/out/optimizer" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)

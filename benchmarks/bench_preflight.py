@@ -9,7 +9,7 @@ Why: the pre-flight advises settings from what the links do; this runs it where 
 veth link shaped to that rate each way with ``tc tbf``, ``benchmarks/netns.py``; the script re-executes itself
 inside ``unshare -rn``, no root needed). Each box is a real ``run_trainer.py`` process, started as users start it,
 with its own output. Also: the advice each box's numbers give for swav_resnet50's size at its measured link rate
-(``preflight.advise(..., values=...)``; the size from ``benchmarks/results/traffic.json`` when it is there).
+(the size from ``benchmarks/results/traffic.json`` when it is there).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netns
-from benchmarks.common import REPO, commit_label, parse_with_quick
+from benchmarks.common import REPO, commit_label, parse_with_quick, write_json, write_text
 from vissl_swarm import preflight
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm_together, wait_until
 
@@ -99,21 +99,14 @@ def run_regime(name: str, mbit: float | None, boxes: int, seconds: float, data: 
         if reports:
             document = json.loads(reports[-1].read_text())
             row.update(document)
-            measured = preflight.Measured(
-                **{
-                    key: value
-                    for key, value in document["measured"].items()
-                    if key in preflight.Measured.__dataclass_fields__
-                }
-                | {"group_sizes": tuple(document["measured"]["group_sizes"])}
-            )
+            fields = {k: v for k, v in document["measured"].items() if k in preflight.Measured.__dataclass_fields__}
+            measured = preflight.Measured(**fields | {"group_sizes": tuple(fields["group_sizes"])})
             current = preflight.Settings(**document["settings"])
             big = resnet50_values()
             row["advice_resnet50"] = [vars(a) for a in preflight.advise(measured, current, values=big)]
             if mbit is not None:  # the same at the link's own rate, which the small model's rounds do not reach
-                row["advice_resnet50_at_link"] = [
-                    vars(a) for a in preflight.advise(measured, current, values=big, link_mbit=mbit)
-                ]
+                at_link = preflight.advise(measured, current, values=big, link_mbit=mbit)
+                row["advice_resnet50_at_link"] = [vars(a) for a in at_link]
             row["table"] = log[log.index("pre-flight of this box") :].split("(as JSON")[0].rstrip()
         rows.append(row)
     return {
@@ -213,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["out"] = str(out)
     text = markdown(results, meta)
     print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    if args.markdown:
-        args.markdown.write_text(text)
+    write_json(args.json, {"meta": meta, "results": results})
+    write_text(args.markdown, text)
     failed = [row["box"] for result in results for row in result["rows"] if row["exit_code"] != 0]
     return 1 if failed else 0
 

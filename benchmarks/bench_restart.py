@@ -1,7 +1,6 @@
 #!/usr/bin/env python3
-"""How soon a restarted box averages again: the README's three boxes, the first one killed and started again.
-
-Not a test (tests/test_swarm_training.py checks the outcome): a benchmark that times it.
+"""How soon a restarted box averages again: the README's three boxes, the first one killed and started again
+(tests/test_swarm_training.py checks the outcome; this times it).
 
     python -m benchmarks.bench_restart --repeats 3 --json benchmarks/results/restart.json \
         --markdown benchmarks/results/restart.md
@@ -9,15 +8,13 @@ Not a test (tests/test_swarm_training.py checks the outcome): a benchmark that t
 Three ``swav_tiny`` boxes train on the digits on 127.0.0.1: box0 as the README's first box (an identity file, a fixed
 port, no --initial_peers), box1 and box2 joined through it. Once all three averaged, box0 gets SIGKILL (its process
 only, as the OOM killer would: its DHT and p2p daemon must end by themselves and free the port) and is started again
-``--down_for`` seconds later with the same command. Timed from that start: the first logged step (VISSL's start-up,
-resume and the state download) and the first applied round with a groupmate. The others have each other, so
-nobody dials box0: it must find them through the peers it met (its address book).
+``--down_for`` seconds later with the same command. Timed from that start: the first logged step and the first
+applied round with a groupmate. Nobody dials box0: it must find the others through its address book.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -26,7 +23,15 @@ import time
 from pathlib import Path
 from tempfile import mkdtemp
 
-from benchmarks.common import REPO, commit_label, fast_round_flags, markdown_table, parse_with_quick
+from benchmarks.common import (
+    REPO,
+    commit_label,
+    fast_round_flags,
+    markdown_table,
+    parse_with_quick,
+    write_json,
+    write_text,
+)
 from vissl_swarm.address_book import KNOWN_PEERS_FILE, AddressBook
 from vissl_swarm.local_swarm import LocalPeer, fixed_address, start_swarm, stop_all, wait_until
 
@@ -39,22 +44,19 @@ OVERRIDES = [
 ]
 
 
+def averaged(peer: LocalPeer) -> bool:
+    return any(record["group_size"] >= 2 for record in peer.applied_rounds())
+
+
 def one_restart(data: Path, out: Path, down_for: float) -> dict:
     peers = [LocalPeer(f"box{index}", out) for index in range(3)]
     first_flags, _ = fixed_address(peers[0])
     try:
         start_swarm(peers, data, FLAGS, OVERRIDES, first_flags=first_flags)
         for peer in peers:
-            wait_until(
-                lambda peer=peer: any(r["group_size"] >= 2 for r in peer.applied_rounds()),
-                300,
-                f"a round on {peer.name}",
-            )
-        wait_until(
-            lambda: len(AddressBook(peers[0].checkpoint_dir / KNOWN_PEERS_FILE)) >= 2,
-            120,
-            "box1 and box2 in box0's address book",
-        )
+            wait_until(lambda peer=peer: averaged(peer), 300, f"a round on {peer.name}")
+        book = peers[0].checkpoint_dir / KNOWN_PEERS_FILE
+        wait_until(lambda: len(AddressBook(book)) >= 2, 120, "box1 and box2 in box0's address book")
         os.kill(peers[0].process.pid, signal.SIGKILL)  # the trainer only; its DHT and p2pd must end by themselves
         peers[0].process.wait()
         time.sleep(down_for)
@@ -107,17 +109,15 @@ def main() -> int:
     rows = [{"run": index, **run} for index, run in enumerate(runs)]
     table = markdown_table(rows)
     print(table)
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(
-            f"# A restarted first box: seconds from its start to its first step and to its first round\n\n"
-            f"`python -m benchmarks.bench_restart --repeats {args.repeats}` at commit {summary['commit']} (3 swav_tiny "
-            f"boxes on "
-            f"127.0.0.1, 2 cores; box0 killed with SIGKILL once all averaged, started again {args.down_for:g} s "
-            f"later)\n\n{table}\n\nmedian to the first round: {summary['first_round_s_median']} s, max "
-            f"{summary['first_round_s_max']} s\n"
-        )
+    write_json(args.json, summary)
+    write_text(
+        args.markdown,
+        f"# A restarted first box: seconds from its start to its first step and to its first round\n\n"
+        f"`python -m benchmarks.bench_restart --repeats {args.repeats}` at commit {summary['commit']} (3 swav_tiny "
+        f"boxes on 127.0.0.1, 2 cores; box0 killed with SIGKILL once all averaged, started again {args.down_for:g} s "
+        f"later)\n\n{table}\n\nmedian to the first round: {summary['first_round_s_median']} s, max "
+        f"{summary['first_round_s_max']} s",
+    )
     return 0
 
 

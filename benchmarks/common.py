@@ -221,6 +221,15 @@ def pyplot() -> Any:
     return plt
 
 
+def plot_band(axis: Any, xs: Sequence[float], ys: Sequence[float], stds: Sequence[float | None], **style: Any) -> Any:
+    """A mean curve and its ± std band, in the line's colour."""
+    (line,) = axis.plot(xs, ys, **style)
+    low = [y - (s or 0.0) for y, s in zip(ys, stds, strict=True)]
+    high = [y + (s or 0.0) for y, s in zip(ys, stds, strict=True)]
+    axis.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
+    return line
+
+
 def save_figure(figure: Any, path: Path, dpi: int = 110) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.learning_setup import BenchError, Plan
-from vissl_swarm.local_swarm import (
-    LocalPeer,
-    wait_until,
-)
+from vissl_swarm.local_swarm import LocalPeer, wait_until
 
 # ------------------------------------------------------------------------------------------------------- churn
 

@@ -17,13 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import crossing
+from benchmarks.common import crossing, rounded
 from benchmarks.learning_setup import SWARM_MODES, BenchError, Plan, count_images
 from run_eval import knn_top1
-from vissl_swarm.local_swarm import (
-    LocalPeer,
-    read_jsonl,
-)
+from vissl_swarm.local_swarm import LocalPeer, read_jsonl
 
 
 def load_split(folder: Path, transform: Any, indices: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,8 +221,8 @@ def rounds_of(peer: LocalPeer) -> dict:
     return {
         "applied": len(applied),
         "failed": len(records) - len(applied),
-        "group_size_mean": _rounded(mean(r["group_size"] for r in applied)) if applied else None,
-        "staleness_mean": _rounded(mean(staleness)) if staleness else None,
+        "group_size_mean": rounded(mean(r["group_size"] for r in applied)) if applied else None,
+        "staleness_mean": rounded(mean(staleness)) if staleness else None,
     }
 
 
@@ -239,7 +236,7 @@ def mean_curve(boxes: list[list[dict]], initial: InitialModel) -> list[dict]:
     for group in groups:
         points.append(
             {
-                key: _rounded(mean(point[key] for point in group), 4 if key in ("knn", "heldout_loss") else 1)
+                key: rounded(mean(point[key] for point in group), 4 if key in ("knn", "heldout_loss") else 1)
                 for key in ("steps", "samples", "knn", "heldout_loss")
             }
         )
@@ -264,7 +261,7 @@ def trunk_distance(paths: list[Path]) -> float | None:
         math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b, strict=True)))
         for a, b in itertools.combinations(weights, 2)
     ]
-    return _rounded(mean(distances), 3) if distances else None
+    return rounded(mean(distances), 3) if distances else None
 
 
 def evaluate_run(
@@ -307,17 +304,13 @@ def evaluate_run(
         result.update(
             rounds_per_box=rounds,
             rounds_applied_per_box=applied,
-            steps_per_round=_rounded(mean(ratios), 1) if ratios else None,
+            steps_per_round=rounded(mean(ratios), 1) if ratios else None,
             trunk_distance=trunk_distance(final_paths),
             lr_factor=[entry.get("lr_factor") for entry in last_logged],
         )  # --swarm_lr scaling
         if mode == "hivemind_optimizer":
             result["hivemind_target_batch_size"] = hivemind_target
     return result
-
-
-def _rounded(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 def floor_runs(mode: str, seed: int, initial: InitialModel, raw_pixels: float | None) -> dict:

@@ -6,9 +6,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from benchmarks.common import markdown_table, paired_difference, pyplot, save_figure, spread
+from benchmarks.common import markdown_table, paired_difference, plot_band, pyplot, rounded, save_figure, spread
 from benchmarks.learning_churn import CHURN_MEANS
-from benchmarks.learning_eval import _rounded, reached
+from benchmarks.learning_eval import reached
 from benchmarks.learning_setup import FLOOR_ROWS, PAIRED, SWARM_MODES
 
 # ----------------------------------------------------------------------------------------------------- reports
@@ -22,7 +22,7 @@ def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
     if not done:
         return summary
     knn, knn_std = spread([run["knn"] for run in done])
-    summary.update(knn_mean=_rounded(knn), knn_std=_rounded(knn_std))
+    summary.update(knn_mean=rounded(knn), knn_std=rounded(knn_std))
     if mode in FLOOR_ROWS:
         return summary
     reach = [
@@ -32,23 +32,23 @@ def summarize(mode: str, runs: list[dict], alone: dict[int, float]) -> dict:
     ]
     reaching = [pair for pair in reach if pair[0] is not None]
     summary.update(
-        heldout_loss_mean=_rounded(mean(run["heldout_loss"] for run in done)),
+        heldout_loss_mean=rounded(mean(run["heldout_loss"] for run in done)),
         steps_per_box_mean=round(mean(s for run in done for s in run["steps_per_box"]), 1),
         samples_of_swarm_mean=round(mean(run["samples_of_swarm"] for run in done), 1),
         seeds_reaching_alone=len(reaching),
         seeds_compared_with_alone=len(reach),
-        steps_to_alone_mean=_rounded(mean(p[0] for p in reaching), 1) if reaching else None,
-        samples_to_alone_mean=_rounded(mean(p[1] for p in reaching), 1) if reaching else None,
+        steps_to_alone_mean=rounded(mean(p[0] for p in reaching), 1) if reaching else None,
+        samples_to_alone_mean=rounded(mean(p[1] for p in reaching), 1) if reaching else None,
         curve=curve_over_seeds([run["curve"] for run in done]),
     )
     if mode in SWARM_MODES:
         ratios = [run["steps_per_round"] for run in done if run.get("steps_per_round") is not None]
         summary.update(
-            steps_per_round_mean=_rounded(mean(ratios), 1) if ratios else None,
+            steps_per_round_mean=rounded(mean(ratios), 1) if ratios else None,
             rounds_per_box_mean=round(mean(a for run in done for a in run["rounds_applied_per_box"]), 1),
         )
     if churns := [run["churn"] for run in done if "churn" in run]:
-        summary["churn_mean"] = {key: _rounded(mean(churn[key] for churn in churns)) for key in CHURN_MEANS}
+        summary["churn_mean"] = {key: rounded(mean(churn[key] for churn in churns)) for key in CHURN_MEANS}
     return summary
 
 
@@ -56,10 +56,10 @@ def curve_over_seeds(curves: list[list[dict]]) -> list[dict]:
     """Point k of every seed's curve (seeds share the checkpoint schedule), mean ± std."""
     points = []
     for group in zip(*curves, strict=False):
-        point = {key: _rounded(mean(p[key] for p in group), 1) for key in ("steps", "samples")}
+        point = {key: rounded(mean(p[key] for p in group), 1) for key in ("steps", "samples")}
         for key in ("knn", "heldout_loss"):
             value, std = spread([p[key] for p in group])
-            point[key], point[f"{key}_std"] = _rounded(value), _rounded(std)
+            point[key], point[f"{key}_std"] = rounded(value), rounded(std)
         points.append(point)
     return points
 
@@ -128,17 +128,9 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
         for row, key in enumerate(("knn", "heldout_loss")):
             for column, axis_key in enumerate(("samples", "steps")):
                 axis = axes[row][column]
-                xs = [point[axis_key] for point in curve]
-                ys = [point[key] for point in curve]
-                stds = [point[f"{key}_std"] or 0.0 for point in curve]
-                (line,) = axis.plot(xs, ys, marker="o", markersize=3, label=summary["mode"])
-                axis.fill_between(
-                    xs,
-                    [y - s for y, s in zip(ys, stds, strict=True)],
-                    [y + s for y, s in zip(ys, stds, strict=True)],
-                    color=line.get_color(),
-                    alpha=0.15,
-                )
+                xs, ys = [point[axis_key] for point in curve], [point[key] for point in curve]
+                stds = [point[f"{key}_std"] for point in curve]
+                plot_band(axis, xs, ys, stds, marker="o", markersize=3, label=summary["mode"])
     for row, label in enumerate(("kNN top-1 on val", "held-out SwAV loss")):
         for column, xlabel in enumerate(("samples the swarm processed", "steps per box")):
             axis = axes[row][column]

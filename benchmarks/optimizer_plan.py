@@ -30,14 +30,8 @@ EVAL_CHUNK = 2000
 # rough costs on the 2-core machine when quiet, for the estimate printed at start and each run's deadline: start-up
 # and shutdown of a run's processes, and CPU seconds per training sample of the whole run (3 peers share 2 cores)
 STARTUP_S = {"alone": 6.0, "ddp": 10.0, "swarm": 25.0, "old": 20.0, "hivemind_optimizer": 25.0, "ideal": 5.0}
-CPU_S_PER_SAMPLE = {
-    "alone": 70e-6,
-    "ddp": 60e-6,
-    "swarm": 60e-6,
-    "old": 60e-6,
-    "hivemind_optimizer": 70e-6,
-    "ideal": 180e-6,  # 3 replicas in one thread
-}
+CPU_S_PER_SAMPLE = {"alone": 70e-6, "ddp": 60e-6, "swarm": 60e-6, "old": 60e-6, "hivemind_optimizer": 70e-6}
+CPU_S_PER_SAMPLE["ideal"] = 180e-6  # 3 replicas in one thread
 MODE_SETTINGS = {"hivemind_target_batch_size": "hivemind_optimizer", "hivemind_averaging_timeout": "hivemind_optimizer"}
 SETUP_TIMEOUT_S = 180.0  # processes started, DHTs joined, optimizers built (a loaded machine is slow at this)
 JOIN_TIMEOUT_S = 60.0  # how long a peer dials peer 0 (our peers: swarm.start_dht)
@@ -254,15 +248,10 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
     if "weighting" in args.experiments:
         for by_samples in (False, True):
             for seed in range(args.weighting_seeds):
-                add(
-                    RunSpec(
-                        "swarm", seed, swarm_lr=args.swarm_lr, unequal=True, weight_by_samples=by_samples, **loopback
-                    )
-                )
+                unequal = dict(unequal=True, weight_by_samples=by_samples)
+                add(RunSpec("swarm", seed, swarm_lr=args.swarm_lr, **unequal, **loopback))
     slowed = dict(
-        regime="slowed",
-        target_group_size=settings.peers + 1,
-        min_matchmaking_time=settings.slowed_min_matchmaking_time,
+        regime="slowed", target_group_size=settings.peers + 1, min_matchmaking_time=settings.slowed_min_matchmaking_time
     )
     periods = {"loopback": args.ideal_period, "slowed": args.slowed_ideal_period}
     outer = dict(outer_momentum=args.outer_momentum, outer_lr=args.outer_lr, outer_nesterov=args.outer_nesterov)
@@ -285,16 +274,7 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
     if "slowed" in args.experiments:
         for rule in args.slowed_lr_rules:
             for seed in range(args.slowed_seeds):
-                add(
-                    RunSpec(
-                        "swarm",
-                        seed,
-                        swarm_lr=rule,
-                        regime="slowed",
-                        target_group_size=settings.peers + 1,
-                        min_matchmaking_time=settings.slowed_min_matchmaking_time,
-                    )
-                )
+                add(RunSpec("swarm", seed, swarm_lr=rule, **slowed))
     return sorted(runs, key=lambda spec: spec.seed)  # seed by seed: a run cut short still compares every variant
 
 

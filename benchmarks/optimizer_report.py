@@ -4,12 +4,23 @@ differences, the markdown tables and the plots."""
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
-from benchmarks.common import REPO, crossing, fmt, pyplot, save_figure, spread, value_at, write_json, write_text
+from benchmarks import common
+from benchmarks.common import (
+    crossing,
+    fmt,
+    paired_difference,
+    plot_band,
+    pyplot,
+    save_figure,
+    spread,
+    value_at,
+    write_json,
+    write_text,
+)
 
 # ----------------------------------------------------------------------------------------------------- summaries
 
@@ -113,10 +124,7 @@ def add_comparisons(summaries: list[dict]) -> None:
 
 
 def mean_std(entry: dict) -> str:
-    if entry.get("final_mean") is None:
-        return "—"
-    std = entry.get("final_std")
-    return f"{entry['final_mean']:.4f} ± {std:.4f}" if std is not None else f"{entry['final_mean']:.4f}"
+    return common.mean_std(entry.get("final_mean"), entry.get("final_std"))
 
 
 def speedup(entry: dict, name: str) -> str:
@@ -263,12 +271,11 @@ def markdown(result: dict) -> str:
 
 def paired(a: dict, b: dict) -> str:
     """a − b over the seeds both have: mean ± std of the per-seed differences (n)."""
-    seeds = sorted(set(a.get("per_seed", {})) & set(b.get("per_seed", {})), key=int)
-    diffs = [a["per_seed"][seed] - b["per_seed"][seed] for seed in seeds]
-    if not diffs:
+    difference = paired_difference(a.get("per_seed", {}), b.get("per_seed", {}))
+    if difference is None:
         return "—"
-    mean_diff, std = spread(diffs)
-    return f"{mean_diff:+.4f}" + (f" ± {std:.4f}" if std is not None else "") + f" (n={len(diffs)})"
+    std = "" if difference["std"] is None else f" ± {difference['std']:.4f}"
+    return f"{difference['mean']:+.4f}{std} (n={len(difference['seeds'])})"
 
 
 def gap_decomposition(summaries: list[dict]) -> list[str]:
@@ -397,13 +404,9 @@ def plot_headline(result: dict, path: Path, variants: tuple[str, ...] = HEADLINE
         entry = by_name.get(name)
         if entry is None:
             continue
-        steps = [point["step"] for point in entry["curve"]]
-        accuracy = [point["accuracy"] for point in entry["curve"]]
-        std = [point.get("std") or 0.0 for point in entry["curve"]]
-        line = axis.plot(steps, accuracy, marker=".", label=f"{labels.get(name, name)} (n={len(entry['seeds'])})")
-        low = [a - s for a, s in zip(accuracy, std, strict=True)]
-        high = [a + s for a, s in zip(accuracy, std, strict=True)]
-        axis.fill_between(steps, low, high, color=line[0].get_color(), alpha=0.15)
+        steps, accuracy = [p["step"] for p in entry["curve"]], [p["accuracy"] for p in entry["curve"]]
+        label = f"{labels.get(name, name)} (n={len(entry['seeds'])})"
+        plot_band(axis, steps, accuracy, [p.get("std") for p in entry["curve"]], marker=".", label=label)
     axis.set_xlabel("steps per box (batch 32 each)")
     axis.set_ylabel("Fashion-MNIST test accuracy")
     axis.set_ylim(0.8, None)
@@ -413,13 +416,6 @@ def plot_headline(result: dict, path: Path, variants: tuple[str, ...] = HEADLINE
         f"Same total samples ({result['settings']['samples']}): plain PyTorch, bench_optimizer.py", fontsize=9
     )
     save_figure(figure, path)
-
-
-def git_commit() -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-
-    return {"head": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
 def write_outputs(args: argparse.Namespace, result: dict, final: bool = True) -> None:

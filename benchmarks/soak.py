@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Soak: 3 real peers train swav_tiny on the digits for a set time while one of them is killed and restarted.
 
-Not a test: a benchmark that prints a table saying whether the swarm survived it (no crash of the survivors, nothing
-non-finite, rounds succeed again once the faults stop, memory does not grow).
+A table says whether the swarm survived it: no crash of the survivors, nothing non-finite, rounds succeed again
+once the faults stop, memory does not grow.
 
     python -m benchmarks.soak --minutes 15 --json benchmarks/results/soak.json --markdown benchmarks/results/soak.md
     python -m benchmarks.soak --quick    # the same code path in ~3 minutes: 1 minute of soak, one kill
@@ -13,9 +13,8 @@ peer1 or peer2 gets SIGKILL (its whole process group: a crash or a power cut) an
 later with the same checkpoint folder (it resumes from it and rejoins through peer0, which is never killed). The
 rest is a quiet tail that measures recovery. Every number is defined in ``DEFINITIONS`` (also in the JSON).
 
-The peers run ``--schedule local`` with far more epochs than they can train in the soak: with the swarm-wide
-schedule the recipe is the whole swarm's budget, and they would finish it and leave before the soak ends. A peer
-that exits on its own (whatever its exit code) is a crash of a survivor.
+The peers run ``--schedule local`` with more epochs than the soak lasts (a swarm-wide budget would end before it):
+a peer that exits on its own, whatever its exit code, is a crash of a survivor.
 """
 
 from __future__ import annotations

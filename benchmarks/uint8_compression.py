@@ -18,12 +18,7 @@ from collections.abc import Iterator
 import hivemind
 import numpy as np
 import torch
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    SizeAdaptiveCompression,
-    Uniform8BitQuantization,
-)
+from hivemind.compression import CompressionBase, Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
 from hivemind.compression.quantization import Quantization
 from hivemind.proto import runtime_pb2
 from packaging.version import Version

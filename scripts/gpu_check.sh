@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (benchmarks/gpu_check.py) on a machine with CUDA and torch but no network and none of our other
+# The GPU check (scripts/gpu_check.py) on a machine with CUDA and torch but no network and none of our other
 # packages: installs the folder that `make gpu-bundle` made (wheels of everything but torch and torchvision, and
 # the project's source) into a fresh virtual environment on top of this machine's own torch, runs the check,
 # and leaves gpu_check.json and gpu_check.md in OUT_DIR. Without a CUDA GPU the check says so and exits 0.
@@ -91,4 +91,4 @@ mkdir -p "$work/source"
 tar -xzf "$bundle/source.tar.gz" -C "$work/source"
 echo "gpu_check.sh: running the GPU check (logs in $work/run)"
 cd "$work/source"
-"$venv_python" -m benchmarks.gpu_check --out "$out" --work_dir "$work/run" "${@:3}"
+"$venv_python" -m scripts.gpu_check --out "$out" --work_dir "$work/run" "${@:3}"

@@ -1,8 +1,8 @@
 """Smoke test for ``python -m benchmarks.bench_averaging``: the whole multi-process code path on a tiny setting.
 
 No timing assertions: this only proves the benchmark runs, cleans up, writes the documented JSON shape, that
-DecentralizedSGD actually completed averaging rounds, and that the hivemind_optimizer arm (hivemind.Optimizer with
-use_local_updates=True) ran beside it and was measured: rounds, staleness, how long it held the trainer.
+DecentralizedSGD and the old design actually completed averaging rounds and were measured: rounds, staleness, how long
+they held the trainer.
 """
 
 import json
@@ -26,8 +26,8 @@ FIELDS = (
     "hold_ms_per_step",
     "hold_share",
 )
-MODES = ("none", "improved", "hivemind_optimizer")
-# On a loaded machine hivemind.Optimizer's first round can fail (a follower's join request times out while its leader
+MODES = ("none", "old", "improved")
+# On a loaded machine a first round can fail (a follower's join request times out while its leader
 # waits for it until allreduce_timeout, 20 s in --quick) and hold the trainer past a 5 s window: a window with no
 # round goes on until one is applied, for at most this long. A swarm that never averages still fails the test.
 EXTEND_S = 60
@@ -68,23 +68,11 @@ def test_bench_averaging_smoke(tmp_path: Path) -> None:
         assert run["samples_per_s_per_peer"] > 0
         assert 4.99 <= run["window_s"] <= 5 + EXTEND_S + 5, run["window_s"]
         assert run["hold_s_total"] >= 0 and run["hold_ms_per_step"] >= 0
-    none, improved, hivemind = runs
+    none, old, improved = runs
     assert none["throughput_ratio"] == 1.0
-    assert improved["rounds_applied"] > 0 and improved["rounds_per_min"] > 0
-    assert improved["group_size_mean"] == 2.0
-
-    # hivemind.Optimizer averaged with its groupmate, once per global epoch, and its target_batch_size was the
-    # swarm's samples in one matchmaking_time at the rate the improved run trained at
-    setup = hivemind["hivemind_setup"]
-    assert setup["rate_source"] == "improved run"
-    assert setup["target_batch_size"] == round(setup["rate_samples_per_s_per_peer"] * 2 * 1.0)
-    assert hivemind["config"]["hivemind_target_batch_size"] == setup["target_batch_size"]
-    assert hivemind["rounds_applied"] > 0 and hivemind["rounds_per_min"] > 0
-    assert hivemind["group_size_mean"] == 2.0 and hivemind["all_finite"]
-    assert hivemind["epochs_per_min"] > 0
-    # its next local update waits for the round in flight (TrainingStateAverager.step with the delta rule), so the
-    # result lands before the parameters move again: no stale steps, paid for by holding the trainer instead
-    assert hivemind["staleness_steps_mean"] == 0.0
-    assert hivemind["hold_s_total"] > 0 and 0 < hivemind["hold_share"] <= 1
-    assert "| sim_full | hivemind_optimizer |" in proc.stdout
-    assert "hivemind_optimizer: hivemind.Optimizer(use_local_updates=True" in proc.stdout
+    for run in (old, improved):
+        assert run["rounds_applied"] > 0 and run["rounds_per_min"] > 0, run["mode"]
+        assert run["group_size_mean"] == 2.0 and run["all_finite"], run["mode"]
+    # the old design averages a snapshot taken before matchmaking: its results are stale when they land
+    assert old["staleness_steps_mean"] > 0
+    assert "| sim_full | improved |" in proc.stdout

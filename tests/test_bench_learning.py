@@ -57,7 +57,7 @@ def test_bench_learning_quick_alone_and_swarm(digits_dir: Path, tmp_path: Path, 
     settings = result["settings"]
     assert settings["git"]["commit"] and isinstance(settings["git"]["dirty"], bool)
     recipe = settings["recipe"]
-    assert recipe["config"] == "swav_tiny" and recipe["epochs"] == 6 and recipe["boxes"] == 3
+    assert recipe["config"] == "swav_tiny" and recipe["epochs"] == 4 and recipe["boxes"] == 3
     assert recipe["budget_samples"] == recipe["alone_steps"] * recipe["batch"]
     assert settings["dataset"]["val_images"] == settings["evaluation"]["knn_queries"]  # the whole val split
     runs = {run["mode"]: run for run in result["runs"]}
@@ -122,6 +122,7 @@ def test_bench_learning_quick_churn_box_comes_back_with_the_swarms_state(digits_
     so that the restart (~10-15 s here) is back before the others finish even when the suite loads the cores."""
     out, report = tmp_path / "learning", tmp_path / "churn.json"
     arguments = ["--quick", "--data_path", str(digits_dir), "--modes", "swarm_churn", "--curve_points", "4"]
+    arguments += ["--epochs", "6", "--train_images", "0"]  # 174 steps a box: time for the restart to come back
     arguments += ["--churn_pace_s", "0.3"]
     arguments += ["--out", str(out), "--json", str(report), "--markdown", str(tmp_path / "churn.md")]
     command = [sys.executable, "-m", "benchmarks.bench_learning", *arguments]

@@ -2,8 +2,9 @@
 real training) in minutes, and its JSON has the fields its chapter in benchmarks/README.md reads.
 
 bench_averaging, bench_learning and bench_optimizer run their ``--quick`` in test_bench_averaging.py,
-test_bench_learning.py and test_bench_optimizer.py, which check more of it; gpu_check's CPU smoke run is
-test_gpu_check.py's. ``make test-long`` lists every test it passed (``-rp``): these are ``test_quick[<benchmark>]``.
+test_bench_learning.py and test_bench_optimizer.py, which check more of it; the GPU check is no benchmark
+(scripts/gpu_check.py, test_gpu_check.py). ``make test-long`` lists every test it passed (``-rp``): these are
+``test_quick[<benchmark>]``.
 """
 
 from __future__ import annotations

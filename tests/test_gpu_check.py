@@ -13,7 +13,7 @@ from tests.conftest import REPO, trainer_env
 def test_without_cuda_the_check_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None:
     env = {**trainer_env(), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path)],
+        [sys.executable, "-m", "scripts.gpu_check", "--out", str(tmp_path)],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -13,12 +13,12 @@ VISSL's synthetic images, made by the data loader workers, so no dataset is need
 With 2 or more GPUs it also runs a box of 2 local processes over NCCL plus the simulated peer, and checks from
 the logged checksums that both local ranks hold the same parameters, buffers and momentum after rounds.
 Without CUDA it prints one line and exits 0. Each run is a fresh set of processes, one run after another: the
-trainer is ``benchmarks/measured_trainer.py`` (``run_trainer.py`` with one more VISSL hook, which times a window
-of steps), the second peer ``benchmarks/simulated_peer.py``.
+trainer is ``scripts/measured_trainer.py`` (``run_trainer.py`` with one more VISSL hook, which times a window
+of steps), the second peer ``scripts/simulated_peer.py``.
 
 Usage:
-    python -m benchmarks.gpu_check [--out benchmarks/results] [--configs C ...] [--window_steps N]
-    python -m benchmarks.gpu_check --cpu_smoke --out DIR     # the same code path on a CPU, with swav_tiny
+    python -m scripts.gpu_check [--out benchmarks/results] [--configs C ...] [--window_steps N]
+    python -m scripts.gpu_check --cpu_smoke --out DIR     # the same code path on a CPU, with swav_tiny
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ def _env() -> dict[str, str]:
 
 
 def _start(peer: LocalPeer, module: str, arguments: list[str], env: dict[str, str] | None = None) -> None:
-    """Start ``python -m benchmarks.<module> ...`` as ``peer``'s process (LocalPeer stops it, reads its log)."""
+    """Start ``python -m scripts.<module> ...`` as ``peer``'s process (LocalPeer stops it, reads its log)."""
     peer.out_dir.mkdir(parents=True, exist_ok=True)
     with open(peer.log_path, "w") as log:
         peer.process = subprocess.Popen(
-            [sys.executable, "-m", f"benchmarks.{module}", *arguments],
+            [sys.executable, "-m", f"scripts.{module}", *arguments],
             cwd=REPO,
             env=env or _env(),
             stdout=log,

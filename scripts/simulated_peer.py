@@ -1,7 +1,7 @@
 """The GPU check's second peer: a plain DecentralizedSGD on the CPU that holds tensors of the trainer's shapes and
 only averages, so that rounds run back to back (the most averaging a swarm can ask of the trainer).
 
-    python -m benchmarks.simulated_peer --schema S --initial_peers ADDR ...
+    python -m scripts.simulated_peer --schema S --initial_peers ADDR ...
 
 ``S`` is what the measured trainer wrote at its start: the averager's prefix (with its schema fingerprint, so the
 two peers meet) and the shapes of the tensors it averages. hivemind and torch only, no VISSL.

@@ -1,6 +1,6 @@
 """The GPU check's trainer: ``run_trainer.py`` with one more VISSL hook, which times a window of training steps.
 
-    python -m benchmarks.measured_trainer --result R --schema S --warmup_steps W --window_steps N --min_rounds K \
+    python -m scripts.measured_trainer --result R --schema S --warmup_steps W --window_steps N --min_rounds K \
         -- <run_trainer.py arguments>
 
 ``measured_hook_generator`` is the swarm's hooks plus ``MeasureWindowHook``; VISSL pickles it into each local
