@@ -18,7 +18,9 @@ episodes, and the machine's load average. The failure share (``failed_share``: f
 ended, every peer's, until consensus or the deadline; ``no_group_share`` likewise) and each failed round
 (``failures``: which peer, its how-many-th round, when, hivemind's error) say which rounds fail and why (they were
 rounds without a group that hivemind reported as formed, throughout the run: results/consensus16.md).
-``--repeat`` runs each mode that many times (a failure share of one run of ~140 rounds is a handful of rounds).
+Groups: the rounds that formed one (every peer's), their mean size and median matchmaking time (from the round's
+start to its group). ``--repeat`` runs each mode that many times (a failure share of one run of ~140 rounds is a
+handful of rounds).
 
 Usage:
     python -m benchmarks.bench_consensus [--peers 16] [--group 4] [--deadline 120] [--modes fixes no_slow_peer_fixes]
@@ -103,6 +105,11 @@ def run_swarm(peers: int, group: int, deadline: float, tolerance: float, **kwarg
     result["rounds_ended"] = sum(len(rs) for rs in records)
     result["failed_share"] = result["rounds_failed"]["total"] / max(1, result["rounds_ended"])
     result["no_group_share"] = result["rounds_no_group"]["total"] / max(1, result["rounds_ended"])
+    grouped = [r for rs in records for r in rs if r.get("group_size")]  # rounds that formed a group
+    result["groups_formed"] = len(grouped)
+    result["mean_group_size"] = statistics.mean(r["group_size"] for r in grouped) if grouped else None
+    waits = [r["matchmaking_s"] for r in grouped if r.get("matchmaking_s") is not None]
+    result["matchmaking_s_median"] = statistics.median(waits) if waits else None
     wall_start = time.time() - (time.monotonic() - started)  # records carry wall-clock times
     result["failures"] = [
         dict(
@@ -127,6 +134,10 @@ def markdown(report: dict[str, Any]) -> str:
         fraction = run[counter.removeprefix("rounds_") + "_share"]
         return f"{run[counter]['total']:g} of {run['rounds_ended']} ({fraction:.1%})"
 
+    def groups(run: dict) -> str:  # formed groups, every peer's (a group of 4 counts 4 times)
+        size = run.get("mean_group_size")
+        return f"{run.get('groups_formed', '—')} ({'—' if size is None else format(size, '.2f')})"
+
     lines = [
         f"# Consensus of {report['runs'][0]['peers']} peers (`python -m benchmarks.bench_consensus`)",
         "",
@@ -134,15 +145,16 @@ def markdown(report: dict[str, Any]) -> str:
         "max (swarm total)",
         "",
         "| mode | consensus s | rounds/min | applied | failed | failed share | no group | no group share | "
-        "DHT bans (peer 0) | leader time-outs | joins skipped | starved | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "groups (mean size) | matchmaking s | DHT bans (peer 0) | leader time-outs | joins skipped | starved | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         consensus = "—" if run["consensus_s"] is None else f"{run['consensus_s']:.1f}"
         lines.append(
             f"| {run['mode']} | {consensus} (of {run['deadline_s']:g}) | {run['rounds_per_min']} | "
             f"{mmm(run['rounds_applied'])} | {mmm(run['rounds_failed'])} | {share(run, 'rounds_failed')} | "
-            f"{mmm(run['rounds_no_group'])} | {share(run, 'rounds_no_group')} | "
+            f"{mmm(run['rounds_no_group'])} | {share(run, 'rounds_no_group')} | {groups(run)} | "
+            f"{'—' if run.get('matchmaking_s_median') is None else format(run['matchmaking_s_median'], '.2f')} | "
             f"{run['slow_dht_node_bans']['total']:g} ({run['slow_dht_node_bans']['peer0']:g}) | "
             f"{mmm(run['slow_leader_timeouts'])} | {mmm(run['slow_leader_requests_skipped'])} | "
             f"{run['starvation_episodes']['total']:g} | {run['load_1min']:.1f} |"

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 CHECK_PERIOD_S = 10.0
 BOOK_PERIOD_S = 30.0  # the address book is brought up to date at the first check with peers, then this often
-WATCH_PERIOD_S = 1.0  # how often the thread looks for peers it has not noted yet (first sight)
+WATCH_PERIOD_S = 1.0  # how often the thread looks for peers it has not noted yet (first sight); while looks find
+# none new, twice as long each time, up to the check period: each look is a DHT round trip, worth it while peers join
 ADDRESS_TRIES = 10  # looks at a new peer whose addresses libp2p does not know yet, before the periodic note takes over
 _rejoiners: weakref.WeakKeyDictionary[hivemind.DHT, DHTRejoiner] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
@@ -58,7 +59,8 @@ async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode, addresses: Sequence[
 
 class DHTRejoiner(threading.Thread):
     """Checks one DHT every ``period`` s; counts rejoins; ``alone``: the last check found nobody. With a ``book``, it
-    notes new peers in it (every ``watch_period`` s, and when ``note`` reports groupmates)."""
+    notes new peers in it (every ``watch_period`` s, less often while none shows up, and when ``note`` reports
+    groupmates)."""
 
     def __init__(
         self,
@@ -82,17 +84,21 @@ class DHTRejoiner(threading.Thread):
 
     def run(self) -> None:
         next_check = time.monotonic() + self.period
+        watch = self.watch_period if self.book is not None else math.inf
         while self.dht.is_alive():
-            watch = self.watch_period if self.book is not None else math.inf
             self._wake.wait(max(0.0, min(watch, next_check - time.monotonic())))
             self._wake.clear()
             if self._stopping.is_set():
                 return
             if self.book is not None:
                 try:
-                    self.note_new_peers()
+                    found = self.note_new_peers()
                 except Exception as e:  # the DHT is shutting down or busy: look again next time
                     logger.debug(f"address book: looking for new peers failed: {e!r}")
+                    found = []
+                with self._lock:  # alone, or peers waiting for their addresses: keep looking often
+                    eager = bool(found) or not self._sighted or bool(self._pending)
+                watch = self.watch_period if eager else min(2 * watch, max(self.period, self.watch_period))
             if time.monotonic() < next_check:
                 continue
             next_check = time.monotonic() + self.period
