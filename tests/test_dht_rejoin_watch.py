@@ -10,8 +10,8 @@ from pathlib import Path
 import hivemind
 import pytest
 
-from decentralized_sgd.address_book import AddressBook
-from decentralized_sgd.dht_rejoin import DHTRejoiner
+from vissl_swarm.address_book import AddressBook
+from vissl_swarm.dht_rejoin import DHTRejoiner
 from vissl_swarm.local_swarm import wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
