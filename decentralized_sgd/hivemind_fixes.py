@@ -1,10 +1,7 @@
-"""Work-arounds for hivemind 1.1.12 (the version requirements.txt pins); ``docs/upstream.md`` is their table, and
-``tests/test_hivemind_fixes.py`` shows each bug on stock hivemind. Each says what hivemind does wrong, where, and the
-upstream issue or PR to file (hivemind#N: github.com/learning-at-home/hivemind). Three kinds: process-wide patches
-(``PATCHES``, installed at import only while ``Patch.fixed_in`` says the installed hivemind needs them; ``STOCK``
-keeps hivemind's for the tests); helpers the averager and the round machine call (and ``FixedDHT``); one log filter
-(``QuietHivemindLog``) for what only makes noise.
-"""
+"""Work-arounds for hivemind 1.1.12, each with what hivemind does wrong, where, and the upstream issue or PR to file
+(hivemind#N: github.com/learning-at-home/hivemind; table: docs/upstream.md). Process-wide ``PATCHES`` (installed at
+import while the installed hivemind needs them), helpers the averager and round machine call, ``FixedDHT``, and one
+log filter (``QuietHivemindLog``) for what only makes noise."""
 
 from __future__ import annotations
 
@@ -321,12 +318,14 @@ def child_pids(pid: int | None = None) -> list[int]:
 def stop_children(pids: list[int], grace: float = KILL_GRACE_S) -> None:
     """SIGTERM each, then SIGKILL those still alive after ``grace`` seconds."""
     for pid in pids:
-        _signal(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        _signal(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def end_with_parent(period: float = PARENT_CHECK_PERIOD_S) -> threading.Thread | None:
@@ -364,13 +363,6 @@ def is_running(pid: int) -> bool:
             return False
         return True
     return state not in ("Z", "X")
-
-
-def _signal(pid: int, number: int) -> None:
-    try:
-        os.kill(pid, number)
-    except ProcessLookupError:
-        pass
 
 
 # --- the DHT's process ---

@@ -278,27 +278,18 @@ class UpdateCheck:
         self.multiple, self.rel_floor = multiple, rel_floor
         self._recent: deque[float] = deque(maxlen=history)
 
-    def limit(self, expected: float | None, snapshot_norm: float) -> float:
-        if not self._recent:
-            return math.inf
-        return self.multiple * ((expected or 0.0) + float(np.median(self._recent))) + self.rel_floor * snapshot_norm
-
-    def excess_limit(self, expected: float, snapshot_norm: float) -> float:
-        if not self._recent:
-            return math.inf
-        return expected + self.multiple * float(np.median(self._recent)) + self.rel_floor * snapshot_norm
-
     def check(
         self, update_norm: float, expected: float | None, snapshot_norm: float, sketched: float | None = None
     ) -> tuple[bool, str]:
         """(accept?, a log line with the numbers). ``sketched``: |the update's projection| (see the class)."""
-        limit = self.limit(expected, snapshot_norm)
-        recent = f"{np.median(self._recent):.4g}" if self._recent else "none"
+        median, floor = float(np.median(self._recent)) if self._recent else math.inf, self.rel_floor * snapshot_norm
+        limit = self.multiple * ((expected or 0.0) + median) + floor if self._recent else math.inf
+        recent = f"{median:.4g}" if self._recent else "none"
         expected_text = "n/a" if expected is None else f"{expected:.4g}"
         ok = math.isfinite(update_norm) and update_norm <= limit
         line = f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g}"
         if ok and sketched is not None and expected is not None:
-            excess = self.excess_limit(expected, snapshot_norm)
+            excess = expected + self.multiple * median + floor if self._recent else math.inf
             ok = sketched <= excess
             line += (
                 f", sketched {sketched:.4g} {'<=' if ok else '>'} expected + {self.multiple:g} x recent + floor "

@@ -1,15 +1,9 @@
 """The swarm secret: only peers that hold it average together and write the swarm's DHT records. Three layers, as
-each alone leaves a gap:
-
-- keyed prefix: the averaging prefix gets an HMAC appended, so the DHT keys where groups meet and the RPC names
-  cannot be derived from the run id (not authentication: libp2p's identify shows our protocol names);
-- member tokens: join requests and gathered data carry ``HMAC(secret, peer id)``, checked against the sender's
-  libp2p-authenticated id by leaders and by every member;
-- signed records (``SwarmSecretValidator``): every DHT record carries an HMAC; only ``members_key`` is exempt, where
-  every peer of a run says "I am here", so that one whose secret matches nobody's can say so (``diagnose_members``).
-
-HMAC-SHA256 over peer ids; a weak secret can be guessed offline from a tag: use ``secrets.token_hex(16)``.
-"""
+each alone leaves a gap: a keyed prefix (the DHT keys where groups meet and the RPC names are not derived from the run
+id alone; libp2p's identify still shows them), member tokens (``HMAC(secret, peer id)`` in join requests and gathered
+data, checked against the sender's authenticated id), and signed DHT records (``SwarmSecretValidator``; only
+``members_key`` is exempt, so a peer whose secret matches nobody's can say so). A weak secret can be guessed offline
+from a tag: use ``secrets.token_hex(16)``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Vetting, an optional part: whom a peer averages with, what a round must pass before its update is applied, and
-the heal of a peer whose group found it diverged. The rules are ``outliers``; ``judge`` applies them to one group's
-gathered payloads, the same in every member and in both processes:
-
-- the averager process (``GroupGuard``): a leader refuses the join request of an outsider (swarm secret) or of a
-  peer a recent verdict refused; in a formed group, only the members ``judge`` keeps run hivemind's AllReduce;
-- the scheduler thread (``RoundVetting``): ``payload()`` when a round starts (our weight summary, reference, step and
-  token), ``judge()`` when it ended (the same verdict, logged and counted; refused: discard and ask for a heal), then
-  ``check_update()`` (a far larger update than predicted is discarded, ``outliers.UpdateCheck``);
-- the trainer thread: ``heal_if_asked()`` at a step boundary, outside ``dsgd.lock``: no round starts meanwhile, and
-  nobody downloads our state; we take a donor's (keeping our step count).
-"""
+the heal of a peer its group found diverged. ``judge`` applies ``outliers``' rules to one group's gathered payloads,
+the same verdict in every member and in both processes: the averager's ``GroupGuard`` (refused joins; only the kept
+members run the AllReduce) and the scheduler's ``RoundVetting`` (payload, verdict, update check); the trainer heals
+at a step boundary (``heal_if_asked``, outside ``dsgd.lock``), taking a donor's state and keeping its step count."""
 
 from __future__ import annotations
 
