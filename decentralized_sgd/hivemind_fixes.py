@@ -272,9 +272,8 @@ async def shut_down_averager(
 ) -> None:
     """averager.py, ``DecentralizedAverager._shutdown`` calls ``.finalize()`` on the Futures of ``_running_groups``
     (hivemind#432), and ``remove_p2p_handlers`` raises when Ctrl-C ended the daemon (hivemind#501). Also leaves
-    matchmaking first (the last withdrawal reaches the DHT), within 80% of ``timeout``; ``steps``: steps in flight to
-    cancel; ``dht_requests``: awaited. PR to file: "DecentralizedAverager._shutdown: finalize the runners, tolerate a
-    gone daemon" (a few lines)."""
+    matchmaking first, within 80% of ``timeout``, then awaits ``dht_requests``. PR to file:
+    "DecentralizedAverager._shutdown: finalize the runners, tolerate a gone daemon" (a few lines)."""
     global _leaving
     _leaving = True  # the rounds this process abandons now are cancelled ones (QuietHivemindLog)
     deadline = time.monotonic() + 0.8 * (timeout if timeout is not None else averager.shutdown_timeout)
@@ -444,10 +443,8 @@ def rewrite_as_one_line(record: logging.LogRecord, message: str, level: int | No
 
 class QuietHivemindLog(logging.Filter):
     """hivemind logs expected outcomes as errors with tracebacks (each round's outcome is counted anyway): a round
-    without a group is dropped (hivemind#519, #387); a departure (a groupmate gone mid-AllReduce, a closed stream, a
-    daemon Ctrl-C ended, a cancelled task, a donor too busy) is one line; a cancelled matchmaking task that ended on a
-    departure ("Task exception was never retrieved") one warning; the parts a round we leave never received are no
-    warning (``shut_down_averager`` cancels it). Other errors keep their traceback."""
+    without a group is dropped (hivemind#519, #387), a departure (a groupmate or our daemon gone, a cancelled task, a
+    busy donor) is one line, and the parts a round we leave never received no warning. Others keep their traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message, error = record.getMessage(), record.exc_info[1] if record.exc_info else None

@@ -140,9 +140,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.trainer, StagingCache(self.boundary_marks), self.round_book, get_extra_state, self.outer
         )
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
-        self.guard = vetting.GroupGuard.for_tensors(
-            self.averaged_tensors.local(), seed=self.prefix, secret=swarm_secret
-        )
+        sketch = vetting.WeightSketch([t.numel() for t in self.averaged_tensors.local()], seed=self.prefix)
+        self.guard = vetting.GroupGuard(sketch, swarm_secret)
         self.averager_opts = dict(  # what every averager process of this peer is built with (see _make_averager)
             prefix=self.prefix,
             target_group_size=target_group_size,

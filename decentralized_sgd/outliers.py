@@ -1,8 +1,6 @@
-"""Diverged peers: a cheap summary of a peer's weights, the rule that finds outliers in a group, and the check that
-refuses an update far larger than expected. hivemind hands every member the same gathered payloads before the
-AllReduce, so a rule that is a pure function of them gives every member the same verdict without another exchange.
-The summaries predate the values averaged, so a second, local check looks at the update itself. Plain torch + numpy:
-the averager process and the trainer run the same functions.
+"""Diverged peers: a cheap summary of a peer's weights, the rule that finds a group's outliers (a pure function of
+the gathered payloads hivemind hands every member: the same verdict everywhere, no extra exchange), and a local check
+of the update itself (the summaries predate the values averaged). Plain torch + numpy, for both processes.
 """
 
 from __future__ import annotations
@@ -268,11 +266,9 @@ class UpdateCheck:
     summaries passes the rule, but its update outgrows their prediction and our recent rounds)::
 
         limit  = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
-        excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update|
+        excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update| (``project``)
 
-    ``limit`` bounds the exact norm; ``excess`` the sketched one (``WeightSketch.project``; not with
-    weight_by_samples). Only once a round was applied since the start or a heal, so a joiner can catch up.
-    """
+    Only once a round was applied since the start or a heal, so a joiner can catch up."""
 
     def __init__(self, multiple: float = 4.0, rel_floor: float = 0.01, history: int = 8):
         self.multiple, self.rel_floor = multiple, rel_floor

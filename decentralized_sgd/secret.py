@@ -120,9 +120,8 @@ def diagnose_members(
 
 class MembershipCheck:
     """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries every
-    ``READ_PERIOD_S``: ``problem`` is what they say of our secret (:func:`diagnose_members`), the one source of that
-    diagnosis. ``poll`` returns it once no group formed for ``patience`` s (inf: never; the VISSL task's alone warning
-    names it instead). Never blocks: each call starts or collects a DHT future."""
+    ``READ_PERIOD_S``: ``problem`` is what they say of our secret (:func:`diagnose_members`); ``poll`` returns it once
+    no group formed for ``patience`` s (inf: never). Never blocks: each call starts or collects a DHT future."""
 
     READ_PERIOD_S = 5.0
 

@@ -1,10 +1,6 @@
-"""State transfer: serve our live training state to peers that join late, and take over a donor's.
-
-Served (from hivemind's state-fetching thread, waiting for ``dsgd.lock`` at most ``SERVE_LOCK_TIMEOUT_S``): the
-parameters, the model's buffers, the optimizer's state (hivemind's ``dump_optimizer_state`` format), our counts and
-``get_extra_state()``, copied under the lock through a staging. Loaded only if the donor's model matches ours and
-``accept(extra_state)`` agrees, under ``dsgd.lock``; rounds filled before are marked stale. A download cut short
-(hivemind#504 returns it as if whole) is tried again, ``DOWNLOAD_ATTEMPTS`` times within the timeout.
+"""State transfer: serve our live training state to late joiners (parameters, model buffers, optimizer state, counts
+and ``get_extra_state()``, copied under ``dsgd.lock``), and take over a donor's if its model matches ours and
+``accept(extra_state)`` agrees (rounds filled before turn stale). A download cut short (hivemind#504) is tried again.
 """
 
 from __future__ import annotations

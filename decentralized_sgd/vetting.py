@@ -90,10 +90,6 @@ class GroupGuard:
         self._banned_until: dict[PeerID, float] = {}  # averager process only
         self._logged_outsiders: set[PeerID] = set()
 
-    @classmethod
-    def for_tensors(cls, tensors: Sequence[torch.Tensor], seed: str, secret: SwarmSecret | None = None) -> GroupGuard:
-        return cls(WeightSketch([t.numel() for t in tensors], seed=seed), secret)
-
     def refuse_join(
         self, serializer: Any, request: averaging_pb2.JoinRequest, sender: PeerID
     ) -> averaging_pb2.MessageFromLeader | None:
