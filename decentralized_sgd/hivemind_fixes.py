@@ -218,14 +218,22 @@ async def hold_step(live: set[asyncio.Task], step: StepControl) -> AsyncIterator
     """averager.py, ``_run`` keeps no reference to a step's task (collected half-way: "Task was destroyed but it is
     pending!"), and misses MPFuture's ``concurrent.futures.InvalidStateError`` of a step cancelled mid-AllReduce. PR to
     file: "DecentralizedAverager: keep step tasks alive; catch concurrent InvalidStateError" (a few lines)."""
+    async with held(live):
+        try:
+            yield
+        except concurrent.futures.InvalidStateError:
+            if not step.cancelled():
+                raise
+            logger.debug("An averaging step was cancelled while its AllReduce ran; its result is dropped")
+
+
+@contextlib.asynccontextmanager
+async def held(live: set[asyncio.Task]) -> AsyncIterator[None]:
+    """The current task in ``live`` until it leaves: asyncio keeps only weak references to tasks."""
     task = asyncio.current_task()
     live.add(task)
     try:
         yield
-    except concurrent.futures.InvalidStateError:
-        if not step.cancelled():
-            raise
-        logger.debug("An averaging step was cancelled while its AllReduce ran; its result is dropped")
     finally:
         live.discard(task)
 
@@ -401,25 +409,16 @@ class FixedDHT(hivemind.DHT):
         """dht/dht.py, ``DHT.run`` keeps no reference to a request's task (collected half-way, never answered); the
         same for get and store. hivemind#427 fixed ``_put_items``; PR to file: "DHT.run: keep references to request
         tasks" (a few lines)."""
-        async with self._held():
+        async with held(self._requests_in_flight):
             await super()._run_coroutine(coro, future)
 
     async def _get(self, *args: Any, **kwargs: Any) -> None:
-        async with self._held():
+        async with held(self._requests_in_flight):
             await super()._get(*args, **kwargs)
 
     async def _store(self, *args: Any, **kwargs: Any) -> None:
-        async with self._held():
+        async with held(self._requests_in_flight):
             await super()._store(*args, **kwargs)
-
-    @contextlib.asynccontextmanager
-    async def _held(self) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        self._requests_in_flight.add(task)
-        try:
-            yield
-        finally:
-            self._requests_in_flight.discard(task)
 
 
 # --- noise ---

@@ -168,12 +168,11 @@ class LeaderAvoidance:
         base_s: float = 5.0,
         max_s: float = 30.0,
         max_share: float = 0.25,
-        lateness: RelativeLateness | None = None,
     ):
         self.request_timeout, self.base_s, self.max_s, self.max_share = request_timeout, base_s, max_s, max_share
         self.counts = counts if counts is not None else SharedCounts()
         # join requests are fewer than DHT answers: a shorter memory, and two time-outs in a row may decide
-        self.lateness = lateness or RelativeLateness(window=8, min_answers=2, min_share=0.5, margin=0.3)
+        self.lateness = RelativeLateness(window=8, min_answers=2, min_share=0.5, margin=0.3)
         self._until: dict[PeerID, float] = {}
         self._strikes: dict[PeerID, int] = {}
 
@@ -219,16 +218,11 @@ class SlowReplyBlacklist:
     fewer than `max_share` of the known nodes are in it. hivemind#676, #624."""
 
     def __init__(
-        self,
-        counts: SharedCounts | None = None,
-        factor: float = 4.0,
-        min_s: float = 0.1,
-        max_share: float = 0.2,
-        lateness: RelativeLateness | None = None,
+        self, counts: SharedCounts | None = None, factor: float = 4.0, min_s: float = 0.1, max_share: float = 0.2
     ):
         self.counts = counts if counts is not None else SharedCounts()
         self.factor, self.min_s, self.max_share = factor, min_s, max_share
-        self.lateness = lateness or RelativeLateness()
+        self.lateness = RelativeLateness()
         self.recent: deque[tuple[PeerID, float]] = deque(maxlen=200)  # (node, answer time) of every node
         self.bans: dict[PeerID, int] = {}
         self.blacklisted: Callable[[PeerID], bool] | None = None  # install: hivemind's (it is pickled before)

@@ -1,10 +1,8 @@
-"""``DecentralizedSGD``: what a training loop calls. The trainer's side is small on purpose: ``step()`` /
-``on_step_end()`` count the step and add the updates of finished rounds (``w ← w + averaged − snapshot``); the rest
-runs in the scheduler thread, the averager process and hivemind's state-fetching thread. The parts are built by the
-``_make_*`` methods, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) overrides one factory.
-
-The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; call ``optimizer.step()`` and
-``on_step_end()`` under it yourself otherwise): fills and late joiners copy them under it, never half an update.
+"""``DecentralizedSGD``: what a training loop calls. ``step()`` / ``on_step_end()`` count the step and add the
+updates of finished rounds (``w ← w + averaged − snapshot``); the rest runs in the background. The ``_make_*`` methods
+build the parts, as hivemind's ``Optimizer`` does. The contract: change the parameters only while holding
+``dsgd.lock`` (``step()`` does; else call ``optimizer.step()`` and ``on_step_end()`` under it): fills and late
+joiners copy them under it, never half an update.
 """
 
 from __future__ import annotations

@@ -109,15 +109,10 @@ class Summary:
 
     def to_wire(self) -> dict[str, Any]:
         """msgpack-friendly (exact Python types)."""
-        reference = None if self.reference is None else [float(x) for x in self.reference]
-        reference_step = None if self.reference_step is None else int(self.reference_step)
-        return {
-            "v": SUMMARY_VERSION,
-            "point": [float(x) for x in self.point],
-            "step": int(self.step),
-            "ref": reference,
-            "ref_step": reference_step,
-        }
+        ref = None if self.reference is None else [float(x) for x in self.reference]
+        ref_step = None if self.reference_step is None else int(self.reference_step)
+        point = [float(x) for x in self.point]
+        return dict(v=SUMMARY_VERSION, point=point, step=int(self.step), ref=ref, ref_step=ref_step)
 
     @classmethod
     def from_wire(cls, obj: Any, size: int) -> Summary | None:
@@ -175,24 +170,17 @@ class Verdict(Generic[K]):
 
 @dataclass(frozen=True)
 class OutlierRule:
-    """Two tests; a member that fails either is an outlier.
+    """Two tests; a member that fails either (or has no valid, finite summary) is an outlier::
 
-    **Far from the group** (a blow-up)::
+        far from the group (a blow-up):
+          center = coordinate-wise median of the members' points and their references (a group of two is decidable)
+          refused if  distance to center > max(multiple * median distance, blowup_floor * |center|, abs_floor)
+        moving too fast (a drift), for a member with a reference:
+          rate = |point - reference| / (step - reference step)
+          refused if  rate > max(multiple * median of the others' rates, rate_floor * |reference|, abs_floor)
 
-        center    = coordinate-wise median of the members' points and their references
-        D         = median distance of those points to the center
-        refused if  distance to center > max(multiple * D, blowup_floor * |center|, abs_floor)
-
-    ``multiple * D`` scales with the group's own spread; the floor (10x the weights) lets in a peer merely elsewhere
-    and refuses a blow-up. The references make a group of two decidable.
-
-    **Moving too fast** (a drift), for a member with a reference::
-
-        rate      = |point - reference| / (step - reference step)
-        refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
-
-    Healthy peers move at similar rates per step, a diverging one faster; the floor (3% of the weights per step)
-    spares noise and a young swarm's large steps. Members without a valid, finite summary are refused.
+    The multiples scale with the group's own spread; the floors (10x the weights; 3% of them per step) let in a peer
+    merely elsewhere, noise and a young swarm's large steps, and refuse a blow-up or a diverging peer.
     """
 
     multiple: float = 6.0

@@ -95,15 +95,7 @@ def diagnose_members(
     others = {peer: tag for peer, tag in entries.items() if peer != own_peer_id}
     if not others:
         return None
-    if secret is None:
-        same = [peer for peer, tag in others.items() if tag == b""]
-    else:
-        same = [
-            peer
-            for peer, tag in others.items()
-            if isinstance(tag, bytes) and tag and secret.verify(tag, "members-key", peer)
-        ]
-    if same:
+    if any(tag == b"" if secret is None else secret.verify(tag, "members-key", peer) for peer, tag in others.items()):
         return None
     if secret is None:
         return (

@@ -115,7 +115,9 @@ class StateTransfer:
             loaded = self._download(averager, max(0.0, deadline - time.monotonic()))
             if loaded is None:
                 return None
-            arrived, expected = len(loaded[1]), served_tensor_count(loaded[0])
+            metadata, arrived = loaded[0], len(loaded[1])  # as many tensors as the donor's metadata lists?
+            expected = int(metadata["num_params"]) + int(metadata["num_buffers"])
+            expected += sum(entry.get("type") == "tensor" for entry in metadata["optimizer"])
             if arrived == expected:
                 return loaded
             attempts_left -= 1
@@ -156,12 +158,6 @@ class StateTransfer:
             staging.write_(loaded)
             staging.copy_to_(targets)
         self.marks.record()
-
-
-def served_tensor_count(metadata: dict) -> int:
-    """How many tensors a donor's ``metadata`` (``StateTransfer.serve``) says it sent."""
-    optimizer_tensors = sum(1 for entry in metadata["optimizer"] if entry.get("type") == "tensor")
-    return int(metadata["num_params"]) + int(metadata["num_buffers"]) + optimizer_tensors
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[torch.Tensor]]:

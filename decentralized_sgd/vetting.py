@@ -68,19 +68,14 @@ def judge(
         else:
             summaries[peer] = Summary.from_wire(payload.get("summary"), size)
     verdict = rule.judge(summaries) if rule is not None else Verdict(tuple(summaries))
-    outliers = {
-        peer: refused.get(peer) or verdict.outliers[peer]
-        for peer in gathered
-        if peer in refused or peer in verdict.outliers
-    }
+    outliers = {p: refused.get(p) or verdict.outliers[p] for p in gathered if p in refused or p in verdict.outliers}
     return summaries, dataclasses.replace(verdict, members=tuple(gathered), outliers=outliers)
 
 
 class GroupGuard:
-    """The averager process's side: whom it lets into its groups, and whom it averages with once a group formed.
-    Built in the trainer's process (shared with ``RoundVetting``: sketch, rule, secret; ``counts`` in shared memory,
-    surviving a restart) and handed to every averager it starts. ``ban_s``: how long a leader refuses a peer a
-    verdict refused."""
+    """The averager process's side: whom it lets into its groups, whom it averages with once a group formed. Built in
+    the trainer's process (sketch, rule and secret shared with ``RoundVetting``; ``counts`` in shared memory) and handed
+    to every averager it starts. ``ban_s``: how long a leader refuses a peer a verdict refused."""
 
     BAN_S = 30.0
 
