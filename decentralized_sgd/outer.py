@@ -86,12 +86,8 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         with self.lock:
-            return {
-                "settings": vars(self.settings).copy(),
-                "anchor": [t.clone() for t in self.anchor],
-                "buffer": [t.clone() for t in self.buffer],
-                "steps": self.steps,
-            }
+            anchor, buffer = [t.clone() for t in self.anchor], [t.clone() for t in self.buffer]
+            return {"settings": vars(self.settings).copy(), "anchor": anchor, "buffer": buffer, "steps": self.steps}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
