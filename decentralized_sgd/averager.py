@@ -1,11 +1,7 @@
-"""The averager process: hivemind's ``DecentralizedAverager`` with our work-arounds, stamps and vetting. Built with
-hivemind's arguments only, it is hivemind's averager. DecentralizedSGD adds ``state_fn`` (the trainer's live state
-for joiners, not the buffers), ``allreduce_stamps`` and ``early_part_refused_at`` (in shared memory, read by the
-scheduler), the ``guard`` that vets its groups (``vetting``), and the slow-peer fixes.
-
-Not ``hivemind.optim.TrainingStateAverager(delta_rule_averaging=True)``: it runs ``optimizer.step()`` itself (VISSL
-steps LARC/AMP), holds ``lock_averaging`` from the trigger to the end of the AllReduce (no overlapping rounds), and
-serves state under the buffers' lock (a joiner waits for a whole AllReduce).
+"""The averager process: hivemind's ``DecentralizedAverager`` with our work-arounds; built with hivemind's arguments
+only, it is hivemind's. DecentralizedSGD adds ``state_fn`` (live state for joiners), AllReduce stamps, the ``guard``
+that vets groups and the slow-peer fixes. Not ``TrainingStateAverager(delta_rule_averaging=True)``: it runs
+``optimizer.step()`` itself (VISSL steps LARC/AMP), allows no overlapping rounds, serves state under the buffers' lock.
 """
 
 from __future__ import annotations

@@ -9,18 +9,16 @@ from collections.abc import Sequence
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
-COMPRESSIONS = ("none", "fp16")  # 8-bit is a benchmark's (benchmarks/uint8_compression.py): see the README
+COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression}  # 8-bit is a benchmark's (uint8_compression.py)
 
 
 def make_compression(name: str | CompressionBase) -> CompressionBase:
     """Map the CLI-friendly names onto hivemind compression classes; a hivemind compression is taken as it is."""
     if isinstance(name, CompressionBase):
         return name
-    if name == "none":
-        return NoCompression()
-    if name == "fp16":
-        return Float16Compression()
-    raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {name!r}")
+    if name not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {name!r}")
+    return COMPRESSIONS[name]()
 
 
 def schema_fingerprint(tensors: Sequence[torch.Tensor]) -> str:

@@ -1,10 +1,7 @@
-"""Work-arounds for hivemind 1.1.12 (the version requirements.txt pins); ``docs/upstream.md`` is their table, and
-``tests/test_hivemind_fixes.py`` shows each bug on stock hivemind. Each says what hivemind does wrong, where, and the
-upstream issue or PR to file (hivemind#N: github.com/learning-at-home/hivemind). Three kinds: process-wide patches
-(``PATCHES``, installed at import only while ``Patch.fixed_in`` says the installed hivemind needs them; ``STOCK``
-keeps hivemind's for the tests); helpers the averager and the round machine call (and ``FixedDHT``); one log filter
-(``QuietHivemindLog``) for what only makes noise.
-"""
+"""Work-arounds for hivemind 1.1.12, each with what hivemind does wrong, where, and the upstream issue or PR to file
+(hivemind#N: github.com/learning-at-home/hivemind; table: docs/upstream.md). Process-wide ``PATCHES`` (installed at
+import while the installed hivemind needs them), helpers the averager and round machine call, ``FixedDHT``, and one
+log filter (``QuietHivemindLog``) for what only makes noise."""
 
 from __future__ import annotations
 
@@ -221,14 +218,22 @@ async def hold_step(live: set[asyncio.Task], step: StepControl) -> AsyncIterator
     """averager.py, ``_run`` keeps no reference to a step's task (collected half-way: "Task was destroyed but it is
     pending!"), and misses MPFuture's ``concurrent.futures.InvalidStateError`` of a step cancelled mid-AllReduce. PR to
     file: "DecentralizedAverager: keep step tasks alive; catch concurrent InvalidStateError" (a few lines)."""
+    async with held(live):
+        try:
+            yield
+        except concurrent.futures.InvalidStateError:
+            if not step.cancelled():
+                raise
+            logger.debug("An averaging step was cancelled while its AllReduce ran; its result is dropped")
+
+
+@contextlib.asynccontextmanager
+async def held(live: set[asyncio.Task]) -> AsyncIterator[None]:
+    """The current task in ``live`` until it leaves: asyncio keeps only weak references to tasks."""
     task = asyncio.current_task()
     live.add(task)
     try:
         yield
-    except concurrent.futures.InvalidStateError:
-        if not step.cancelled():
-            raise
-        logger.debug("An averaging step was cancelled while its AllReduce ran; its result is dropped")
     finally:
         live.discard(task)
 
@@ -275,9 +280,8 @@ async def shut_down_averager(
 ) -> None:
     """averager.py, ``DecentralizedAverager._shutdown`` calls ``.finalize()`` on the Futures of ``_running_groups``
     (hivemind#432), and ``remove_p2p_handlers`` raises when Ctrl-C ended the daemon (hivemind#501). Also leaves
-    matchmaking first (the last withdrawal reaches the DHT), within 80% of ``timeout``; ``steps``: steps in flight to
-    cancel; ``dht_requests``: awaited. PR to file: "DecentralizedAverager._shutdown: finalize the runners, tolerate a
-    gone daemon" (a few lines)."""
+    matchmaking first, within 80% of ``timeout``, then awaits ``dht_requests``. PR to file:
+    "DecentralizedAverager._shutdown: finalize the runners, tolerate a gone daemon" (a few lines)."""
     global _leaving
     _leaving = True  # the rounds this process abandons now are cancelled ones (QuietHivemindLog)
     deadline = time.monotonic() + 0.8 * (timeout if timeout is not None else averager.shutdown_timeout)
@@ -321,12 +325,14 @@ def child_pids(pid: int | None = None) -> list[int]:
 def stop_children(pids: list[int], grace: float = KILL_GRACE_S) -> None:
     """SIGTERM each, then SIGKILL those still alive after ``grace`` seconds."""
     for pid in pids:
-        _signal(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        _signal(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def end_with_parent(period: float = PARENT_CHECK_PERIOD_S) -> threading.Thread | None:
@@ -366,13 +372,6 @@ def is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _signal(pid: int, number: int) -> None:
-    try:
-        os.kill(pid, number)
-    except ProcessLookupError:
-        pass
-
-
 # --- the DHT's process ---
 
 
@@ -410,25 +409,16 @@ class FixedDHT(hivemind.DHT):
         """dht/dht.py, ``DHT.run`` keeps no reference to a request's task (collected half-way, never answered); the
         same for get and store. hivemind#427 fixed ``_put_items``; PR to file: "DHT.run: keep references to request
         tasks" (a few lines)."""
-        async with self._held():
+        async with held(self._requests_in_flight):
             await super()._run_coroutine(coro, future)
 
     async def _get(self, *args: Any, **kwargs: Any) -> None:
-        async with self._held():
+        async with held(self._requests_in_flight):
             await super()._get(*args, **kwargs)
 
     async def _store(self, *args: Any, **kwargs: Any) -> None:
-        async with self._held():
+        async with held(self._requests_in_flight):
             await super()._store(*args, **kwargs)
-
-    @contextlib.asynccontextmanager
-    async def _held(self) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        self._requests_in_flight.add(task)
-        try:
-            yield
-        finally:
-            self._requests_in_flight.discard(task)
 
 
 # --- noise ---
@@ -452,10 +442,8 @@ def rewrite_as_one_line(record: logging.LogRecord, message: str, level: int | No
 
 class QuietHivemindLog(logging.Filter):
     """hivemind logs expected outcomes as errors with tracebacks (each round's outcome is counted anyway): a round
-    without a group is dropped (hivemind#519, #387); a departure (a groupmate gone mid-AllReduce, a closed stream, a
-    daemon Ctrl-C ended, a cancelled task, a donor too busy) is one line; a cancelled matchmaking task that ended on a
-    departure ("Task exception was never retrieved") one warning; the parts a round we leave never received are no
-    warning (``shut_down_averager`` cancels it). Other errors keep their traceback."""
+    without a group is dropped (hivemind#519, #387), a departure (a groupmate or our daemon gone, a cancelled task, a
+    busy donor) is one line, and the parts a round we leave never received no warning. Others keep their traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message, error = record.getMessage(), record.exc_info[1] if record.exc_info else None

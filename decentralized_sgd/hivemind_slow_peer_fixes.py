@@ -1,15 +1,8 @@
-"""Slow peers, an optional part: work-arounds for hivemind 1.1.12 that keep healthy peers at their pace when a
-groupmate's box is overloaded. They lose their time in hivemind's DHT, not in the AllReduce: every store waits for
-every replica, and a slow node answers late but never late enough to be blacklisted. Four fixes:
-
-1. ``CoalescedEvent``: hivemind declares our state once per averaged *tensor* per round; once a second.
-2. ``BackgroundDeclarations``: a formed group no longer waits for the withdrawal of our declaration.
-3. ``LeaderAvoidance``: a leader that leaves join requests unanswered is skipped for a while.
-4. ``SlowReplyBlacklist``: a DHT node that answers late far more often than the others is blacklisted.
-
-3 and 4 judge a node against the median of the others (``RelativeLateness``: a swarm slow everywhere is not a swarm
-with a slow peer) and never exclude more than a share at once. ``SharedCounts`` carries counts across processes.
-"""
+"""Slow peers, an optional part: hivemind 1.1.12 work-arounds that keep healthy peers at their pace beside an
+overloaded groupmate, whose time is lost in hivemind's DHT (every store waits for every replica; a slow node is never
+late enough to be blacklisted), not in the AllReduce. Fixes: 1. ``CoalescedEvent``, 2. ``BackgroundDeclarations``,
+3. ``LeaderAvoidance``, 4. ``SlowReplyBlacklist``; 3 and 4 judge a node against the others (``RelativeLateness``: a
+swarm slow everywhere has no slow peer) and never exclude more than a share at once."""
 
 from __future__ import annotations
 
@@ -175,21 +168,16 @@ class LeaderAvoidance:
         base_s: float = 5.0,
         max_s: float = 30.0,
         max_share: float = 0.25,
-        lateness: RelativeLateness | None = None,
     ):
         self.request_timeout, self.base_s, self.max_s, self.max_share = request_timeout, base_s, max_s, max_share
         self.counts = counts if counts is not None else SharedCounts()
         # join requests are fewer than DHT answers: a shorter memory, and two time-outs in a row may decide
-        self.lateness = lateness or RelativeLateness(window=8, min_answers=2, min_share=0.5, margin=0.3)
+        self.lateness = RelativeLateness(window=8, min_answers=2, min_share=0.5, margin=0.3)
         self._until: dict[PeerID, float] = {}
         self._strikes: dict[PeerID, int] = {}
 
     def avoided(self, leader: PeerID) -> bool:
         return time.monotonic() < self._until.get(leader, -math.inf)
-
-    def _avoiding(self) -> int:
-        now = time.monotonic()
-        return sum(until > now for until in self._until.values())
 
     def record(self, leader: PeerID, got_group: bool, seconds: float) -> None:
         timed_out = not got_group and seconds >= self.request_timeout  # a quick "no" (e.g. group full) is no reason
@@ -200,7 +188,8 @@ class LeaderAvoidance:
         elif timed_out:  # it timed out, or accepted and then went silent
             self.counts.add("slow_leader_timeouts")
             cap = RelativeLateness.cap(len(self.lateness.known()) + 1, self.max_share)  # +1: ourselves
-            if not self.lateness.outlier(leader) or self._avoiding() >= cap:
+            avoiding = sum(until > time.monotonic() for until in self._until.values())
+            if not self.lateness.outlier(leader) or avoiding >= cap:
                 return  # late like the others, or already avoiding as many as we may: keep asking it
             strikes = self._strikes.get(leader, 0)
             self._strikes[leader] = strikes + 1
@@ -229,29 +218,20 @@ class SlowReplyBlacklist:
     fewer than `max_share` of the known nodes are in it. hivemind#676, #624."""
 
     def __init__(
-        self,
-        counts: SharedCounts | None = None,
-        factor: float = 4.0,
-        min_s: float = 0.1,
-        max_share: float = 0.2,
-        lateness: RelativeLateness | None = None,
+        self, counts: SharedCounts | None = None, factor: float = 4.0, min_s: float = 0.1, max_share: float = 0.2
     ):
         self.counts = counts if counts is not None else SharedCounts()
         self.factor, self.min_s, self.max_share = factor, min_s, max_share
-        self.lateness = lateness or RelativeLateness()
+        self.lateness = RelativeLateness()
         self.recent: deque[tuple[PeerID, float]] = deque(maxlen=200)  # (node, answer time) of every node
         self.bans: dict[PeerID, int] = {}
         self.blacklisted: Callable[[PeerID], bool] | None = None  # install: hivemind's (it is pickled before)
 
-    def threshold(self, peer_id: PeerID) -> float:
-        """How long `peer_id` may take, against the other nodes' answers."""
-        others = sorted(seconds for peer, seconds in self.recent if peer != peer_id)
-        median = others[len(others) // 2] if others else 0.0
-        return max(self.min_s, self.factor * median)
-
     def answered(self, peer_id: PeerID, seconds: float) -> bool:
-        """Record one answer; True if the node should be blacklisted now."""
-        self.lateness.record(peer_id, seconds > self.threshold(peer_id))
+        """Record one answer (late: over ``factor`` x the others' median and ``min_s``); True: blacklist it now."""
+        others = sorted(taken for peer, taken in self.recent if peer != peer_id)
+        median = others[len(others) // 2] if others else 0.0
+        self.lateness.record(peer_id, seconds > max(self.min_s, self.factor * median))
         self.recent.append((peer_id, seconds))
         if not self.lateness.outlier(peer_id):
             return False

@@ -1,10 +1,8 @@
-"""``DecentralizedSGD``: what a training loop calls. The trainer's side is small on purpose: ``step()`` /
-``on_step_end()`` count the step and add the updates of finished rounds (``w ← w + averaged − snapshot``); the rest
-runs in the scheduler thread, the averager process and hivemind's state-fetching thread. The parts are built by the
-``_make_*`` methods, as hivemind's ``Optimizer`` builds its own: a subclass (or a test) overrides one factory.
-
-The contract: change the parameters only while holding ``dsgd.lock`` (``step()`` does; call ``optimizer.step()`` and
-``on_step_end()`` under it yourself otherwise): fills and late joiners copy them under it, never half an update.
+"""``DecentralizedSGD``: what a training loop calls. ``step()`` / ``on_step_end()`` count the step and add the
+updates of finished rounds (``w ← w + averaged − snapshot``); the rest runs in the background. The ``_make_*`` methods
+build the parts, as hivemind's ``Optimizer`` does. The contract: change the parameters only while holding
+``dsgd.lock`` (``step()`` does; else call ``optimizer.step()`` and ``on_step_end()`` under it): fills and late
+joiners copy them under it, never half an update.
 """
 
 from __future__ import annotations
@@ -140,9 +138,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
             self.trainer, StagingCache(self.boundary_marks), self.round_book, get_extra_state, self.outer
         )
         self.slow_peer_counts = SharedCounts(SLOW_PEER_COUNTS)  # added to by the averager and DHT processes
-        self.guard = vetting.GroupGuard.for_tensors(
-            self.averaged_tensors.local(), seed=self.prefix, secret=swarm_secret
-        )
+        sketch = vetting.WeightSketch([t.numel() for t in self.averaged_tensors.local()], seed=self.prefix)
+        self.guard = vetting.GroupGuard(sketch, swarm_secret)
         self.averager_opts = dict(  # what every averager process of this peer is built with (see _make_averager)
             prefix=self.prefix,
             target_group_size=target_group_size,

@@ -1,14 +1,11 @@
 """An outer optimizer on the averaged progress (SlowMo, arXiv 1910.00643; DiLoCo's outer Nesterov, arXiv
-2311.08105), per peer (a gossip swarm has no global outer step), with the delta rule kept. Each peer keeps its own
-anchor ``x`` (its parameters as its last applied round left them) and momentum buffer ``u``; a round that averages
-the group's snapshots to ``m``::
+2311.08105), per peer (a gossip swarm has no global outer step), on the parameters. Each peer keeps its anchor ``x``
+(as its last applied round left it) and momentum ``u``; a round that averages the group's snapshots to ``m``::
 
     d = x − m;  u ← b·u + d;  step = a·u (SlowMo) or a·(d + b·u) (Nesterov);  x ← x − step;  update = x − snapshot
 
-``a = 1, b = 0`` is the plain delta rule. Local steps made since the snapshot ride on the new anchor and enter the
-next round's ``d``: each local step enters one pseudo-gradient. Only the parameters get the outer step. ``step_``
-runs in the scheduler thread (``RoundExchange.finish``), in the order rounds are applied; ``reset`` under
-``dsgd.lock`` when our parameters are replaced wholesale (the buffer described progress from a lost anchor).
+``a = 1, b = 0`` is the plain delta rule; local steps since the snapshot enter the next round's ``d``. ``reset``
+when our parameters are replaced wholesale (the buffer described progress from a lost anchor).
 """
 
 from __future__ import annotations
@@ -89,12 +86,8 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         with self.lock:
-            return {
-                "settings": vars(self.settings).copy(),
-                "anchor": [t.clone() for t in self.anchor],
-                "buffer": [t.clone() for t in self.buffer],
-                "steps": self.steps,
-            }
+            anchor, buffer = [t.clone() for t in self.anchor], [t.clone() for t in self.buffer]
+            return {"settings": vars(self.settings).copy(), "anchor": anchor, "buffer": buffer, "steps": self.steps}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

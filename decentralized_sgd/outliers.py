@@ -1,8 +1,6 @@
-"""Diverged peers: a cheap summary of a peer's weights, the rule that finds outliers in a group, and the check that
-refuses an update far larger than expected. hivemind hands every member the same gathered payloads before the
-AllReduce, so a rule that is a pure function of them gives every member the same verdict without another exchange.
-The summaries predate the values averaged, so a second, local check looks at the update itself. Plain torch + numpy:
-the averager process and the trainer run the same functions.
+"""Diverged peers: a cheap summary of a peer's weights, the rule that finds a group's outliers (a pure function of
+the gathered payloads hivemind hands every member: the same verdict everywhere, no extra exchange), and a local check
+of the update itself (the summaries predate the values averaged). Plain torch + numpy, for both processes.
 """
 
 from __future__ import annotations
@@ -111,15 +109,10 @@ class Summary:
 
     def to_wire(self) -> dict[str, Any]:
         """msgpack-friendly (exact Python types)."""
-        reference = None if self.reference is None else [float(x) for x in self.reference]
-        reference_step = None if self.reference_step is None else int(self.reference_step)
-        return {
-            "v": SUMMARY_VERSION,
-            "point": [float(x) for x in self.point],
-            "step": int(self.step),
-            "ref": reference,
-            "ref_step": reference_step,
-        }
+        ref = None if self.reference is None else [float(x) for x in self.reference]
+        ref_step = None if self.reference_step is None else int(self.reference_step)
+        point = [float(x) for x in self.point]
+        return dict(v=SUMMARY_VERSION, point=point, step=int(self.step), ref=ref, ref_step=ref_step)
 
     @classmethod
     def from_wire(cls, obj: Any, size: int) -> Summary | None:
@@ -177,24 +170,17 @@ class Verdict(Generic[K]):
 
 @dataclass(frozen=True)
 class OutlierRule:
-    """Two tests; a member that fails either is an outlier.
+    """Two tests; a member that fails either (or has no valid, finite summary) is an outlier::
 
-    **Far from the group** (a blow-up)::
+        far from the group (a blow-up):
+          center = coordinate-wise median of the members' points and their references (a group of two is decidable)
+          refused if  distance to center > max(multiple * median distance, blowup_floor * |center|, abs_floor)
+        moving too fast (a drift), for a member with a reference:
+          rate = |point - reference| / (step - reference step)
+          refused if  rate > max(multiple * median of the others' rates, rate_floor * |reference|, abs_floor)
 
-        center    = coordinate-wise median of the members' points and their references
-        D         = median distance of those points to the center
-        refused if  distance to center > max(multiple * D, blowup_floor * |center|, abs_floor)
-
-    ``multiple * D`` scales with the group's own spread; the floor (10x the weights) lets in a peer merely elsewhere
-    and refuses a blow-up. The references make a group of two decidable.
-
-    **Moving too fast** (a drift), for a member with a reference::
-
-        rate      = |point - reference| / (step - reference step)
-        refused if  rate > max(multiple * median of the other members' rates, rate_floor * |reference|, abs_floor)
-
-    Healthy peers move at similar rates per step, a diverging one faster; the floor (3% of the weights per step)
-    spares noise and a young swarm's large steps. Members without a valid, finite summary are refused.
+    The multiples scale with the group's own spread; the floors (10x the weights; 3% of them per step) let in a peer
+    merely elsewhere, noise and a young swarm's large steps, and refuse a blow-up or a diverging peer.
     """
 
     multiple: float = 6.0
@@ -268,37 +254,26 @@ class UpdateCheck:
     summaries passes the rule, but its update outgrows their prediction and our recent rounds)::
 
         limit  = multiple * (expected + median of the last ``history`` applied updates) + rel_floor * |snapshot|
-        excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update|
+        excess = expected + multiple * median + rel_floor * |snapshot|, for |sketched update| (``project``)
 
-    ``limit`` bounds the exact norm; ``excess`` the sketched one (``WeightSketch.project``; not with
-    weight_by_samples). Only once a round was applied since the start or a heal, so a joiner can catch up.
-    """
+    Only once a round was applied since the start or a heal, so a joiner can catch up."""
 
     def __init__(self, multiple: float = 4.0, rel_floor: float = 0.01, history: int = 8):
         self.multiple, self.rel_floor = multiple, rel_floor
         self._recent: deque[float] = deque(maxlen=history)
 
-    def limit(self, expected: float | None, snapshot_norm: float) -> float:
-        if not self._recent:
-            return math.inf
-        return self.multiple * ((expected or 0.0) + float(np.median(self._recent))) + self.rel_floor * snapshot_norm
-
-    def excess_limit(self, expected: float, snapshot_norm: float) -> float:
-        if not self._recent:
-            return math.inf
-        return expected + self.multiple * float(np.median(self._recent)) + self.rel_floor * snapshot_norm
-
     def check(
         self, update_norm: float, expected: float | None, snapshot_norm: float, sketched: float | None = None
     ) -> tuple[bool, str]:
         """(accept?, a log line with the numbers). ``sketched``: |the update's projection| (see the class)."""
-        limit = self.limit(expected, snapshot_norm)
-        recent = f"{np.median(self._recent):.4g}" if self._recent else "none"
+        median, floor = float(np.median(self._recent)) if self._recent else math.inf, self.rel_floor * snapshot_norm
+        limit = self.multiple * ((expected or 0.0) + median) + floor if self._recent else math.inf
+        recent = f"{median:.4g}" if self._recent else "none"
         expected_text = "n/a" if expected is None else f"{expected:.4g}"
         ok = math.isfinite(update_norm) and update_norm <= limit
         line = f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g}"
         if ok and sketched is not None and expected is not None:
-            excess = self.excess_limit(expected, snapshot_norm)
+            excess = expected + self.multiple * median + floor if self._recent else math.inf
             ok = sketched <= excess
             line += (
                 f", sketched {sketched:.4g} {'<=' if ok else '>'} expected + {self.multiple:g} x recent + floor "

@@ -1,15 +1,9 @@
 """The swarm secret: only peers that hold it average together and write the swarm's DHT records. Three layers, as
-each alone leaves a gap:
-
-- keyed prefix: the averaging prefix gets an HMAC appended, so the DHT keys where groups meet and the RPC names
-  cannot be derived from the run id (not authentication: libp2p's identify shows our protocol names);
-- member tokens: join requests and gathered data carry ``HMAC(secret, peer id)``, checked against the sender's
-  libp2p-authenticated id by leaders and by every member;
-- signed records (``SwarmSecretValidator``): every DHT record carries an HMAC; only ``members_key`` is exempt, where
-  every peer of a run says "I am here", so that one whose secret matches nobody's can say so (``diagnose_members``).
-
-HMAC-SHA256 over peer ids; a weak secret can be guessed offline from a tag: use ``secrets.token_hex(16)``.
-"""
+each alone leaves a gap: a keyed prefix (the DHT keys where groups meet and the RPC names are not derived from the run
+id alone; libp2p's identify still shows them), member tokens (``HMAC(secret, peer id)`` in join requests and gathered
+data, checked against the sender's authenticated id), and signed DHT records (``SwarmSecretValidator``; only
+``members_key`` is exempt, so a peer whose secret matches nobody's can say so). A weak secret can be guessed offline
+from a tag: use ``secrets.token_hex(16)``."""
 
 from __future__ import annotations
 
@@ -101,15 +95,7 @@ def diagnose_members(
     others = {peer: tag for peer, tag in entries.items() if peer != own_peer_id}
     if not others:
         return None
-    if secret is None:
-        same = [peer for peer, tag in others.items() if tag == b""]
-    else:
-        same = [
-            peer
-            for peer, tag in others.items()
-            if isinstance(tag, bytes) and tag and secret.verify(tag, "members-key", peer)
-        ]
-    if same:
+    if any(tag == b"" if secret is None else secret.verify(tag, "members-key", peer) for peer, tag in others.items()):
         return None
     if secret is None:
         return (
@@ -126,9 +112,8 @@ def diagnose_members(
 
 class MembershipCheck:
     """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries every
-    ``READ_PERIOD_S``: ``problem`` is what they say of our secret (:func:`diagnose_members`), the one source of that
-    diagnosis. ``poll`` returns it once no group formed for ``patience`` s (inf: never; the VISSL task's alone warning
-    names it instead). Never blocks: each call starts or collects a DHT future."""
+    ``READ_PERIOD_S``: ``problem`` is what they say of our secret (:func:`diagnose_members`); ``poll`` returns it once
+    no group formed for ``patience`` s (inf: never). Never blocks: each call starts or collects a DHT future."""
 
     READ_PERIOD_S = 5.0
 

@@ -1,11 +1,7 @@
-"""Starvation, part of the slow-peer fixes: a peer whose box starves it of CPU stays out of groups until it recovers
-(the groups it leads or joins would wait for it). Step times cannot tell; a sleeper that measures how late it wakes
-up can. It runs in a small process of its own (this file as a script): a thread of the trainer's process also wakes
-late whenever the process's other work holds the interpreter.
-
-``starved`` turns True when more than ``enter_share`` of the last ``window_s`` was lost to late wake-ups, and False
-after ``recover_s`` in a row below ``exit_share`` (or after ``max_starved_s``, so nobody leaves the swarm for good).
-"""
+"""Starvation, part of the slow-peer fixes: a peer whose box starves it of CPU stays out of groups (they would wait
+for it) until it recovers. A sleeper that measures how late it wakes up tells, in a process of its own (this file as
+a script; a trainer's thread also wakes late while the interpreter is busy). ``starved``: over ``enter_share`` of the
+last ``window_s`` lost; until ``recover_s`` in a row below ``exit_share``, or ``max_starved_s``."""
 
 from __future__ import annotations
 
@@ -46,7 +42,7 @@ class StarvationMonitor:
         self._first: float | None = None
         self.starved = False
         self.episodes = 0  # times it turned starved
-        self.starved_s = 0.0  # seconds spent starved (updated when it recovers, and live by starved_seconds())
+        self.starved_s = 0.0  # seconds spent starved (updated when it recovers; counts() adds the live episode)
         self._starved_at: float | None = None
         self._sampler: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._read_samples, name="starvation-monitor", daemon=True)
@@ -124,14 +120,11 @@ class StarvationMonitor:
         with self._lock:
             return self._lost_share(time.monotonic())
 
-    def starved_seconds(self) -> float:
-        with self._lock:
-            live = time.monotonic() - self._starved_at if self.starved and self._starved_at is not None else 0.0
-            return self.starved_s + live
-
     def counts(self) -> dict[str, float]:
         """For DecentralizedSGD.counters: how often this peer was starved, and for how long in all."""
-        return dict(zip(STARVATION_COUNTS, (self.episodes, self.starved_seconds()), strict=True))
+        with self._lock:
+            live = time.monotonic() - self._starved_at if self.starved and self._starved_at is not None else 0.0
+            return dict(zip(STARVATION_COUNTS, (self.episodes, self.starved_s + live), strict=True))
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,10 +1,6 @@
-"""State transfer: serve our live training state to peers that join late, and take over a donor's.
-
-Served (from hivemind's state-fetching thread, waiting for ``dsgd.lock`` at most ``SERVE_LOCK_TIMEOUT_S``): the
-parameters, the model's buffers, the optimizer's state (hivemind's ``dump_optimizer_state`` format), our counts and
-``get_extra_state()``, copied under the lock through a staging. Loaded only if the donor's model matches ours and
-``accept(extra_state)`` agrees, under ``dsgd.lock``; rounds filled before are marked stale. A download cut short
-(hivemind#504 returns it as if whole) is tried again, ``DOWNLOAD_ATTEMPTS`` times within the timeout.
+"""State transfer: serve our live training state to late joiners (parameters, model buffers, optimizer state, counts
+and ``get_extra_state()``, copied under ``dsgd.lock``), and take over a donor's if its model matches ours and
+``accept(extra_state)`` agrees (rounds filled before turn stale). A download cut short (hivemind#504) is tried again.
 """
 
 from __future__ import annotations
@@ -119,7 +115,9 @@ class StateTransfer:
             loaded = self._download(averager, max(0.0, deadline - time.monotonic()))
             if loaded is None:
                 return None
-            arrived, expected = len(loaded[1]), served_tensor_count(loaded[0])
+            metadata, arrived = loaded[0], len(loaded[1])  # as many tensors as the donor's metadata lists?
+            expected = int(metadata["num_params"]) + int(metadata["num_buffers"])
+            expected += sum(entry.get("type") == "tensor" for entry in metadata["optimizer"])
             if arrived == expected:
                 return loaded
             attempts_left -= 1
@@ -160,12 +158,6 @@ class StateTransfer:
             staging.write_(loaded)
             staging.copy_to_(targets)
         self.marks.record()
-
-
-def served_tensor_count(metadata: dict) -> int:
-    """How many tensors a donor's ``metadata`` (``StateTransfer.serve``) says it sent."""
-    optimizer_tensors = sum(1 for entry in metadata["optimizer"] if entry.get("type") == "tensor")
-    return int(metadata["num_params"]) + int(metadata["num_buffers"]) + optimizer_tensors
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict], list[torch.Tensor]]:

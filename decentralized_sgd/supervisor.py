@@ -1,11 +1,7 @@
-"""Keeps the averager process alive: starts it, notices when it dies or stops answering, restarts it, stops it; and
-says whether this box can average at all now (``starved``). A failed averager is restarted, not turned into an
-error: a peer without one still trains, and a new one (about a second) puts it back into the swarm.
-
-A failure: ``is_alive()`` False (checked every tick), a call with a deadline timed out, or a probe (hivemind's
-``get_group_bits``) unanswered for ``timeout`` s. Each is logged once with what to do and counted; the scheduler
-fails the rounds in flight; the process is killed and restarted at once, then after 2, 4, ... 60 s while failures
-follow each other within ``QUIET_S``.
+"""Keeps the averager process alive (starts, watches, restarts, stops it) and says whether this box can average now
+(``starved``). A failure (process dead, a call past its deadline, a probe unanswered for ``timeout`` s) is logged once
+and counted, not raised: the peer still trains; the process is killed and restarted at once, then after 2, 4, ... 60 s
+while failures follow each other within ``QUIET_S``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""The tensors a peer averages (parameters, the model's float buffers, param-shaped optimizer state, looked up anew
-each time: ``load_state_dict`` replaces them), and the host copies they travel through.
-
-A ``FlatStaging`` holds host copies of a fixed list of tensors: one flat buffer per device and dtype, pinned for a
-GPU. Finished results wait in two of them (``ResultSlots``), outside the averager's buffers, which the next round
-reuses at once. On a GPU, the trainer marks its stream at each step boundary (``StepBoundaryMarks``, holding
-``dsgd.lock``); copies to the host run on a side stream that waits for that mark, so only the background thread waits
-for them, and copies to the device make the trainer's stream wait, not its thread. BatchNorm statistics change
-outside the lock: a fill may hold a later value of some; the delta rule still keeps every local update.
+"""The tensors a peer averages (looked up anew each time: ``load_state_dict`` replaces them) and the host copies
+they travel through: ``FlatStaging``, one flat buffer per device and dtype (pinned for a GPU); finished results wait
+in two (``ResultSlots``), as the next round reuses the averager's buffers at once. On a GPU, host copies run on a side
+stream that waits for the trainer's step-boundary mark (``StepBoundaryMarks``), and copies back make the trainer's
+stream wait, not its thread. BatchNorm statistics change outside the lock; the delta rule keeps every local update.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,10 +97,7 @@ class AveragedTensors:
     @staticmethod
     def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
         """One sync: an L2 norm is nan/inf iff an element is (or its square overflows: rejected too)."""
-        tensors = [t for t in tensors if t.numel() > 0]
-        if not tensors:
-            return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+        return math.isfinite(AveragedTensors.norm(tensors))
 
     @staticmethod
     def norm(tensors: Sequence[torch.Tensor]) -> float:

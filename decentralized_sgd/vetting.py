@@ -1,15 +1,8 @@
 """Vetting, an optional part: whom a peer averages with, what a round must pass before its update is applied, and
-the heal of a peer whose group found it diverged. The rules are ``outliers``; ``judge`` applies them to one group's
-gathered payloads, the same in every member and in both processes:
-
-- the averager process (``GroupGuard``): a leader refuses the join request of an outsider (swarm secret) or of a
-  peer a recent verdict refused; in a formed group, only the members ``judge`` keeps run hivemind's AllReduce;
-- the scheduler thread (``RoundVetting``): ``payload()`` when a round starts (our weight summary, reference, step and
-  token), ``judge()`` when it ended (the same verdict, logged and counted; refused: discard and ask for a heal), then
-  ``check_update()`` (a far larger update than predicted is discarded, ``outliers.UpdateCheck``);
-- the trainer thread: ``heal_if_asked()`` at a step boundary, outside ``dsgd.lock``: no round starts meanwhile, and
-  nobody downloads our state; we take a donor's (keeping our step count).
-"""
+the heal of a peer its group found diverged. ``judge`` applies ``outliers``' rules to one group's gathered payloads,
+the same verdict in every member and in both processes: the averager's ``GroupGuard`` (refused joins; only the kept
+members run the AllReduce) and the scheduler's ``RoundVetting`` (payload, verdict, update check); the trainer heals
+at a step boundary (``heal_if_asked``, outside ``dsgd.lock``), taking a donor's state and keeping its step count."""
 
 from __future__ import annotations
 
@@ -75,19 +68,14 @@ def judge(
         else:
             summaries[peer] = Summary.from_wire(payload.get("summary"), size)
     verdict = rule.judge(summaries) if rule is not None else Verdict(tuple(summaries))
-    outliers = {
-        peer: refused.get(peer) or verdict.outliers[peer]
-        for peer in gathered
-        if peer in refused or peer in verdict.outliers
-    }
+    outliers = {p: refused.get(p) or verdict.outliers[p] for p in gathered if p in refused or p in verdict.outliers}
     return summaries, dataclasses.replace(verdict, members=tuple(gathered), outliers=outliers)
 
 
 class GroupGuard:
-    """The averager process's side: whom it lets into its groups, and whom it averages with once a group formed.
-    Built in the trainer's process (shared with ``RoundVetting``: sketch, rule, secret; ``counts`` in shared memory,
-    surviving a restart) and handed to every averager it starts. ``ban_s``: how long a leader refuses a peer a
-    verdict refused."""
+    """The averager process's side: whom it lets into its groups, whom it averages with once a group formed. Built in
+    the trainer's process (sketch, rule and secret shared with ``RoundVetting``; ``counts`` in shared memory) and handed
+    to every averager it starts. ``ban_s``: how long a leader refuses a peer a verdict refused."""
 
     BAN_S = 30.0
 
@@ -96,10 +84,6 @@ class GroupGuard:
         self.rule, self.counts = OutlierRule(), SharedCounts(JOIN_COUNTS)
         self._banned_until: dict[PeerID, float] = {}  # averager process only
         self._logged_outsiders: set[PeerID] = set()
-
-    @classmethod
-    def for_tensors(cls, tensors: Sequence[torch.Tensor], seed: str, secret: SwarmSecret | None = None) -> GroupGuard:
-        return cls(WeightSketch([t.numel() for t in tensors], seed=seed), secret)
 
     def refuse_join(
         self, serializer: Any, request: averaging_pb2.JoinRequest, sender: PeerID

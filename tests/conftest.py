@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -15,6 +16,11 @@ sys.path.insert(0, str(REPO))
 from vissl_swarm import vissl_compat  # noqa: E402  (before any test imports VISSL or classy_vision)
 
 vissl_compat.apply()
+
+# A test's own hivemind.DHT must see its p2p daemon start within P2P.create's startup_timeout, 15 s by default; under
+# load (two cores, load average 45) one did not. Every DHT started in a test process, and in the DHT processes it
+# forks, gets 60 s, as the swarms the tests start through start_dht do; scripts a test runs pass it themselves.
+P2P.create.__func__.__kwdefaults__["startup_timeout"] = 60.0
 
 # Tests marked long (pyproject.toml) are not in `make test` but in `make test-long`: the four boxes' story of restarts
 # (9 trainer starts, ~4 min alone on this machine), sixteen peers, the kill-in-matchmaking fault run, the

@@ -284,7 +284,7 @@ async def freeze(self, *args, **kwargs):  # runs in the averager process: stall 
     await asyncio.sleep(3600)
 
 TensorPartReducer.accumulate_part = freeze
-dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[sys.argv[2]])
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[sys.argv[2]], startup_timeout=60)
 model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
 opt = DecentralizedSGD(torch.optim.SGD(model.parameters(), lr=0.0), dht, prefix="test", model=model,
                        **json.loads(sys.argv[4]))

@@ -598,7 +598,7 @@ async def hold_the_update_lock(path, _dht, _node):  # DHT process: hold the lock
     finally:
         raw.release()
 
-dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=60)
 sys.path.insert(0, {repo!r})
 from decentralized_sgd import DecentralizedSGD
 model = torch.nn.Linear(2, 1)

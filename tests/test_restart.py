@@ -192,7 +192,7 @@ DHT_OWNER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from decentralized_sgd import FixedDHT
-dht = FixedDHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{sys.argv[1]}"])
+dht = FixedDHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{sys.argv[1]}"], startup_timeout=60)
 print("up", flush=True)
 time.sleep(600)
 """
