@@ -361,10 +361,10 @@ def is_running(pid: int) -> bool:
     """Whether process `pid` exists and has not ended (a zombie, not yet reaped, has ended)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel (a zombie counts as running there)
-        try:
+    except OSError:
+        if Path("/proc/self/stat").exists():
+            return False
+        try:  # no /proc (not Linux): ask the kernel; a zombie counts as running there
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
