@@ -39,7 +39,7 @@ from decentralized_sgd import DecentralizedSGD
 from decentralized_sgd.scheduler import RoundSettings
 from vissl_swarm import local_replicas, swarm
 from vissl_swarm.averaging_protocol import Averaging
-from vissl_swarm.dht_rejoin import note_groupmates_of
+from vissl_swarm.dht_rejoin import groupmates_listener
 from vissl_swarm.initial_model import initial_model_seed, weights_fingerprint
 from vissl_swarm.swarm_progress import SwarmProgress, SwarmSchedule, swarm_lr_factor
 
@@ -254,7 +254,7 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
     def _wrap_optimizer(self, settings: swarm.SwarmSettings, records_path: Path) -> Averaging:
         """DecentralizedSGD around VISSL's torch optimizer. The benchmarks' baselines are tasks that put another
         averager here (``baselines/tasks.py``)."""
-        optimizer = DecentralizedSGD(
+        return DecentralizedSGD(
             torch_optimizer(self),
             self.dht,
             swarm_secret=settings.secret(),
@@ -263,9 +263,8 @@ class DecentralizedSelfSupervisionTask(SelfSupervisionTask):
             **self._averager_options(settings, records_path),
             # the alone warning names a secret that matches nobody's (membership_problem): told once, not twice
             settings=RoundSettings(no_group_patience=math.inf),
+            on_group=groupmates_listener(self.dht),  # the address book keeps the peers our rounds met
         )
-        note_groupmates_of(optimizer, self.dht)  # the address book keeps the peers our rounds met
-        return optimizer
 
     def _averager_options(self, settings: swarm.SwarmSettings, records_path: Path) -> dict[str, Any]:
         """What an averager of this task is built with, from the command line's swarm settings."""

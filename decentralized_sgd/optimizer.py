@@ -81,7 +81,8 @@ class DecentralizedSGD(TorchOptimizerFacade):
     """Wraps any torch optimizer; averages params (+ BN buffers) with peers all the time. Call ``step()`` (or
     ``optimizer.step()`` then ``on_step_end()``) once per local step. The arguments up to ``client_mode`` are
     hivemind's averager's; ``max_staleness``: SSP's bound on local steps without an applied round (None: never
-    waits); ``outer``: an outer optimizer (``outer``); ``settings``: what tests and benchmarks tune (``RoundSettings``).
+    waits); ``outer``: an outer optimizer (``outer``); ``settings``: what tests and benchmarks tune (``RoundSettings``);
+    ``on_group``: told each round's group (e.g. an address book's ``vissl_swarm.dht_rejoin.groupmates_listener``).
     Non-finite values are never averaged in; a dead averager is restarted; diverged peers and outsiders are left out
     (``vetting``, ``secret``). ``shutdown()`` returns within ``SHUTDOWN_DEADLINE_S``.
     """
@@ -110,6 +111,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         swarm_secret: SwarmSecret | None = None,
         outer: OuterSettings | None = None,
         settings: RoundSettings | None = None,
+        on_group: Callable[[list[str]], None] | None = None,
     ):
         assert "." not in prefix, "prefix may not contain '.'"
         self.settings = settings = settings or RoundSettings()
@@ -132,7 +134,7 @@ class DecentralizedSGD(TorchOptimizerFacade):
         if swarm_secret is not None:  # (merged with the one swarm.start_dht added, if any)
             dht.add_validators([SwarmSecretValidator(swarm_secret, exempt_keys=[members_key(self.run)])])
         self.boundary_marks = StepBoundaryMarks([*self.averaged_tensors.local(), *(model.buffers() if model else ())])
-        self.round_book = self._make_round_book(records_path)
+        self.round_book = self._make_round_book(records_path, on_group)
         self.records: list[dict] = self.round_book.records
         self.state_transfer = StateTransfer(
             self.trainer, StagingCache(self.boundary_marks), self.round_book, get_extra_state, self.outer
@@ -171,9 +173,9 @@ class DecentralizedSGD(TorchOptimizerFacade):
             average_optimizer_state=average_optimizer_state,
         )
 
-    def _make_round_book(self, records_path: str | None) -> RoundBook:
+    def _make_round_book(self, records_path: str | None, on_group: Callable[[list[str]], None] | None) -> RoundBook:
         slots = ResultSlots(lambda: FlatStaging(self.averaged_tensors.local(), self.boundary_marks, torch.float32))
-        return RoundBook(slots, records_path, self.settings.verbose, self.peer)  # on_group: see vissl_swarm.dht_rejoin
+        return RoundBook(slots, records_path, self.settings.verbose, self.peer, on_group)
 
     def _make_averager(self) -> Averager:
         """The averager process; called again on each restart (see supervisor)."""

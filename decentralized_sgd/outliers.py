@@ -265,23 +265,23 @@ class UpdateCheck:
     def check(
         self, update_norm: float, expected: float | None, snapshot_norm: float, sketched: float | None = None
     ) -> tuple[bool, str]:
-        """(accept?, a log line with the numbers). ``sketched``: |the update's projection| (see the class)."""
+        """(accept?, a log line with the numbers). ``sketched``: |the update's projection| (see the class). With no
+        update applied yet the median is inf, and so are both limits."""
         median, floor = float(np.median(self._recent)) if self._recent else math.inf, self.rel_floor * snapshot_norm
-        limit = self.multiple * ((expected or 0.0) + median) + floor if self._recent else math.inf
-        recent = f"{median:.4g}" if self._recent else "none"
-        expected_text = "n/a" if expected is None else f"{expected:.4g}"
+        limit = self.multiple * ((expected or 0.0) + median) + floor
         ok = math.isfinite(update_norm) and update_norm <= limit
         line = f"|averaged - snapshot| {update_norm:.4g} {'<=' if ok else '>'} limit {limit:.4g}"
         if ok and sketched is not None and expected is not None:
-            excess = expected + self.multiple * median + floor if self._recent else math.inf
+            excess = expected + self.multiple * median + floor
             ok = sketched <= excess
             line += (
                 f", sketched {sketched:.4g} {'<=' if ok else '>'} expected + {self.multiple:g} x recent + floor "
                 f"{excess:.4g}"
             )
+        expected_text = "n/a" if expected is None else f"{expected:.4g}"
         return (
             ok,
-            f"{line} (expected {expected_text}, median of recent updates {recent}, |snapshot| {snapshot_norm:.4g})",
+            f"{line} (expected {expected_text}, median of recent updates {median:.4g}, |snapshot| {snapshot_norm:.4g})",
         )
 
     def applied(self, update_norm: float) -> None:

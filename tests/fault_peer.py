@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsgd_swarm import FAST, JOIN_TIMEOUT_S, make_model  # noqa: E402
 
 from decentralized_sgd import DecentralizedSGD  # noqa: E402
-from vissl_swarm.dht_rejoin import note_groupmates_of  # noqa: E402
+from vissl_swarm.dht_rejoin import groupmates_listener  # noqa: E402
 from vissl_swarm.swarm import SwarmSettings, start_dht  # noqa: E402
 
 
@@ -74,10 +74,10 @@ def main() -> None:
     dht = start_dht(settings, startup_timeout=60)
     model = make_model(args.value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    records = str(args.out / "rounds.jsonl")
     peer = DecentralizedSGD(
-        optimizer, dht, prefix="test", model=model, records_path=str(args.out / "rounds.jsonl"), **FAST
+        optimizer, dht, prefix="test", model=model, records_path=records, on_group=groupmates_listener(dht), **FAST
     )
-    note_groupmates_of(peer, dht)
     (args.out / "peer_id.txt").write_text(str(peer.peer_id))
     if args.load_state:
         peer.load_state_from_peers(timeout=20)

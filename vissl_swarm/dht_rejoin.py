@@ -3,7 +3,7 @@ DHT (the optimizer only uses one). hivemind 1.1.12 dials its initial peers only 
 peer stays alone for good, and a restarted first box is dialed by nobody. ``keep_dht_connected`` starts one thread per
 DHT that, when the routing table is empty, dials the initial peers and those of the address book (``address_book``)
 and pings them; and notes every new peer in the book at first sight (routing table, groupmates:
-``note_groupmates_of``). No public API: it uses ``node.protocol.routing_table`` and ``node.p2p._client.connect``.
+``groupmates_listener``). No public API: it uses ``node.protocol.routing_table`` and ``node.p2p._client.connect``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import hivemind
 from hivemind.dht import DHTNode
@@ -58,7 +57,7 @@ async def rejoin_if_alone(dht: hivemind.DHT, node: DHTNode, addresses: Sequence[
 
 
 class DHTRejoiner(threading.Thread):
-    """Checks one DHT every ``period`` s; counts rejoins; ``alone``: the last check found nobody. With a ``book``, it
+    """Checks one DHT every ``period`` s; ``alone``: the last check found nobody. With a ``book``, it
     notes new peers in it (every ``watch_period`` s, less often while none shows up, and when ``note`` reports
     groupmates)."""
 
@@ -71,7 +70,7 @@ class DHTRejoiner(threading.Thread):
         watch_period: float = WATCH_PERIOD_S,
     ):
         super().__init__(name="dht-rejoiner", daemon=True)
-        self.dht, self.period, self.rejoins = dht, period, 0
+        self.dht, self.period = dht, period
         self.addresses = addresses or (lambda: [str(address) for address in dht.initial_peers or []])
         self.book, self.watch_period = book, watch_period
         self.alone = False
@@ -108,7 +107,6 @@ class DHTRejoiner(threading.Thread):
                 logger.debug(f"rejoin check failed: {e!r}")
                 continue
             if answered:
-                self.rejoins += 1
                 logger.warning(f"Our DHT had lost every peer; rejoined through {answered} known peer(s)")
             elif answered == 0 and not self.alone:
                 logger.warning(
@@ -187,11 +185,11 @@ def rejoiner_of(dht: hivemind.DHT) -> DHTRejoiner | None:
     return _rejoiners.get(dht)
 
 
-def note_groupmates_of(optimizer: Any, dht: hivemind.DHT) -> None:
-    """A ``DecentralizedSGD``'s rounds tell the book of the thread keeping `dht` connected whom they averaged with."""
+def groupmates_listener(dht: hivemind.DHT) -> Callable[[Iterable[str]], None] | None:
+    """What a ``DecentralizedSGD`` on `dht` passes as ``on_group``: the address book of the thread keeping `dht`
+    connected learns whom our rounds averaged with (None: no such book)."""
     rejoiner = _rejoiners.get(dht)
-    if rejoiner is not None and rejoiner.book is not None:
-        optimizer.round_book.on_group = rejoiner.note
+    return rejoiner.note if rejoiner is not None and rejoiner.book is not None else None
 
 
 def dht_peer_count(dht: hivemind.DHT | None, timeout: float = 3.0) -> int | None:
