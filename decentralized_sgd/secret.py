@@ -111,16 +111,19 @@ def diagnose_members(
 
 
 class MembershipCheck:
-    """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries every
-    ``READ_PERIOD_S``: ``problem`` is what they say of our secret (:func:`diagnose_members`); ``poll`` returns it once
-    no group formed for ``patience`` s (inf: never). Never blocks: each call starts or collects a DHT future."""
+    """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries
+    ``READ_PERIOD_S`` after the last group, then twice as long after each read, up to ``READ_PERIOD_MAX_S``: each read
+    is a DHT search that matchmaking's own searches wait behind. ``problem`` is what they say of our secret
+    (:func:`diagnose_members`); ``poll`` returns it once no group formed for ``patience`` s (inf: never). Never
+    blocks: each call starts or collects a DHT future."""
 
-    READ_PERIOD_S = 5.0
+    READ_PERIOD_S, READ_PERIOD_MAX_S = 5.0, 60.0
 
     def __init__(self, dht: Any, run: str, secret: SwarmSecret | None, patience: float = 60.0, ttl: float = 60.0):
         self.dht, self.run, self.secret, self.patience, self.ttl = dht, run, secret, patience, ttl
         self.problem: str | None = None
         self._next_announce = self._next_read = 0.0
+        self._read_period = self.READ_PERIOD_S
         self._quiet_since: float | None = None
         self._announcing: Any = None
         self._reading: Any = None
@@ -132,10 +135,12 @@ class MembershipCheck:
             self._next_announce = now + self.ttl / 3
         if group_formed or self._quiet_since is None:
             self._quiet_since, self._next_read, self.problem = now, now + min(self.patience, self.READ_PERIOD_S), None
+            self._read_period = self.READ_PERIOD_S
             return None
         if self._reading is None and now >= self._next_read:
             self._reading = self.dht.get(members_key(self.run), latest=True, return_future=True)
-            self._next_read = now + self.READ_PERIOD_S
+            self._next_read = now + self._read_period
+            self._read_period = min(2 * self._read_period, self.READ_PERIOD_MAX_S)
         if self._reading is not None and self._reading.done():
             reading, self._reading = self._reading, None
             if reading.exception() is None:
