@@ -6,15 +6,15 @@ from __future__ import annotations
 import threading
 import time
 
-from classy_vision.hooks import ClassyHook
 from vissl.hooks import NormalizePrototypesHook
 
 from decentralized_task import torch_optimizer
+from hooks.quiet_hook import QuietHook
 from vissl_swarm import local_replicas
 from vissl_swarm.averaging_protocol import Averaging
 
 
-class AverageOnUpdateHook(ClassyHook):
+class AverageOnUpdateHook(QuietHook):
     """Holds ``task.decentralized_sgd.lock`` from the end of backward until the update is complete, and calls
     ``on_step_end`` (where finished rounds are applied) inside that hold.
 
@@ -35,11 +35,6 @@ class AverageOnUpdateHook(ClassyHook):
 
     A task that does not average (``--isolated``: VISSL's own task) still gets the normalisation, without a lock.
     """
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
 
     def __init__(self, normalizer: NormalizePrototypesHook | None = None) -> None:
         super().__init__()

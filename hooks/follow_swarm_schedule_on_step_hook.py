@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from classy_vision.hooks import ClassyHook
-
+from hooks.quiet_hook import QuietHook
 from vissl_swarm import local_replicas
 
 
@@ -39,7 +38,7 @@ def end_training_now(task) -> None:
     task.num_train_phases = task.train_phase_idx + 1
 
 
-class FollowSwarmScheduleOnStepHook(ClassyHook):
+class FollowSwarmScheduleOnStepHook(QuietHook):
     """With the swarm-wide schedule (``task.schedule``): after every optimizer step, count this box's samples into
     the swarm's count and move the schedule's position (the next step's LR, freezing and queue follow it, and the
     step's log line shows it); after every step, end training when the swarm has trained on the recipe's budget
@@ -48,13 +47,6 @@ class FollowSwarmScheduleOnStepHook(ClassyHook):
     It ends the step with ``StopIteration``, which VISSL's trainer takes as the end of the phase; so it comes last
     among the on_step hooks (only StopOnStepHook after it), after those that log and checkpoint the step.
     """
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
-    on_end = ClassyHook._noop
 
     def __init__(self) -> None:
         super().__init__()

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from classy_vision.hooks import ClassyHook
 
 from decentralized_task import torch_optimizer
+from hooks.quiet_hook import QuietHook
 from hooks.samples_per_second import SamplesPerSecond
 from vissl_swarm.averaging_protocol import Averaging
 from vissl_swarm.local_replicas import replica_checksums
@@ -40,7 +40,7 @@ def prototypes_norm_error(task) -> float | None:
     return float(max(errors)) if errors else None
 
 
-class LogProgressOnStepHook(ClassyHook):
+class LogProgressOnStepHook(QuietHook):
     """Logs step, loss, samples/s, LR, the last round (group size, staleness, seconds), rounds ok / failed (a group
     formed, the AllReduce did not finish) / without a group, and how often the averager was found dead or
     unresponsive, and appends the same as a JSON line to CHECKPOINT.DIR/progress.jsonl (flushed: the demo reads it
@@ -49,13 +49,6 @@ class LogProgressOnStepHook(ClassyHook):
     On a box with several GPUs, every local rank also records checksums of its parameters, buffers and optimizer
     state (``progress_rank<r>.jsonl`` for ranks > 0), which show that the replicas stay identical.
     """
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_update = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
 
     def __init__(self, log_every: int = 10) -> None:
         super().__init__()

@@ -7,9 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from classy_vision.hooks import ClassyHook
-
 from hooks.follow_swarm_schedule_on_step_hook import end_training_now
+from hooks.quiet_hook import QuietHook
 from vissl_swarm import local_replicas, preflight
 
 
@@ -24,18 +23,11 @@ def averaged_values(task) -> int:
     return int(sum(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()))
 
 
-class PreflightOnStepHook(ClassyHook):
+class PreflightOnStepHook(QuietHook):
     """Ends training at the first step boundary ``seconds`` after the first step (the time of the state download
     and VISSL's start does not count), with the same stop the swarm schedule uses: VISSL ends the phase and writes
     its final checkpoint. On a box of several GPUs local rank 0 decides and the others follow in the same step.
     Local rank 0 writes ``preflight.RUN_FILE`` at the start and at the end."""
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_update = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
 
     def __init__(self, seconds: float) -> None:
         super().__init__()

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from classy_vision.hooks import ClassyHook
-
+from hooks.quiet_hook import QuietHook
 from vissl_swarm.ctrl_c import ctrl_c, stopped_by_ctrl_c
 
 
-class StopOnStepHook(ClassyHook):
+class StopOnStepHook(QuietHook):
     """Raises the deferred KeyboardInterrupt in ``on_step``, after the step's averaging and progress hooks ran."""
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_update = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
 
     def on_start(self, task) -> None:
         ctrl_c.training = True

@@ -8,8 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from classy_vision.hooks import ClassyHook
-
+from hooks.quiet_hook import QuietHook
 from vissl_swarm.averaging_protocol import Averaging
 from vissl_swarm.dht_rejoin import dht_peer_count
 from vissl_swarm.recipe import recipe_fixes
@@ -48,19 +47,10 @@ def alone_message(seconds: float, failed: int, cause: str) -> str:
     )
 
 
-class WarnWhenAloneOnStepHook(ClassyHook):
+class WarnWhenAloneOnStepHook(QuietHook):
     """Counts the seconds since the averager last applied a round (or since the start) and logs one WARNING once
     they pass ``alone_after_s``; a round ends the stretch. Runs on the trainer's thread in ``on_step``; asks the DHT
     (at most 3 s) only when it warns."""
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_update = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
-    on_end = ClassyHook._noop
-    on_exception = ClassyHook._noop
 
     def __init__(self, alone_after_s: float = ALONE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()

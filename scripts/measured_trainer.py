@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from classy_vision.hooks import ClassyHook  # noqa: E402
 
 from hooks import swarm_hook_generator  # noqa: E402
+from hooks.quiet_hook import QuietHook  # noqa: E402
 
 
 @dataclass
@@ -56,17 +57,9 @@ def _host_timer_total(task: Any, name: str) -> float:
     return float(metric.sum_values) if metric is not None else 0.0
 
 
-class MeasureWindowHook(ClassyHook):
+class MeasureWindowHook(QuietHook):
     """On local rank 0: after a warm-up (and, with averaging, once rounds are applied), time a window of steps
     and write what it measured to ``settings.result_path`` (the check then stops the trainer)."""
-
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_step = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
-    on_end = ClassyHook._noop
 
     def __init__(self, settings: WindowSettings) -> None:
         super().__init__()

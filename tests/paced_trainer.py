@@ -23,6 +23,7 @@ vissl_compat.apply()  # before classy_vision is imported (as hooks/__init__.py d
 
 from classy_vision.hooks import ClassyHook  # noqa: E402
 
+from hooks.quiet_hook import QuietHook  # noqa: E402
 from vissl_swarm.local_swarm import LocalPeer  # noqa: E402
 
 MIN_STEP_ENV = "PACED_TRAINER_MIN_STEP_S"
@@ -34,17 +35,8 @@ SCRIPT = Path(__file__)
 MIN_STEP_S = 0.3
 
 
-class PaceOnStepHook(ClassyHook):
+class PaceOnStepHook(QuietHook):
     """Sleeps at the end of a step until ``min_step_s`` have passed since the previous step ended."""
-
-    on_start = ClassyHook._noop
-    on_phase_start = ClassyHook._noop
-    on_forward = ClassyHook._noop
-    on_loss_and_meter = ClassyHook._noop
-    on_backward = ClassyHook._noop
-    on_update = ClassyHook._noop
-    on_phase_end = ClassyHook._noop
-    on_end = ClassyHook._noop
 
     def __init__(self, min_step_s: float) -> None:
         super().__init__()
