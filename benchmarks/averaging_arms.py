@@ -1,8 +1,4 @@
-"""bench_averaging's arms: how a peer's training loop drives each design, and what it records of each round.
-
-The old design is ``baselines.old_design`` (what ``run_trainer.py --averager old`` runs), seen through ``StageWatch``
-for the timeline; DecentralizedSGD comes from ``common.decentralized_sgd``.
-"""
+"""bench_averaging's arms: how a peer's training loop drives each design, and what it records of each round."""
 
 from __future__ import annotations
 
@@ -18,11 +14,7 @@ from benchmarks.common import decentralized_sgd
 
 
 class StepTimer:
-    """Times the inner torch optimizer's steps with its own step hooks, in whatever thread runs them, and counts them.
-
-    Why: how long averaging holds the trainer is the time a driver's optimizer-step call takes beyond the inner
-    step, the same measure for every mode.
-    """
+    """Times and counts the inner optimizer's steps: averaging holds the trainer for what a step takes beyond them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.updates, self.inner_s, self._started = 0, 0.0, 0.0
@@ -44,9 +36,7 @@ class StepTimer:
 
 
 class StageWatch(threading.Thread):
-    """Writes the stage times of the baselines' rounds in flight into their records (``t_matchmaking_start``: first
-    seen, ``t_group_formed``, ``t_allreduce_start``, ``t_done``), polling their StepControls every 20 ms (the order
-    of DecentralizedSGD's own watcher). Why: the baselines record a round's outcome, not when its group formed."""
+    """Stamps the stage times of the baselines' rounds in flight (they do not record them), polling their controls."""
 
     POLL_S = 0.02
 
@@ -129,8 +119,7 @@ class NoAveraging:
 
 
 class BaselineArm:
-    """What the baselines' arms share: their averager (``averager``), whose rounds in flight a ``StageWatch``
-    (``watch``, made by the subclass) stamps, and whose records are read with their stage durations."""
+    """What the baselines' arms share: an ``averager`` whose rounds in flight a ``StageWatch`` (``watch``) stamps."""
 
     averager: Any
     watch: StageWatch
@@ -154,8 +143,7 @@ class BaselineArm:
 
 
 class OldDesign(BaselineArm):
-    """``baselines.old_design``: a background thread loops ``TrainingAverager.step(data_lock=lock)``; the trainer
-    holds the same lock for its optimizer step."""
+    """``baselines.old_design``: a thread runs ``TrainingAverager.step(data_lock=lock)``; the trainer steps under it."""
 
     def __init__(self, trainer: Any, dht: Any, cfg: RunConfig, prefix: str):
         from baselines.old_design import OldDesignAverager

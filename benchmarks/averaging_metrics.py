@@ -1,5 +1,4 @@
-"""bench_averaging's metrics: per peer over a measured window (rate, rounds/min, staleness, duty cycle, how long
-averaging held the trainer), pooled per run, and the targets the team set for ``improved``."""
+"""bench_averaging's metrics: per peer over a measured window (rate, rounds, staleness, duty, hold), pooled per run."""
 
 from __future__ import annotations
 
@@ -18,10 +17,7 @@ def _to_wall(value: float | None, offset: float) -> float | None:
 
 
 def round_spans(record: dict, offset: float, t_open: float | None = None) -> list[tuple[str, float, float]]:
-    """(stage, start, end) spans of one round: matchmaking, awaiting trigger, AllReduce (wall clock).
-
-    Prefers absolute stage times; falls back to chaining durations. Stages of an in-flight round end at `t_open`.
-    """
+    """A round's (stage, start, end) wall-clock spans, from stage times or durations; an open round ends at `t_open`."""
     t_start = _to_wall(record.get("t_matchmaking_start", record.get("t_start")), offset)
     if t_start is None:
         return []
@@ -74,23 +70,18 @@ def _staleness(record: dict) -> float | None:
 
 
 def _copy_step_indices(record: dict) -> list[int]:
-    """0-based indices of the local steps that paid for this round's copies (snapshot/fill and apply).
-
-    DecentralizedSGD copies inside on_step_end of step number `step_at_*` (1-based), i.e. index step_at_* - 1.
-    """
+    """0-based indices of the local steps that paid for this round's copies (DecentralizedSGD's `step_at_*`: from 1)."""
     if "copy_step_indices" in record:
         return list(record["copy_step_indices"])
     return [record[k] - 1 for k in ("step_at_snapshot", "step_at_apply") if record.get(k) is not None]
 
 
 def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: frozenset[str] = frozenset()) -> dict:
-    """One peer's numbers over its window [peer[window[0]], peer[window[1]]]; rounds count if they finished inside it.
-    with_others: of its applied rounds, how many had a peer of `others` in the group."""
+    """One peer's numbers over its window (rounds that ended in it); with_others: its applied rounds with `others`."""
     t0, t1, offset = peer[window[0]], peer[window[1]], peer["clock_offset"]
     window = t1 - t0
     step_times = peer["step_times"]
-    # duration of every local step since training began; those that ended inside the window are measured
-    all_durations = [b - a for a, b in pairwise([peer.get("t_train", t0)] + step_times)]
+    all_durations = [b - a for a, b in pairwise([peer.get("t_train", t0)] + step_times)]  # since training began
     measured = [i for i, t in enumerate(step_times) if t0 < t <= t1]
     in_window = [r for r in peer["records"] if t0 <= (_to_wall(r.get("t_end"), offset) or math.inf) <= t1]
     applied = [r for r in in_window if r.get("applied")]
@@ -112,8 +103,7 @@ def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: fr
     held = [holds[i] for i in measured if i < len(holds)]
 
     return {
-        # whole steps over the time they took: no error from a step cut in half by the window's edges
-        "rate": len(durations) * peer["batch_size"] / sum(durations) if durations else 0.0,
+        "rate": len(durations) * peer["batch_size"] / sum(durations) if durations else 0.0,  # whole steps: none cut
         "rounds_per_min": len(applied) / (window / 60.0),
         "round_interval": _mean([b - a for a, b in pairwise(ends)]),
         "duty": _union_length(busy, t0, t1) / window,
@@ -139,8 +129,7 @@ def _peer_metrics(peer: dict, window: tuple[str, str] = ("t0", "t1"), others: fr
 def summarize_peers(
     peers: list[dict], window: tuple[str, str] = ("t0", "t1"), others: frozenset[str] = frozenset()
 ) -> dict:
-    """Per-run metrics over one window: rates and duty cycle averaged over peers, per-round values pooled over peers.
-    with_perturbed_peer_share: the share of applied rounds whose group held one of `others`."""
+    """Per-run metrics over one window: rates and duty cycle averaged over peers, per-round values pooled over peers."""
     if not peers:
         return {}
     per_peer = [_peer_metrics(peer, window, others) for peer in peers]
@@ -182,8 +171,7 @@ def summarize_peers(
         # trainer-side cost of averaging: steps that did (or waited for) a snapshot/fill or apply vs the others
         "copy_step_s_mean": _mean(pooled("copy_step_durations")),
         "other_step_s_median": _percentile(pooled("other_step_durations"), 0.5),
-        # how long averaging held the trainer, over the steps that ended in the window (whole steps, as for the rate):
-        # per peer in all, per step, the longest, and as a share of those steps' time
+        # how long averaging held the trainer over the window's whole steps: per peer, per step, longest, share of time
         "hold_s_total": _mean([m["hold_total"] for m in per_peer]),
         "hold_ms_per_step": None if not pooled("hold") else 1000 * _mean(pooled("hold")),
         "hold_s_max": max(pooled("hold"), default=None),

@@ -33,13 +33,7 @@ import torch.nn as nn
 from benchmarks import netns
 from benchmarks.averaging_metrics import _to_wall, add_throughput_ratios, round_spans
 from benchmarks.averaging_peers import run_one
-from benchmarks.averaging_setup import (
-    ABLATIONS,
-    DEFAULT_REGIMES,
-    MODES,
-    REGIMES,
-    RunConfig,
-)
+from benchmarks.averaging_setup import ABLATIONS, DEFAULT_REGIMES, MODES, REGIMES, RunConfig
 from benchmarks.common import (
     OUTCOME_COLORS,
     REPO,
@@ -54,7 +48,7 @@ from benchmarks.common import (
 
 QUICK_REGIMES = ("sim_full",)
 QUICK_MODES = ("none", "old", "improved")
-QUICK = dict(  # setup is not measured: its timeout only catches a hung start (p2pd alone took > 40 s at load 15)
+QUICK = dict(  # setup is not measured: its timeout only catches a hung start (p2pd alone is slow on a loaded machine)
     seconds=6.0,
     warmup_s=3.0,
     sim_params=1_000_000,
@@ -198,8 +192,7 @@ def _old_copy_spans(record: dict) -> list[tuple[str, float, float]]:
 def plot_timeline(
     runs: list[dict], path: Path, regime: str = "sim_not_full", modes: Sequence[str] = ("old", "improved")
 ) -> None:
-    """Per peer: matchmaking / awaiting / AllReduce spans as bars (two lanes so pipelined rounds stay visible),
-    ticks at every local step, dots where a round's result was applied; gray: the old design's snapshot/apply."""
+    """Per peer: each round's stage spans as bars (two lanes: pipelined rounds stay visible), step ticks, outcomes."""
     from matplotlib.patches import Patch
 
     plt = pyplot()
@@ -251,9 +244,6 @@ def _json_ready(run: dict, keep_peers: bool) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------- CLI
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
@@ -285,8 +275,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _regime_config(args: argparse.Namespace, name: str) -> RunConfig:
-    """Defaults, then --quick's, then the regime's own settings (and their --quick variant), then the command line.
-    Full runs use the nominal setting (25M params, 5 s matchmaking); --quick shrinks but never drops cells."""
+    """Defaults, then --quick's, then the regime's own settings (and their --quick variant), then the command line."""
     regime = REGIMES[name]
     base = RunConfig(name, "none", peers=args.peers or regime.peers or 3, verbose=args.verbose)
     base = replace(base, **{**(QUICK if args.quick else {}), **regime.nominal, **(regime.quick if args.quick else {})})

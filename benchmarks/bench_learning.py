@@ -7,41 +7,11 @@ default), as a DDP run's epochs count its global batch.
         --markdown benchmarks/results/learning.md --plot benchmarks/results/learning.png
     python -m benchmarks.bench_learning --quick   # minutes: digits + swav_tiny, 1 seed, alone and swarm
 
-Dataset: Fashion-MNIST as ``data/fashion/{train,val}/<class>/*.png`` (``make data-fashion``), config ``swav_fashion``.
-
-Modes, all from the same initial model per seed and at the same recipe (``config.OPTIMIZER.num_epochs``):
-  alone               one box training alone: ``run_trainer.py --isolated`` (VISSL's stock task), the reference
-  swarm               3 boxes, this example's DecentralizedSGD, the swarm-wide schedule: each box stops by itself when
-                      the swarm has trained on the budget
-  swarm_outer         swarm with the outer step of bench_optimizer's experiment outer (``OUTER_FLAGS``: Nesterov b 0.5,
-                      a 0.7; off by default in run_trainer.py)
-  swarm_churn         swarm whose last box's session is SIGKILLed at a third of its steps and started again with its
-                      own command (the README's restart), back at two thirds of the budget: the users' normal case;
-                      paced (``--churn_pace_s``) so that it comes back before the others finish
-  swarm_paced         swarm paced as swarm_churn, without the kill: ``swarm_churn − swarm_paced`` (per seed) is what
-                      the kill costs at the same samples and pace
-  old                 3 boxes, ``--averager old`` (hivemind's TrainingAverager one round at a time), same schedule
-  hivemind_optimizer  3 boxes, ``--averager hivemind_optimizer`` (hivemind.Optimizer(use_local_updates=True) inside
-                      VISSL's LARC), same schedule; its global epoch (one averaging round) every boxes x batch x R
-                      samples of the swarm, R = the local steps per applied round that ``swarm`` measured for the same
-                      seed in this invocation (else ``--hivemind_steps_per_round``): rounds as often as ours
-  ddp                 VISSL's DDP over 3 local processes (gloo, ``NUM_PROC_PER_NODE=3``, ``--isolated``): the
-                      synchronous reference; its epochs count the global batch, so the same samples
-  random_init         the seed's untrained trunk with BatchNorm statistics of the training images (the kNN bank's):
-                      the floor (any training adapts those statistics, which alone can lift the kNN accuracy)
-  raw_pixels          kNN on the raw pixels (the eval transform's tensor, flattened): ~0.86 on Fashion-MNIST
-
-Measured per mode and seed, never against wall time: kNN top-1 on the val split of every box's trunk along its run
-(run_eval.py's rule on a fixed ``--knn_train`` subset of the train split), the SwAV loss on a fixed held-out set,
-steps per box, samples of the swarm, rounds applied and local steps per round. Reported: final kNN mean ± std over
-seeds, and the steps (and samples) at which a mode's curve first reaches ``alone``'s final kNN of the same seed.
-
-``--slow_averaging``: swarm, old and hivemind_optimizer at the steps-per-round ratio of real ResNet-50 boxes
-(``--min_matchmaking_time`` 30 s, groups that never fill, hivemind's epoch every boxes x batch x 200 samples).
-
-A seed is a run id: its boxes share the initial model in every mode; box i of seed s has SEED_VALUE 1000·s + i.
-Every invocation trains in a fresh ``--out``; the JSON (git state, dataset, recipe, per-seed values) is rewritten
-after every run.
+Fashion-MNIST as ``data/fashion/{train,val}/<class>/*.png`` (``make data-fashion``), config ``swav_fashion``. Modes
+(``MODES``), all from the seed's initial model: alone (the reference), the swarm variants, ddp, and the floors
+random_init and raw_pixels; swarm_churn kills and restarts a box, swarm_paced has its pace without the kill. Measured
+per mode and seed against steps and samples, never wall time: kNN top-1 on val along each box's run and the SwAV loss
+on a held-out set; reported: final kNN mean ± std, and where each curve first reaches ``alone``'s final kNN.
 """
 
 from __future__ import annotations
@@ -152,12 +122,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------------------------------------------- training
-
-
 def make_peers(mode: str, seed: int, out: Path, plan: Plan, env: dict[str, str], pace_s: float) -> list[LocalPeer]:
-    """The run's processes; ``pace_s`` > 0: swarm boxes whose steps last at least that long (tests/paced_trainer.py:
-    run_trainer.py's main with one hook that sleeps the rest of the step)."""
+    """The run's processes; ``pace_s`` > 0: swarm boxes whose steps last at least that long (tests/paced_trainer.py)."""
     run_dir = out / mode / f"seed{seed}"
     if mode == "ddp":  # gloo on the loopback only (it would pick the host name's interface otherwise)
         return [LocalPeer("ddp", run_dir, config=plan.config, env={"GLOO_SOCKET_IFNAME": "lo"})]
@@ -181,8 +147,7 @@ def pace_of(mode: str, args: argparse.Namespace) -> float:
 def trainer_arguments(
     mode: str, seed: int, plan: Plan, initial: InitialModel, args: argparse.Namespace
 ) -> tuple[list[str], list[str]]:
-    """(flags, overrides) of every process of a run, ``--override`` first; the box's own SEED_VALUE is added per box.
-    Every mode: the same num_epochs (the budget) and the same DATA_LIMIT."""
+    """(flags, overrides) of every process of a run, ``--override`` first; the box's own SEED_VALUE is added per box."""
     flags = ["--run_id", run_id(seed)]
     overrides = [
         *args.override,
@@ -229,9 +194,7 @@ def train(
     initial: InitialModel,
     deadline_s: float,
 ) -> tuple[float, dict | None]:
-    """Start the run's processes (swarm_churn: crash and restart its box, ``run_churn``), wait until all exited;
-    return the wall-clock seconds (reported, never plotted) and the churn's record (None in other modes). BenchError
-    if one failed or the run passed its deadline (every process is stopped then)."""
+    """Run the processes (swarm_churn: ``run_churn``) to their end: (wall s, churn record or None), else BenchError."""
     flags, overrides = trainer_arguments(mode, seed, plan, initial, args)
     started = time.monotonic()
     watch = Watch(mode, seed, peers, started + deadline_s)
@@ -263,8 +226,7 @@ def train(
 
 
 def restart_flags(flags: list[str]) -> list[str]:
-    """A box's command again without the first start's ``NO_STATE_DOWNLOAD``: run_trainer.py's default timeout, with
-    which a restarted box takes the swarm's state when the swarm is ahead of its checkpoint."""
+    """A box's command without ``NO_STATE_DOWNLOAD``: restarted, it takes the swarm's state if that is ahead."""
     at = next(i for i in range(len(flags)) if flags[i : i + len(NO_STATE_DOWNLOAD)] == NO_STATE_DOWNLOAD)
     return flags[:at] + flags[at + len(NO_STATE_DOWNLOAD) :]
 
@@ -329,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    # one thread for the evaluations: with two, a busy machine makes each 10x slower (OpenMP threads spinning)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the evaluations on one thread: more OpenMP threads spin on a busy machine
     seeds = list(range(args.seeds))
     val_images = count_images(args.data_path / "val")
     bank = min(args.knn_train, plan.train_images) if args.knn_train else plan.train_images

@@ -5,26 +5,10 @@
         --markdown benchmarks/results/optimizer.md --plot benchmarks/results/optimizer.png
 
 Why: bench_learning measures SwAV in VISSL, where collapse and a tiny dataset hide what the averaging does; here the
-task rewards more samples. A small CNN (~0.1M parameters) on Fashion-MNIST's IDX files, SGD with momentum, warm-up
-and cosine over a budget of S samples (``--samples``) that in every swarm mode is the swarm's total (the LR
-schedule's position is the swarm's samples). Every peer is a process of its own session with its own DHT on
-127.0.0.1; the peers of a run start at one instant from the same initial model (``torch.manual_seed(seed)``), each
-with its own data order (peer i of seed s: ``1000·s + i``). An averaging peer's step lasts at least
-``--min_step_s`` (as an accelerator's would; unpaced, shared cores made steps per round vary tenfold).
-
-Modes: alone (the whole budget), swarm (DecentralizedSGD), old (``baselines.old_design``), hivemind_optimizer
-(``baselines.hivemind_optimizer``: a global epoch every ``--hivemind_target_batch_size`` samples), ddp (3 gloo
-processes, global batch 3B, LR scaled linearly: the reference), ideal (the swarm's peers as replicas in one process,
-``ideal_swarm``, averaged exactly every H local steps: swarm − ideal is what the system costs, ideal − ddp what
-periodic averaging costs). ``--swarm_lr``: a peer's LR for the swarm's total batch: box (its own batch's), sqrt
-(x sqrt(total / own)), linear (as DDP).
-
-Experiments (``--experiments``): main (the modes, >= 5 seeds), lr (swarm at every rule), weighting (peer 2 at batch
-2B: equal weights against ``weight_by_samples``), slowed (groups that never fill, rounds ~100-400 steps apart as
-ResNet-50 boxes at 100 Mbit/s), ideal, outer (the outer step, swarm and ideal, beside the same without it), churn
-(the last peer killed or paused for the middle third). Nothing is measured in wall time: test accuracy at
-``--curve_points`` points against steps per peer and the swarm's samples; ``optimizer_report`` makes the tables.
-``--quick``: 24k samples, 1 seed, ``--modes`` (default alone swarm). ``--resume JSON``: run only what it lacks.
+task rewards more samples: a small CNN on Fashion-MNIST over a budget of ``--samples`` that a swarm shares, each peer
+a process with its own DHT and data order, an averaging peer's step at least ``--min_step_s`` (as an accelerator's).
+Modes and experiments: ``optimizer_plan``; ideal (``ideal_swarm``) splits the gap to ddp into the system's cost and
+periodic averaging's. Test accuracy against steps and samples, never wall time; ``optimizer_report`` makes the tables.
 """
 
 from __future__ import annotations
@@ -59,8 +43,6 @@ from benchmarks.optimizer_plan import (
     plan,
 )
 from benchmarks.optimizer_report import fmt, summarize_run, write_outputs
-
-# ----------------------------------------------------------------------------------------------------- orchestrator
 
 
 def peer_env() -> dict[str, str]:
@@ -145,9 +127,7 @@ def restart_churned_peer(
     deadline: float,
     port: int,
 ) -> None:
-    """Churn kill: wait for the churned peer's crash and start it again at once with its own command
-    (``restarted``: it waits for the others to reach two thirds of the run before it takes the swarm's state and
-    trains); its new process replaces the old one in ``processes``."""
+    """Churn kill: once the churned peer crashed, start it again (``restarted``), in its place in ``processes``."""
     churn = ChurnPlan.of(spec.churn, settings.peers, spec.steps(settings))
     crashed = processes[churn.rank]
     while crashed.poll() is None:
@@ -168,8 +148,7 @@ def restart_churned_peer(
 
 
 def start_peer(config_path: Path, logs: list) -> subprocess.Popen:
-    """``optimizer_peer`` with this config, in a session of its own, its output to the config's ``.log`` (added to
-    ``logs``, which the caller closes)."""
+    """``optimizer_peer`` with this config in a session of its own, its output to a ``.log`` added to ``logs``."""
     logs.append(open(config_path.with_suffix(".log"), "w"))  # noqa: SIM115
     command = [sys.executable, "-m", "benchmarks.optimizer_peer", str(config_path)]
     return subprocess.Popen(
@@ -204,9 +183,6 @@ def tail_of(path: Path, lines: int = 25) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     return ""
-
-
-# ----------------------------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:

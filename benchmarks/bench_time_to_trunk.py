@@ -6,39 +6,11 @@ own behind a shaped link (``benchmarks/netns.py``).
     nice -n 10 .venv/bin/python -m benchmarks.bench_time_to_trunk --json benchmarks/results/time_to_trunk.json \\
         --markdown benchmarks/results/time_to_trunk.md --plot benchmarks/results/time_to_trunk.png
 
-Why: every other learning result here is per sample or per step, where DDP wins by construction. Users ask for
-hours. Which arm wins depends on one ratio, *time of one exchange of the model over the link / time of one
-training step*: DDP pays an AllReduce every step, periodic averaging in the background does not.
-
-The emulation keeps that ratio equal to ``swav_resnet50``'s (its averaged values: benchmarks/results/traffic.json)
-on a stated GPU and link (``--gpu_step_s``, ``--links``), with bench_optimizer's task (Fashion-MNIST, its small CNN,
-its loop, its swarm-wide schedule: ``benchmarks/optimizer_peer.py``):
-- every box's step lasts ``--pace_s`` (a sleep floor: a box whose GPU takes a fixed time per step, so that two
-  shared cores do not decide the race); one emulated second is ``gpu_step_s / pace_s`` GPU seconds;
-- each link's rate is the real one times (the CNN's values / ResNet-50's) times (gpu_step_s / pace_s), so an
-  exchange of the CNN lasts as many paced steps as one of ResNet-50 lasts GPU steps;
-- seconds the swarm and hivemind.Optimizer are configured with (matchmaking, timeouts) are scaled the same way.
-The default GPU step, 0.0804 s: a SwAV step of batch 64, 2x224+6x96 crops (198.5 images of 224 px), at 2470 images/s
-(ResNet-50 v1.5 on one A100 80GB, AMP: NVIDIA DeepLearningExamples' resnet50v1.5 README, "Training performance:
-NVIDIA DGX A100 (8x A100 80GB)"); SwAV's head and Sinkhorn are not counted.
-
-Arms (every one real code in real processes, on the same links):
-  alone               one box, the whole budget S (bench_optimizer's alone).
-  swarm               3 boxes, DecentralizedSGD with the flags vissl_swarm.preflight.advise gives swav_resnet50 on
-                      that GPU and link (seconds scaled), S/3 samples each.
-  hivemind_optimizer  hivemind.Optimizer(use_local_updates=True) as bench_optimizer builds it (target_batch_size
-                      6144, average_state_every=1, its default fp32 state averaging), hivemind's default
-                      matchmaking_time (15 s) and averaging_timeout (60 s) scaled.
-  ddp                 torch DistributedDataParallel over gloo, torch's fp16 compression hook (``--no-ddp_fp16``:
-                      without): ``--ddp_steps`` steps on the shaped link (its time per step), the whole budget
-                      unshaped (its per-sample curve); its time is composed of both, and the report says so.
-  ideal               the ideal swarm (benchmarks/ideal_swarm.py) at the swarm's measured steps per round, on a
-                      link that costs nothing: the reference no real swarm can beat.
-
-Not emulated: latency, per-round fixed costs (DHT, matchmaking RPCs: this machine's real seconds), data loading,
-CPU contention beyond what the pace absorbs; the report gives the measured step and AllReduce times against the aim.
-
-``--quick``: alone and swarm, 9,600 samples (300 steps alone), 1 seed, 4 curve points, 100 Mbit/s.
+Why: per sample or per step DDP wins by construction; users ask for hours. The winner depends on (one exchange of the
+model over the link) / (one training step), which the emulation keeps equal to ``swav_resnet50``'s on the stated GPU
+(``--gpu_step_s``, by default an A100's SwAV step of batch 64) and ``--links``: bench_optimizer's task, each step paced
+to ``--pace_s``, link rates and configured seconds scaled to match (``Emulation``); latency and per-round fixed costs
+are not emulated. The arm ideal (``ideal_swarm`` on a free link) is the bound no real swarm beats.
 """
 
 from __future__ import annotations
@@ -86,8 +58,7 @@ class Emulation:
         return self.link_mbit * self.values_emulated / self.values_real / self.time_scale
 
     def exchange_s(self, group: int, bytes_per_value: float = 2.0, emulated: bool = True) -> float:
-        """One butterfly AllReduce (as many bytes as a ring's) among ``group`` boxes, fp16 by default, in full
-        frames (TCP/IP and Ethernet headers: 1514 bytes carry 1448), a cost real links pay too."""
+        """Seconds of one AllReduce among ``group`` boxes (fp16 by default), in full frames as real links pay."""
         values, mbit = (self.values_emulated, self.emulated_mbit) if emulated else (self.values_real, self.link_mbit)
         return preflight.allreduce_bytes(values, bytes_per_value, group) * netns.FRAME / 1448 * 8 / (mbit * 1e6)
 
@@ -97,8 +68,7 @@ class Emulation:
         return self.exchange_s(3, emulated=False) / self.gpu_step_s
 
     def swarm_flags(self) -> tuple[dict, list[dict]]:
-        """DecentralizedSGD's settings from the pre-flight's advice for ResNet-50 on this GPU and link (its seconds
-        scaled), and the advice itself."""
+        """DecentralizedSGD's settings (seconds scaled) from the pre-flight's advice for ResNet-50, and the advice."""
         exchange = self.exchange_s(3, emulated=False)
         measured = preflight.Measured(
             boxes=3,
@@ -135,9 +105,6 @@ def resnet50_values() -> int:
         rows = json.loads(path.read_text())["rows"]
         return next(int(row["values"]) for row in rows if row["config"] == "swav_resnet50")
     return RESNET50_VALUES
-
-
-# ----------------------------------------------------------------------------------------------------- one run
 
 
 @dataclass
@@ -227,8 +194,7 @@ def run_job(job: Job, out: Path, index: int) -> dict:
 
 
 def how_far(run_dir: Path, count: int) -> dict:
-    """A run that missed its deadline: the results of the boxes that finished (curves timed) and the last step
-    each box reported (``optimizer_churn.ProgressFiles``, every few steps)."""
+    """A run that missed its deadline: the finished boxes' results (curves timed) and each box's last reported step."""
     finished, reached = [], {}
     go = run_dir / "go.json"
     for rank in range(count):
@@ -251,14 +217,10 @@ def timed_curve(curve: list[dict], evaluations: list[list[float]], start_at: flo
     return timed
 
 
-# ----------------------------------------------------------------------------------------------------- the plan
-
-
 def jobs_for(
     arm: str, seed: int, emulation: Emulation, args: argparse.Namespace, period: int, budget: float = 1.0
 ) -> list[Job]:
-    """The runs an arm of a seed is made of (ddp: the shaped timing run, then the unshaped curve run). ``budget``:
-    the swarm's samples in multiples of one box's, as a user sets ``num_epochs`` (the arm is then "<arm> x<budget>")."""
+    """An arm's runs for a seed (ddp: shaped timing, then unshaped curve); ``budget``: samples in one box's budgets."""
     scale = emulation.time_scale
     settings = Settings(
         samples=round(args.samples * budget),
@@ -291,8 +253,7 @@ def jobs_for(
 
 
 def swarm_period(runs: list[dict], seed: int, link: float) -> int:
-    """The swarm's measured steps per round in this seed and link (the ideal's period); bench_optimizer's slowed
-    regime's 179 if no swarm ran."""
+    """The swarm's measured steps per round in this seed and link (the ideal's period), else the slowed regime's."""
     for run in runs:
         if run["arm"] == "swarm" and run["seed"] == seed and run["link_mbit"] == link and run["error"] is None:
             per_round = [peer["steps_per_round"] for peer in run["peers"] if peer.get("steps_per_round")]
@@ -303,9 +264,6 @@ def swarm_period(runs: list[dict], seed: int, link: float) -> int:
 
 def done(runs: list[dict], arm: str, seed: int, link: float) -> bool:
     return any(r["arm"] == arm and r["seed"] == seed and r["link_mbit"] == link and not r["error"] for r in runs)
-
-
-# ----------------------------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,5 @@
-"""What every benchmark shares: ending the peer processes it started, the git state a result records, the
-statistics of its tables (mean ± std, per-seed differences, crossings) and writing its JSON, markdown and plots.
-
-Run a benchmark from the repository root as a module (``python -m benchmarks.soak``): no path set-up needed.
-"""
+"""What every benchmark shares: ending the processes it started, the git state a result records, its tables'
+statistics and writing its outputs. Run one from the repository root as a module (``python -m benchmarks.soak``)."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def kill_group(pid: int | None) -> None:
-    """SIGKILL a process group this benchmark started (a peer that leads its own group or session) and so every
-    process it spawned (DHT, averager, p2pd): only ours, by id."""
+    """SIGKILL a process group this benchmark started (a peer and its DHT, averager, p2pd): only ours, by id."""
     if pid is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
@@ -39,8 +35,7 @@ def kill_session(process: subprocess.Popen) -> None:
 
 
 def session_pids(leader: int) -> list[int]:
-    """The processes of the session ``leader`` leads: every child inherits it even when reparented, so a walk of
-    parent ids could miss an orphan while this does not."""
+    """The processes of the session ``leader`` leads: unlike a walk of parent ids, this misses no reparented orphan."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -65,8 +60,7 @@ def fast_round_flags(run_id: str) -> list[str]:
 
 
 def parse_with_quick(parser: Any, argv: Sequence[str] | None = None, **smaller: Any) -> Any:
-    """Parse, with ``--quick``: the benchmark's whole code path in at most ~3 minutes on 2 cores, by giving the
-    options in ``smaller`` these values wherever the command line left them at their defaults."""
+    """Parse; ``--quick`` (the whole code path in minutes) gives ``smaller``'s options left at their defaults."""
     shown = ", ".join(f"--{key} {' '.join(map(str, v)) if isinstance(v, list) else v}" for key, v in smaller.items())
     parser.add_argument("--quick", action="store_true", help=f"the whole code path in minutes: {shown}")
     args = parser.parse_args(argv)
@@ -120,8 +114,7 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
 
 
 def paired_difference(variant: dict[Any, float], reference: dict[Any, float], digits: int = 4) -> dict | None:
-    """``variant − reference`` for each seed both have, and the mean ± std of those differences: the noise of a
-    comparison is the spread of its per-seed differences, not of either arm."""
+    """``variant − reference`` per seed both have, and their mean ± std: a comparison's noise is that spread."""
     seeds = sorted(seed for seed in variant if seed in reference)
     if not seeds:
         return None
@@ -169,8 +162,7 @@ OUTCOME_COLORS = {"applied": "tab:green", "no group": "0.75", "cancelled": "0.6"
 
 
 def round_outcome(record: dict) -> str:
-    """applied, no group, cancelled or failed. A round that found no group (a box alone, e.g. before the others
-    started) is no failure: the trainer counts it apart (``rounds_no_group``), and so must a picture of the rounds."""
+    """applied, no group, cancelled or failed: no group (a box alone) is no failure, the trainer counts it apart."""
     error = record.get("error") or ""
     if record.get("applied"):
         return "applied"
@@ -242,9 +234,8 @@ def save_figure(figure: Any, path: Path, dpi: int = 110) -> None:
 
 
 def decentralized_sgd(optimizer: Any, dht: Any, ablations: dict[str, Any] | None = None, **options: Any) -> Any:
-    """The one place the benchmarks construct DecentralizedSGD. ``ablations``: the switches that turn one of its
-    improvements off (bench_averaging's modes: ``averaging_setup.ABLATIONS``); ``options``: its other settings, where
-    those that are ``RoundSettings``' fields go into its ``settings`` and ``outer_*`` into its ``outer``."""
+    """The one place the benchmarks construct DecentralizedSGD; ``ablations`` turn its improvements off, ``options``'
+    ``RoundSettings`` fields go into its ``settings``, ``outer_*`` into its ``outer``, the rest to the constructor."""
     import dataclasses
 
     from decentralized_sgd import DecentralizedSGD

@@ -1,16 +1,8 @@
 """The ideal swarm of ``bench_optimizer.py`` (mode ``ideal``): the swarm's peers as replicas in one process, averaged
 exactly, in lock-step, every ``period`` local steps: no hivemind, no timing, no lost rounds.
 
-Why: the swarm's gap to DDP has two parts. ``swarm − ideal`` at the same period is what the system costs
-(staleness, groups of 2, failed or partial rounds, peers out of step); ``ideal − ddp`` is what periodic averaging
-itself costs at that period. The ideal's knobs put the system's factors back one at a time (``group``:
-groups of 2; ``staleness``: the snapshot taken k steps before the average is applied with the delta rule) and try
-the algorithm's levers (the outer optimizer of ``decentralized_sgd.outer``, the very class the product uses;
-averaging or resetting the momentum buffers). Everything else is ``bench_optimizer``'s: the model, the data order
-of each peer (``1000·seed + rank``), the initial model, the swarm-wide LR schedule, the evaluation.
-
-The run is deterministic for a seed (one thread, fixed data orders and pair draws): its result does not depend on
-the machine's load, unlike the swarm's.
+Why: ``swarm − ideal`` at the same period is what the system costs, ``ideal − ddp`` what periodic averaging costs;
+``IdealOptions`` puts the system's factors back one at a time and tries the algorithm's levers.
 """
 
 from __future__ import annotations
@@ -67,9 +59,7 @@ class Replica:
 
 
 def through_the_wire(tensors: list[torch.Tensor], wire: str) -> list[torch.Tensor]:
-    """The tensors as the other side of hivemind's AllReduce reads them: compressed as the product's
-    ``--compression`` (uint8: ``benchmarks/uint8_compression.py``, tensors under 2^16 values as fp16) and decoded, by
-    hivemind's own code (with its NumPy 2 fix)."""
+    """The tensors as the other side of hivemind's AllReduce reads them: compressed as ``wire``, decoded by hivemind."""
     if wire == "exact":
         return tensors
     from hivemind.compression import CompressionInfo
@@ -86,10 +76,8 @@ def through_the_wire(tensors: list[torch.Tensor], wire: str) -> list[torch.Tenso
 
 @torch.no_grad()
 def average_round(members: list[Replica], options: IdealOptions) -> None:
-    """Average of the members' snapshots, applied with the delta rule (and the outer step), now. With a compressed
-    ``wire``, as hivemind's AllReduce does it: each member's part reaches the reducer compressed, the reducer averages
-    what it read and sends each member back its delta (average − the part it read), compressed too; so a member's
-    update is Q(mean(Q(s)) − Q(s_i)), and its own rounding error stays in its weights."""
+    """Average of the members' snapshots, applied with the delta rule (and the outer step), now; a compressed ``wire``
+    as hivemind's AllReduce: an update is Q(mean(Q(s)) − Q(s_i)), each one's rounding error stays in its weights."""
     with_momenta = options.momentum_buffers == "average" and all(r.momenta() for r in members)
     snapshots = [r.snapshot or [t.clone() for t in r.tensors(with_momenta)] for r in members]
     sent = [through_the_wire(snapshot, options.wire) for snapshot in snapshots]
@@ -105,8 +93,7 @@ def average_round(members: list[Replica], options: IdealOptions) -> None:
 
 
 def round_steps(steps: int, options: IdealOptions) -> set[int]:
-    """After which local steps a round averages: every ``period`` steps, or as many rounds spaced by ``spacing``
-    (the same number of rounds: the same bytes on the wire)."""
+    """After which local steps a round averages: every ``period`` steps, or as many rounds spaced by ``spacing``."""
     if options.spacing == 1.0:
         return set(range(options.period, steps, options.period))
     count = (steps - 1) // options.period
@@ -114,8 +101,7 @@ def round_steps(steps: int, options: IdealOptions) -> set[int]:
 
 
 def train_ideal(spec, settings, data, options: IdealOptions, helpers) -> list[dict]:
-    """Every replica's result, in the shape of a ``bench_optimizer`` peer's (curve, rounds, steps per round).
-    ``helpers``: bench_optimizer's module (make_model, Batches, lr_at, test_accuracy, checkpoint_steps)."""
+    """Every replica's result, in a bench_optimizer peer's shape; ``helpers``: the task's module (optimizer_plan)."""
     peers = settings.peers
     steps, total_batch = spec.steps(settings), spec.total_batch(settings)
     initial = helpers.make_model(spec.seed)

@@ -1,5 +1,4 @@
-"""bench_learning's churn: the last box of a swarm crashes at a third of its steps and comes back as the README's
-restart; what it lost and how long it took to catch up."""
+"""bench_learning's churn: the last box crashes at a third of its steps, comes back by the README's restart."""
 
 from __future__ import annotations
 
@@ -13,13 +12,10 @@ from typing import Any
 from benchmarks.learning_setup import BenchError, Plan
 from vissl_swarm.local_swarm import LocalPeer, wait_until
 
-# ------------------------------------------------------------------------------------------------------- churn
-
 
 @dataclass(frozen=True)
 class Watch:
-    """The waits of one run: each until a condition holds, all before the run's deadline (``time.monotonic()``); a
-    process of ``peers`` (or of the wait's own list) that failed meanwhile ends the wait with its log line."""
+    """A run's waits, each until a condition holds, before its deadline; a process that fails meanwhile ends it."""
 
     mode: str
     seed: int
@@ -51,8 +47,7 @@ SPEED_WINDOW_S = 3.0  # the others' speed after the kill (when to restart the ch
 
 @dataclass(frozen=True)
 class Churn:
-    """swarm_churn: box ``box`` is killed once it logged step ``kill_step`` (a third of its share) and should be back
-    when the swarm has trained on ``back_at`` samples (two thirds of the budget)."""
+    """swarm_churn: box ``box`` is killed at its step ``kill_step``, to be back when the swarm trained ``back_at``."""
 
     box: int
     kill_step: int
@@ -64,8 +59,7 @@ class Churn:
 
 
 def run_churn(churn: Churn, peers: list[LocalPeer], restart: Callable[[LocalPeer], None], watch: Watch) -> dict:
-    """Kill the box at its step, start it again with ``restart`` when, given its first start-up's seconds, it would
-    be back at ``churn.back_at``, and wait until it trains again; its record: where it left and came back."""
+    """Kill the box at its step, ``restart`` it to be back at ``churn.back_at``, wait until it trains: its record."""
     box = peers[churn.box]
     others = [peer for peer in peers if peer is not box]
     first = watch.until(lambda: box.progress()[:1], f"{box.name}'s first step")[0]
@@ -119,8 +113,7 @@ def freshest_steps(peers: list[LocalPeer]) -> list[dict]:
 
 def restart_due(others: list[LocalPeer], back_at: int, startup_s: float, killed_at: float) -> bool:
     """Whether the churned box, started now, would be back about when the swarm reaches ``back_at`` samples, given
-    its first start-up's seconds and the others' own speed since the kill (the swarm's position is no speed: it
-    counts the dead box's speed for a while after the kill, then waits for the counts to catch up)."""
+    its first start-up and the others' own speed since the kill (the swarm's position still counts the dead box's)."""
     lines = freshest_steps(others)
     if lines and lines[-1]["swarm_samples"] >= back_at:
         return True
@@ -137,8 +130,7 @@ def own_speed(peer: LocalPeer, since: float) -> float:
 
 
 def back_in_swarm(box: LocalPeer, others: list[LocalPeer]) -> float | None:
-    """When the restarted box logged its first step (or ended: the budget done as it came back); BenchError if the
-    others finished before it came back, which would leave it to train the rest of the budget alone."""
+    """When the restarted box logged its first step (or ended); BenchError if the others finished before it was back."""
     steps = [line for line in box.progress() if line["time"] >= box.started_at]
     if steps:
         return steps[0]["time"]
@@ -154,10 +146,8 @@ def back_in_swarm(box: LocalPeer, others: list[LocalPeer]) -> float | None:
 
 
 def churn_summary(churn: dict, steps_per_box: list[int], batch: int, budget: int) -> dict:
-    """The record with what follows from the run's end: the churned box's steps after its rejoin, its share of the
-    swarm's steps (it trained ``killed_at_step`` before the crash, ``resumed_step`` of which its checkpoint kept),
-    the samples lost (steps not in any round: the swarm never got them; since the checkpoint: the box's own), and
-    the part of the budget it was away."""
+    """The record with what follows from the run's end: the box's steps after its rejoin, its share of the swarm's
+    steps, the samples lost (the box's since its checkpoint, the swarm's not in any round) and its time away."""
     after = steps_per_box[churn["box"]] - churn["resumed_step"]
     trained = [*steps_per_box]
     trained[churn["box"]] = churn["killed_at_step"] + after

@@ -1,5 +1,4 @@
-"""bench_learning's evaluation: the kNN top-1 of a trunk on the validation split (``Evaluator``), each box's
-checkpoints along its run, the curves and where they reach a target."""
+"""bench_learning's evaluation: a trunk's kNN top-1 on val (``Evaluator``), each box's checkpoints, the curves."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def fixed_subset(size: int, count: int, seed: int) -> list[int] | None:
 
 
 class Evaluator:
-    """kNN top-1 (the bank: a fixed subset of train; the queries: all of val) and the SwAV loss on a fixed held-out
-    set, of any checkpoint of the config; the images are decoded once."""
+    """kNN top-1 (bank: a fixed train subset; queries: val) and held-out SwAV loss of a checkpoint; decoded once."""
 
     def __init__(
         self,
@@ -67,8 +65,7 @@ class Evaluator:
         from vissl_swarm.config_loading import compose_config
 
         set_cpu_device()  # the evaluation runs on the CPU (SwAV's Sinkhorn would move its tensors to a GPU otherwise)
-        # the held-out loss without a queue: a fresh loss has an empty one, which would enter the Sinkhorn
-        self.config, _ = compose_config(
+        self.config, _ = compose_config(  # no queue for the held-out loss: a fresh one is empty, fed to the Sinkhorn
             config_name, [*overrides, "config.LOSS.swav_loss.queue.queue_length=0"], has_gpu=False
         )
         self.model = build_model(self.config.MODEL, self.config.OPTIMIZER)
@@ -88,8 +85,7 @@ class Evaluator:
         }
 
     def _heldout_batches(self, folder: Path, count: int, batch: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-        """The held-out crops, drawn once: ``count`` val images (a fixed subset, whole batches), the config's training
-        transforms under seed 0 (torch, numpy and random: VISSL's transforms draw from all three), VISSL's collator."""
+        """Held-out crops drawn once: ``count`` val images, training transforms seeded 0 (torch, numpy, random)."""
         from torchvision.datasets import ImageFolder
         from vissl.data.collators import get_collator
         from vissl.data.ssl_transforms import get_transform
@@ -147,8 +143,7 @@ class Evaluator:
         return self.knn(self.features(self.bank), self.features(self.val))
 
     def heldout_loss(self) -> float:
-        """Mean SwAV loss over the fixed held-out batches; BatchNorm on batch statistics (train mode, as training
-        computes the loss), no gradients; the model's running statistics are reloaded with the next checkpoint."""
+        """Mean SwAV loss over the held-out batches, BatchNorm on batch statistics as training computes it."""
         import vissl.losses  # noqa: F401  (registers VISSL's losses)
         from classy_vision.losses import build_loss
 
@@ -194,12 +189,8 @@ class Evaluator:
         return self.knn(flat(self.bank), flat(self.val))
 
 
-# -------------------------------------------------------------------------------------------------- a run's records
-
-
 def box_checkpoints(folder: Path, mode: str, plan: Plan) -> list[dict]:
-    """A box's checkpoints along the run and its final one, in order: path, steps of the box, samples of the swarm
-    (a swarm box's checkpoint holds the swarm's count; alone and ddp: steps x their global batch)."""
+    """A box's checkpoints in order: path, its steps, the swarm's samples (alone and ddp: steps x global batch)."""
     finals = list(folder.glob("model_final_checkpoint*.torch"))
     if not finals:
         raise BenchError(f"{folder} holds no final checkpoint (model_final_checkpoint_*.torch): training did not end")
@@ -227,8 +218,7 @@ def rounds_of(peer: LocalPeer) -> dict:
 
 
 def mean_curve(boxes: list[list[dict]], initial: InitialModel) -> list[dict]:
-    """The run's curve: step 0 (the initial model), then the checkpoints every box has at the same step, then the
-    boxes' final checkpoints; each point the mean over boxes."""
+    """The run's curve: step 0, the checkpoints every box has at the same step, the final ones; means over boxes."""
     common = set.intersection(*({point["steps"] for point in box if not point["final"]} for box in boxes))
     points = [{"steps": 0, "samples": 0, "knn": initial.knn, "heldout_loss": initial.heldout_loss}]
     groups = [[next(p for p in box if p["steps"] == steps) for box in boxes] for steps in sorted(common)]
@@ -319,8 +309,7 @@ def floor_runs(mode: str, seed: int, initial: InitialModel, raw_pixels: float | 
 
 
 def hivemind_target_for(seed: int, runs: list[dict], plan: Plan, args: argparse.Namespace) -> tuple[int, str]:
-    """hivemind_optimizer's samples per global epoch: rounds as often as ``swarm``'s (its measured local steps per
-    applied round, same seed), else ``--hivemind_steps_per_round``."""
+    """hivemind_optimizer's samples per global epoch: rounds as often as ``swarm``'s (same seed), else the flag's."""
     measured = next(
         (
             run.get("steps_per_round")
@@ -334,13 +323,9 @@ def hivemind_target_for(seed: int, runs: list[dict], plan: Plan, args: argparse.
     return max(plan.batch, round(plan.boxes * plan.batch * steps)), source
 
 
-# ---------------------------------------------------------------------------------------------- initial model
-
-
 @dataclass(frozen=True)
 class InitialModel:
-    """What every process of one seed starts from, in every mode, and its evaluation: as is (the curves' step 0)
-    and with BatchNorm statistics of the training images (the random_init floor)."""
+    """What every process of a seed starts from; evaluated as is and with BatchNorm adapted (the random_init floor)."""
 
     path: Path
     trunk_fingerprint: str
@@ -356,8 +341,7 @@ def run_id(seed: int) -> str:
 def write_initial_model(
     seed: int, folder: Path, config_name: str, overrides: list[str], evaluator: Evaluator
 ) -> InitialModel:
-    """The model the swarm boxes of run ``learn<seed>`` build (decentralized_task.py seeds it from the run id and
-    config name), saved as VISSL weights: alone and ddp load it with MODEL.WEIGHTS_INIT."""
+    """The model the swarm boxes of run ``learn<seed>`` build, saved as VISSL weights for alone and ddp to load."""
     from vissl_swarm import vissl_compat
 
     vissl_compat.apply()
@@ -384,8 +368,7 @@ def write_initial_model(
 
 
 def started_from(mode: str, peers: list[LocalPeer], initial: InitialModel) -> bool:
-    """Whether every process logged starting from the seed's initial model (a swarm box logs its trunk's fingerprint,
-    VISSL logs loading the weights file)."""
+    """Whether every process logged starting from the seed's initial model (its trunk fingerprint or weights file)."""
     if mode in SWARM_MODES:  # (a restarted box builds it again before it loads its checkpoint: logged twice)
         return all(
             set(re.findall(r"trunk fingerprint (\w+)", peer.log_text())) == {initial.trunk_fingerprint}

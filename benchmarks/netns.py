@@ -1,13 +1,9 @@
 """Network namespaces with rate-limited links for benchmarks: every peer behind a link of its own, as on real boxes.
 
 Why: on 127.0.0.1 an AllReduce is bound by CPU, never by bandwidth; users' boxes talk over 100 Mbit/s - 1 Gbit/s links.
-Topology (all inside a user + network namespace the benchmark re-executes itself in, as tests/netcut_scenario.py
-runs in one; no root and no real interface is touched):
+Inside a user + network namespace the benchmark re-executes itself in (no root needed), each direction shaped:
 
     peer i's namespace: p<i> 10.79.0.<i+1>/24 --veth-- h<i> (orchestrator's namespace) --- bridge br0
-
-Each direction of each veth is shaped (``tc`` htb, ACKs first: _shape; ``netem``, ``fq_codel`` and ``prio`` are not
-available on the machines this runs on), so a peer's upload (p<i> egress) and download (h<i> egress) are both limited.
 """
 
 from __future__ import annotations
@@ -76,11 +72,8 @@ def enter_own_namespace() -> None:
 
 
 def _shape(netns: Sequence[str], device: str, mbit: float, small_packets: bool = False) -> None:
-    """`mbit` through htb with two classes: packets under 128 bytes (TCP ACKs) first, data after, in a FIFO of 64 KiB.
-    A single FIFO (tbf) made ACKs wait behind the other direction's queued data (1.4 s at 0.375 Mbit/s), so a link
-    busy both ways, as in an AllReduce, carried one direction at 2/3 of the rate; real hosts' fq_codel sends sparse
-    flows first. ``small_packets`` (links of a few hundred kbit/s): the link's devices send no GSO packet above one
-    frame (plug_in) and the bucket holds 4 frames."""
+    """`mbit` through htb, TCP ACKs (< 128 bytes) before data as real hosts' fq_codel (absent here) sends sparse flows
+    first: behind one FIFO, ACKs waited for the other direction's data. ``small_packets``: a bucket of 4 frames."""
     burst, limit = max(int(mbit * 1e6 / 8 * 0.01), 4 * FRAME if small_packets else 64 * 1024), 64 * 1024
     for command in (
         "qdisc add dev {device} root handle 1: htb default 20",
@@ -105,8 +98,7 @@ def wait_for_own_namespace(pid: int, timeout: float) -> None:
 
 
 def plug_in(pid: int, rank: int, mbit: float | None, small_packets: bool = False) -> None:
-    """Orchestrator: a veth pair from the bridge into process `pid`'s namespace, address host_address(rank),
-    both directions shaped to `mbit` (None: unshaped); ``small_packets``: see _shape."""
+    """Orchestrator: a veth pair from the bridge into `pid`'s namespace, each direction shaped to `mbit` (None: not)."""
     inner, outer = f"p{rank}", f"h{rank}"
     netns = ("nsenter", f"--net=/proc/{pid}/ns/net")
     _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)

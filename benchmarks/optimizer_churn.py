@@ -1,20 +1,10 @@
 """Churn in ``bench_optimizer.py`` (``RunSpec.churn``): the last of the 3 peers is away for the middle third of the
 run, the users' normal case.
 
-- ``kill``: at a third of its steps the peer's whole session is SIGKILLed (its DHT, averager and p2pd too: a box
-  that crashed). The orchestrator starts it again at once with its own command, as the README's restart does: the
-  peer loads its last checkpoint (every ``CHECKPOINT_EVERY`` steps; the steps since are lost), joins through peer 0,
-  and once the other peers are at two thirds of their steps takes the swarm's state (``load_state_from_peers``:
-  weights, momentum, local step) and trains on to the end of the schedule. Why it starts at once and waits: a new
-  process takes 10-20 s to import, start its DHT and averager here, about as long as the last third of a run lasts
-  (1250 steps of 15 ms); started at two thirds, it would come back after the others finished.
-- ``pause``: what the lost samples alone explain. The same peer stays up but trains nothing from a third to two
-  thirds of the run, then takes the swarm's state exactly as the restarted one does and trains on. Both variants
-  train the same steps (``kill`` loses up to ``CHECKPOINT_EVERY`` more): ``kill − pause`` is what the crash itself
-  costs (the steps since the checkpoint, the rounds it broke, the rejoin).
-
-Peers say where they are through ``progress{rank}.json`` files (``ProgressFiles``), which the paused peer and the
-orchestrator poll.
+- ``kill``: its whole session is SIGKILLed at a third of its steps; restarted at once (a new process starts slowly)
+  by the README's restart, it loads its checkpoint and, once the others are at two thirds, takes the swarm's state.
+- ``pause``: it stays up, trains nothing from a third to two thirds, then rejoins the same way; ``kill − pause`` is
+  what the crash costs beyond the lost samples. Peers tell their steps through ``ProgressFiles``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""bench_optimizer's peer: one process of a run (``python -m benchmarks.optimizer_peer CONFIG``), which trains in
-the plain PyTorch loop every mode shares with that mode's optimizer (its ``Driver``) and writes its result."""
+"""bench_optimizer's peer (``python -m benchmarks.optimizer_peer CONFIG``): the shared loop, its mode's ``Driver``."""
 
 from __future__ import annotations
 
@@ -46,8 +45,6 @@ from benchmarks.optimizer_plan import (
     test_accuracy,
 )
 
-# ----------------------------------------------------------------------------------------------------- peer side
-
 
 @dataclass
 class PeerConfig:
@@ -73,8 +70,7 @@ class PeerConfig:
 
 
 def watchdog(deadline: float, orchestrator_pid: int) -> None:
-    """Kill this process's whole session (its DHT, averager and p2pd children too) after the deadline or when the
-    orchestrator is gone: a peer never outlives its run, whatever happens to the benchmark."""
+    """Kill this process's session after the deadline or once the orchestrator is gone: no peer outlives its run."""
 
     def watch() -> None:
         while True:
@@ -125,8 +121,7 @@ class LogCounter(logging.Handler):
 
 
 class Driver:
-    """One mode's optimizer as a training loop uses it. ``lock``: held from forward to step where the mode needs it
-    (the old design) and while the evaluation copies the weights (nothing may change them halfway)."""
+    """One mode's optimizer as the loop uses it; ``lock`` guards forward to step where needed, and evaluation's copy."""
 
     needs_lock_for_forward = False
 
@@ -152,10 +147,8 @@ class Driver:
 
 
 def start_dht(config: PeerConfig, user_dht: bool) -> Any:
-    """Peer 0 starts the swarm and publishes its visible multiaddrs; the others join through them. Our peers get the
-    DHT the product starts (``swarm.start_dht``: a FixedDHT that dials peer 0 again for up to ``JOIN_TIMEOUT_S``, then
-    keeps connected; one ping, hivemind's own bootstrap, was missed by a busy peer 0 at load 37: "none of the
-    initial_peers responded to a ping"); hivemind_optimizer a plain hivemind.DHT, as its users would start one."""
+    """Peer 0 starts the swarm and publishes its multiaddrs, the others join through them: our peers with the product's
+    ``swarm.start_dht`` (it redials a busy peer 0), hivemind_optimizer with a plain hivemind.DHT, as its users would."""
     import hivemind
 
     from vissl_swarm import swarm
@@ -250,8 +243,7 @@ class OldDriver(Driver):
 
 
 class HivemindDriver(Driver):
-    """hivemind.Optimizer with local updates. Its ``param_groups`` property returns copies: the LR is set on the
-    torch optimizer it wraps (``opt.opt``)."""
+    """hivemind.Optimizer with local updates; its ``param_groups`` are copies, so the LR is set on ``opt.opt``."""
 
     def __init__(self, model: nn.Module, config: PeerConfig, spec: RunSpec, momentum: float):
         import hivemind
@@ -447,8 +439,7 @@ def train(config: PeerConfig, data: FashionMNIST) -> dict:
 
 
 def train_ideal_replicas(config: PeerConfig, spec: RunSpec, settings: Settings, data: FashionMNIST) -> dict:
-    """Mode ideal: every peer as a replica in this one process (``ideal_swarm``); the result holds each replica's
-    result in a peer's shape (``replicas``), which the orchestrator unpacks."""
+    """Mode ideal: every peer a replica in this process (``ideal_swarm``); its result holds theirs (``replicas``)."""
     from benchmarks import optimizer_plan
     from benchmarks.ideal_swarm import IdealOptions, train_ideal
     from decentralized_sgd.outer import OuterSettings

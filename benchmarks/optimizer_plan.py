@@ -1,5 +1,4 @@
-"""bench_optimizer's task and plan: Fashion-MNIST (IDX files), the small CNN, the batches each peer draws, the LR
-schedule, and the runs an experiment is made of (``RunSpec``); what the orchestrator and each peer share."""
+"""bench_optimizer's task and plan, shared by the orchestrator and the peers: data, model, LR schedule, ``RunSpec``."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ LR_RULES = ("box", "sqrt", "linear")
 EXPERIMENTS = ("main", "lr", "weighting", "slowed", "ideal", "outer", "churn")
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 EVAL_CHUNK = 2000
-# rough costs on the 2-core machine when quiet, for the estimate printed at start and each run's deadline: start-up
-# and shutdown of a run's processes, and CPU seconds per training sample of the whole run (3 peers share 2 cores)
+# rough costs on a quiet 2-core machine, for the estimate and the deadlines: start-up, CPU seconds per sample of a run
 STARTUP_S = {"alone": 6.0, "ddp": 10.0, "swarm": 25.0, "old": 20.0, "hivemind_optimizer": 25.0, "ideal": 5.0}
 CPU_S_PER_SAMPLE = {"alone": 70e-6, "ddp": 60e-6, "swarm": 60e-6, "old": 60e-6, "hivemind_optimizer": 70e-6}
 CPU_S_PER_SAMPLE["ideal"] = 180e-6  # 3 replicas in one thread
@@ -77,9 +75,8 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
 
 
 def make_model(seed: int) -> nn.Sequential:
-    """2 strided convs + 2 fc (~0.1M parameters, ~2 ms per step of 32 on one thread). No BatchNorm on purpose: every
-    mode then averages the same tensors (hivemind.Optimizer averages parameters only, DDP broadcasts rank 0's
-    buffers), so the comparison is about the averaging of the weights. The seed fixes the initial model."""
+    """2 strided convs + 2 fc, seeded. No BatchNorm on purpose: every mode then averages the same tensors
+    (hivemind.Optimizer averages parameters only, DDP broadcasts rank 0's buffers)."""
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Conv2d(1, 16, 5, stride=2, padding=2),
@@ -135,9 +132,9 @@ class Settings:
     curve_points: int = 8
     min_matchmaking_time: float = 1.0  # the main regime
     slowed_min_matchmaking_time: float = 4.0
-    hivemind_target_batch_size: int = 6_144  # 64 steps of the 3 peers: see the docstring
+    hivemind_target_batch_size: int = 6_144  # 64 steps of the 3 peers
     hivemind_averaging_timeout: float = 15.0
-    min_step_s: float = 0.015  # every averaging peer's step lasts at least this long (a sleep): see the docstring
+    min_step_s: float = 0.015  # every averaging peer's step lasts at least this long (a sleep), as on an accelerator
     data_dir: str = str(DATA_DIR)
 
 
@@ -212,8 +209,7 @@ class RunSpec:
 
 
 def lr_at(position: int, settings: Settings, peak: float) -> float:
-    """Warm-up (linear from ~0) over the first ``warmup`` share of S samples, then a cosine to 0 at S. ``position``:
-    the samples the swarm has processed before this step."""
+    """Warm-up over the first ``warmup`` share of S samples, then a cosine to 0 at S (``position``: swarm samples)."""
     warm = max(1.0, settings.warmup * settings.samples)
     if position < warm:
         return peak * (position + settings.batch) / (warm + settings.batch)
@@ -279,8 +275,7 @@ def plan(args: argparse.Namespace, settings: Settings) -> list[RunSpec]:
 
 
 def estimated_seconds(spec: RunSpec, settings: Settings) -> float:
-    """Quiet 2-core machine: start-up, the run's training (CPU over 2 cores; unequal: the slow peers' sleeps), its
-    evaluations (~0.25 s each), and the pacing of --quick."""
+    """Seconds on a quiet 2-core machine: start-up, the run's training (or its pacing) and its evaluations."""
     processes = spec.processes(settings)
     cpu = CPU_S_PER_SAMPLE[spec.mode] * settings.samples / min(2, processes)
     if spec.unequal:

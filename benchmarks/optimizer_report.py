@@ -1,5 +1,4 @@
-"""bench_optimizer's report: each variant's curve over seeds, crossings of the reference accuracy, per-seed paired
-differences, the markdown tables and the plots."""
+"""bench_optimizer's report: curves over seeds, crossings, per-seed paired differences, the tables and the plots."""
 
 from __future__ import annotations
 
@@ -22,8 +21,6 @@ from benchmarks.common import (
     write_text,
 )
 
-# ----------------------------------------------------------------------------------------------------- summaries
-
 
 def summarize_run(peers: list[dict]) -> dict:
     """A run's curve: at each checkpoint the mean accuracy over the peers that evaluated (ddp: rank 0)."""
@@ -45,8 +42,7 @@ def summarize_run(peers: list[dict]) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per variant: seeds, final accuracy mean ± std, the mean curve, steps per round, the speed-up over alone and
-    the difference to ddp's final accuracy (both from this invocation's alone and ddp runs, if any)."""
+    """Per variant: seeds, final accuracy mean ± std, the mean curve, steps per round, the comparisons to alone, ddp."""
     variants: dict[str, list[dict]] = {}
     for run in runs:
         variants.setdefault(run["variant"], []).append(run)
@@ -118,9 +114,6 @@ def add_comparisons(summaries: list[dict]) -> None:
                 entry[f"speedup_{name}"] = steps / reached if reached else None
         if ddp is not None and ddp.get("final_mean") is not None:
             entry["vs_ddp"] = entry["final_mean"] - ddp["final_mean"]
-
-
-# ----------------------------------------------------------------------------------------------------- outputs
 
 
 def mean_std(entry: dict) -> str:
@@ -388,8 +381,7 @@ HEADLINE = ("alone", "swarm [sqrt]", "ddp", "hivemind_optimizer [sqrt]")  # what
 
 
 def plot_headline(result: dict, path: Path, variants: tuple[str, ...] = HEADLINE) -> None:
-    """The README's picture: test accuracy against steps per box for one box, the swarm, DDP and hivemind.Optimizer
-    (mean over seeds, ± 1 std shaded); a box of the swarm takes a third of one box's steps."""
+    """The README's picture: test accuracy against steps per box of one box, the swarm, DDP and hivemind.Optimizer."""
     plt = pyplot()
 
     by_name = {entry["variant"]: entry for entry in result["summary"] if "curve" in entry}

@@ -7,14 +7,9 @@ once the faults stop, memory does not grow.
     python -m benchmarks.soak --minutes 15 --json benchmarks/results/soak.json --markdown benchmarks/results/soak.md
     python -m benchmarks.soak --quick    # the same code path in ~3 minutes: 1 minute of soak, one kill
 
-Timeline: the swarm starts and warms up (every peer has applied a round, then ``--settle`` seconds); the soak of
-``--minutes`` begins. During its first ``--fault_fraction``, every ``--kill_every`` seconds (uniform in the range)
-peer1 or peer2 gets SIGKILL (its whole process group: a crash or a power cut) and restarts ``--down_for`` seconds
-later with the same checkpoint folder (it resumes from it and rejoins through peer0, which is never killed). The
-rest is a quiet tail that measures recovery. Every number is defined in ``DEFINITIONS`` (also in the JSON).
-
-The peers run ``--schedule local`` with more epochs than the soak lasts (a swarm-wide budget would end before it):
-a peer that exits on its own, whatever its exit code, is a crash of a survivor.
+After the warm-up, peer1 or peer2 is SIGKILLed (its process group) every ``--kill_every`` seconds of the soak's first
+``--fault_fraction`` and restarts ``--down_for`` seconds later; a quiet tail measures recovery (``DEFINITIONS``). The
+peers run ``--schedule local`` past the soak's end: a peer that exits on its own is a crash of a survivor.
 """
 
 from __future__ import annotations
@@ -99,9 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ------------------------------------------------------------------------------------------------------- memory
-
-
 def _vm_rss_kb(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -122,9 +114,6 @@ def tree_rss_mb(leader: int, samples: int = 1) -> float | None:
         if pids:
             values.append(sum(_vm_rss_kb(pid) for pid in pids) / 1024.0)
     return round(statistics.median(values), 1) if values else None
-
-
-# ------------------------------------------------------------------------------------------------------ harness
 
 
 @dataclass
@@ -301,9 +290,6 @@ class Soak:
                     inc.ended, inc.end, inc.exit_code = time.time(), "stopped", process.poll()
 
 
-# ----------------------------------------------------------------------------------------------------- analysis
-
-
 def is_attempt(record: dict) -> bool:
     if record.get("t_group_formed") is not None or record.get("group") is not None:
         return True
@@ -431,8 +417,7 @@ def report(soak: Soak) -> dict:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's acceptance criteria (a missing value, e.g. no round after the faults, is not met); met is None
-    for the numbers that are only reported."""
+    """The acceptance criteria (a missing value is not met); met is None for the numbers only reported."""
 
     def check(metric: str, target: str, ok: bool | None) -> dict:
         return {"metric": metric, "value": result[metric], "target": target, "met": ok}
@@ -457,8 +442,7 @@ def targets(result: dict) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    """The targets' table under a header that says what ran, on what machine, and the success share after the
-    faults."""
+    """The targets' table under a header: what ran, on what machine, and the success share after the faults."""
     config, timeline = result["config"], result["timeline_s"]
     soaked = (timeline["stopped_at"] - timeline["warmup_done"]) / 60.0
     load = ", ".join(f"{value:.1f}" for value in config["loadavg_end"])

@@ -1,4 +1,4 @@
-"""The 8-bit wire format the benchmarks compare (bench_averaging's wan regimes, bench_compression, ideal_swarm). Not a
+"""The 8-bit wire format the benchmarks compare (bench_averaging's wan regimes, ideal_swarm). Not a
 product choice: 8-bit keeps peers about 0.5% of the weights' norm apart (README, ``--compression``).
 
 ``uint8_compression()``: hivemind's 8-bit quantization for tensors of 2**16 values or more (it needs many values

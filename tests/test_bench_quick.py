@@ -36,12 +36,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             "config.git.commit",
         ],
     ),
-    "bench_compression": ([], ["git.commit", "rows.0.scheme", "rows.0.error_vs_correction", "rows.0.all_finite"]),
     "bench_consensus": (
         [],
         ["commit", "runs.0.mode", "runs.0.consensus_s", "runs.0.failed_share", "runs.0.rounds_per_min"],
     ),
-    "bench_knn": (["--bank", "{tmp}/bank.npy"], ["commit", "rows", "runs.0.peak_rss_mb", "runs.0.seconds"]),
     "bench_nat": (
         ["--out", "{tmp}/nat"],
         ["commit", "rows.0.scenario", "rows.0.natted_rounds_applied", "rows.0.rounds_per_min_per_box"],

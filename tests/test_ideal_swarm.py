@@ -1,5 +1,5 @@
-"""The ideal swarm's round (benchmarks/ideal_swarm.py), exactly: what bench_optimizer's mode ``ideal`` and
-ideal_sweep.py measure against. No DHT, no processes: three replicas of a small model in this process."""
+"""The ideal swarm's round (benchmarks/ideal_swarm.py), exactly: what bench_optimizer's mode ``ideal`` measures
+against. No DHT, no processes: three replicas of a small model in this process."""
 
 from __future__ import annotations
 
