@@ -111,9 +111,10 @@ def diagnose_members(
 
 
 class MembershipCheck:
-    """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries
-    ``READ_PERIOD_S`` after the last group, then twice as long after each read, up to ``READ_PERIOD_MAX_S``: each read
-    is a DHT search that matchmaking's own searches wait behind. ``problem`` is what they say of our secret
+    """Keeps our entry under :func:`members_key` fresh and, while no group formed, reads the run's entries, at first
+    ``READ_PERIOD_S`` after the last group, then twice as long after each read for the rest of the run, up to
+    ``READ_PERIOD_MAX_S``: each read is a DHT search that matchmaking's own searches wait behind, and a swarm whose
+    groups come seconds apart would otherwise read after nearly every gap. ``problem`` is what they say of our secret
     (:func:`diagnose_members`); ``poll`` returns it once no group formed for ``patience`` s (inf: never). Never
     blocks: each call starts or collects a DHT future."""
 
@@ -134,8 +135,7 @@ class MembershipCheck:
             self._announcing = announce_member(self.dht, self.run, self.secret, self.ttl)
             self._next_announce = now + self.ttl / 3
         if group_formed or self._quiet_since is None:
-            self._quiet_since, self._next_read, self.problem = now, now + min(self.patience, self.READ_PERIOD_S), None
-            self._read_period = self.READ_PERIOD_S
+            self._quiet_since, self._next_read, self.problem = now, now + min(self.patience, self._read_period), None
             return None
         if self._reading is None and now >= self._next_read:
             self._reading = self.dht.get(members_key(self.run), latest=True, return_future=True)
