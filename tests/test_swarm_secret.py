@@ -177,3 +177,21 @@ def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environme
     dht = SimpleNamespace(get_visible_maddrs=lambda: ["/ip4/203.0.113.5/tcp/31337/p2p/QmPeer"])
     line = swarm.join_command(dht, from_file)  # the join line asks for the key file, never shows the secret
     assert "--swarm_secret_file" in line and "s3cret" not in line
+
+
+@pytest.mark.timeout(60)
+def test_members_key_reads_back_off_for_the_whole_run():
+    """Each read is a DHT search that matchmaking waits behind: a swarm whose groups come 12 s apart reads a few
+    times in ten minutes, not after every gap (at 16 peers that cost a quarter of the groups: consensus16.md)."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    try:
+        check = MembershipCheck(dht, "run", None, patience=float("inf"))
+        reads, reading = 0, None
+        for second in range(600):  # a clock the test moves: a group every 12 s
+            check.poll(float(second), group_formed=second > 0 and second % 12 == 0)
+            if check._reading is not None and check._reading is not reading:
+                reads, reading = reads + 1, check._reading
+                reading.result(timeout=30)
+        assert 1 <= reads <= 3, f"{reads} members-key reads in 600 s with a group every 12 s"
+    finally:
+        dht.shutdown()
