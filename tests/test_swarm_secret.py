@@ -182,7 +182,7 @@ def test_trainer_and_monitor_take_the_secret_from_a_flag_a_file_or_the_environme
 @pytest.mark.timeout(60)
 def test_members_key_reads_back_off_for_the_whole_run():
     """Each read is a DHT search that matchmaking waits behind: a swarm whose groups come 12 s apart reads a few
-    times in ten minutes, not after every gap (at 16 peers that cost a quarter of the groups: consensus16.md)."""
+    times in ten minutes, not after every gap (at 16 peers that cost groups and consensus time: consensus16.md)."""
     dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
     try:
         check = MembershipCheck(dht, "run", None, patience=float("inf"))
