@@ -241,12 +241,11 @@ def jobs_for(
     if arm == "hivemind_optimizer":
         spec = RunSpec(arm, seed, swarm_lr=args.swarm_lr, min_matchmaking_time=HIVEMIND_MATCHMAKING_S * scale)
         return [Job(arm, spec, settings, shaped, True, extra)]
-    if arm == "ddp":
-        timing = Settings(**{**asdict(settings), "samples": args.ddp_steps * 3 * settings.batch, "curve_points": 1})
-        return [
-            Job("ddp", RunSpec("ddp", seed), timing, shaped, True, extra),
-            Job("ddp_curve", RunSpec("ddp", seed), settings, None, False, extra),
-        ]
+    if arm == "ddp" or (arm == "alone" and args.alone_steps):  # time from a few paced steps, curve unpaced
+        spec = RunSpec("ddp", seed) if arm == "ddp" else RunSpec(arm, seed, swarm_lr=args.swarm_lr)
+        steps = args.ddp_steps if arm == "ddp" else args.alone_steps
+        timing = Settings(**{**asdict(settings), "samples": steps * spec.total_batch(settings), "curve_points": 1})
+        return [Job(arm, spec, timing, shaped, True, extra), Job(f"{arm}_curve", spec, settings, None, False, extra)]
     if arm == "ideal":
         return [Job(arm, RunSpec("ideal", seed, swarm_lr=args.swarm_lr, period=period), settings, None, False, extra)]
     return [Job(arm, RunSpec(arm, seed, swarm_lr=args.swarm_lr), settings, shaped, True, extra)]
@@ -281,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--longer", nargs="*", type=float, default=[], help="swarm arms also at these x samples")
     parser.add_argument("--append", type=Path, default=None, help="add the runs to this JSON (the same emulation)")
     parser.add_argument("--ddp_steps", type=int, default=12, help="ddp's steps on the shaped link (its step time)")
+    parser.add_argument(
+        "--alone_steps",
+        type=int,
+        default=0,
+        help="> 0: alone's step time from this many paced steps, its curve unpaced, as ddp's (a long budget)",
+    )
     parser.add_argument("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--data_dir", type=Path, default=DATA_DIR)
     parser.add_argument("--out", type=Path, default=None, help="logs; default benchmarks/out/time_to_trunk/<time>")
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parse_with_quick(
-        parser, argv, arms=["alone", "swarm"], links=[100.0], samples=9_600, seeds=1, curve_points=4
+        parser, argv, arms=["alone", "swarm"], links=[100.0], samples=9_600, seeds=1, curve_points=4, alone_steps=40
     )
     if args.pace_s <= 0 or args.gpu_step_s <= 0 or min(args.links) <= 0 or args.samples < 3 * 32:
         parser.error("--pace_s, --gpu_step_s and --links must be positive, --samples at least 96")

@@ -13,6 +13,10 @@ from benchmarks import common
 from benchmarks.common import crossing, mean_std, spread, value_at
 
 ORDER = ("alone", "swarm", "hivemind_optimizer", "ddp", "ideal")
+COMPOSED = {  # an arm whose time comes from a few paced steps and whose accuracy from its <arm>_curve run
+    "alone": "paced steps, the per-sample curve unpaced",
+    "ddp": "steps on the link, the per-sample curve unshaped",
+}
 COLORS = {"alone": "k", "swarm": "tab:blue", "hivemind_optimizer": "tab:orange", "ddp": "tab:red", "ideal": "0.6"}
 
 
@@ -46,8 +50,9 @@ def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
             )
             ok[run["arm"]] = {**run, "peers": finished, "how": how}
     arms: dict[str, dict] = {}
+    composed = {arm for arm in COMPOSED if arm == "ddp" or f"{arm}_curve" in ok}
     for arm, run in ok.items():
-        if arm in ("ddp", "ddp_curve"):
+        if arm in composed or arm.endswith("_curve"):
             continue
         peers = run["peers"]
         arms[arm] = {
@@ -61,15 +66,17 @@ def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
             "steps_per_round": mean([p["steps_per_round"] for p in peers if p.get("steps_per_round")] or [0]) or None,
             "rounds_applied": mean([p.get("rounds_applied", 0) or 0 for p in peers]),
         }
-    if "ddp" in ok and "ddp_curve" in ok:
-        step_s = step_seconds(ok["ddp"])
-        curve = [p for p in ok["ddp_curve"]["peers"][0]["curve"]]
-        arms["ddp"] = {
-            "curve": [(point["step"] * step_s, point["accuracy"]) for point in curve],
-            "how": f"composed: {ok['ddp']['peers'][0]['steps']} steps on the link, the per-sample curve unshaped",
-            "step_s": step_s,
-            "allreduce_s": step_s,
-        }
+    for arm in composed & set(ok):
+        if f"{arm}_curve" in ok:
+            step_s = step_seconds(ok[arm])
+            arms[arm] = {
+                "curve": [
+                    (point["step"] * step_s, point["accuracy"]) for point in ok[f"{arm}_curve"]["peers"][0]["curve"]
+                ],
+                "how": f"composed: {ok[arm]['peers'][0]['steps']} {COMPOSED[arm]}",
+                "step_s": step_s,
+                "allreduce_s": step_s if arm == "ddp" else None,
+            }
     return arms
 
 
@@ -266,8 +273,8 @@ def plot(links: list[dict], path: Path) -> None:
             )
         if "alone" in entry["arms"]:
             axis.axhline(entry["arms"]["alone"]["curve"][-1][1], color="k", lw=0.5, ls=":")
-        measured = [s["curve"][-1][0] for s in entry["arms"].values() if not s["how"].startswith("composed")]
-        axis.set_xlim(0, 1.1 * hours(max(measured), e))  # a composed curve (DDP) may run on past the right edge
+        shown = [s["curve"][-1][0] for arm, s in entry["arms"].items() if arm != "ddp"]
+        axis.set_xlim(0, 1.1 * hours(max(shown), e))  # DDP's composed curve may run on past the right edge
         axis.set_title(f"{e['link_mbit']:g} Mbit/s, GPU step {e['gpu_step_s']} s")
         axis.set_xlabel("wall-clock hours at the GPU's step time")
         axis.set_ylabel("test accuracy")
