@@ -292,11 +292,13 @@ def merge(results: list[dict]) -> dict:
                 raise SystemExit(f"{emulation['link_mbit']:g} Mbit/s was measured with two emulations: rerun one")
     if len({result["samples"] for result in results}) > 1:
         raise SystemExit("these results have different budgets (--samples): report them apart")
+    runs = [run for result in results for run in result["runs"]]
+    commands = [command for result in results for command in result.get("commands", [result["command"]])]
     return {
         **results[0],
         "emulations": sorted(emulations.values(), key=lambda emulation: emulation["link_mbit"]),
-        "runs": [run for result in results for run in result["runs"]],
-        "commands": [command for result in results for command in result.get("commands", [result["command"]])],
+        "runs": [run for i, run in enumerate(runs) if run not in runs[:i]],  # each once: --append copies them
+        "commands": [command for i, command in enumerate(commands) if command not in commands[:i]],
         "seeds": max(result["seeds"] for result in results),
         "machine_after": results[-1].get("machine_after"),
         "notes": [note for result in results for note in result.get("notes", [])],

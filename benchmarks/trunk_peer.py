@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ class TrunkSwarmDriver(SwarmDriver):
         Driver.__init__(self, model, optimizer)
         self.dht = start_dht(config, user_dht=False)
         self.dsgd = decentralized_sgd(
-            optimizer, self.dht, prefix=f"trunk_{Path(config.run_dir).name}", model=model, **flags
+            optimizer, self.dht, prefix="trunk_" + re.sub(r"\W", "_", Path(config.run_dir).name), model=model, **flags
         )
         self.lock = self.dsgd.lock
 
