@@ -50,9 +50,9 @@ def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
             )
             ok[run["arm"]] = {**run, "peers": finished, "how": how}
     arms: dict[str, dict] = {}
-    composed = {arm for arm in COMPOSED if arm == "ddp" or f"{arm}_curve" in ok}
+    timing = {arm for arm in COMPOSED if arm in ok and ok[arm]["settings"]["curve_points"] == 1}  # jobs_for's
     for arm, run in ok.items():
-        if arm in composed or arm.endswith("_curve"):
+        if arm in timing or arm.endswith("_curve"):
             continue
         peers = run["peers"]
         arms[arm] = {
@@ -66,7 +66,7 @@ def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
             "steps_per_round": mean([p["steps_per_round"] for p in peers if p.get("steps_per_round")] or [0]) or None,
             "rounds_applied": mean([p.get("rounds_applied", 0) or 0 for p in peers]),
         }
-    for arm in composed & set(ok):
+    for arm in timing:
         if f"{arm}_curve" in ok:
             step_s = step_seconds(ok[arm])
             arms[arm] = {
