@@ -55,7 +55,6 @@ def test_truncated_newest_checkpoint_is_named_in_a_clear_error(digits_dir: Path,
         "--checkpoint_dir",
         str(checkpoint_dir),
         "--isolated",
-        timeout=180,
     )
     assert result.returncode != 0
     assert "model_iteration16.torch" in result.stderr and "corrupt or truncated" in result.stderr

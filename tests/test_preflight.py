@@ -222,7 +222,7 @@ def test_bad_preflight_flags_fail_with_a_clear_error_before_training() -> None:
     import run_trainer as trainer
     from vissl_swarm.swarm import SwarmError
 
-    result = run_trainer("--config", "swav_tiny", "--preflight", "0", timeout=240)  # as a user meets it
+    result = run_trainer("--config", "swav_tiny", "--preflight", "0")  # as a user meets it
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--preflight takes a positive number of seconds, got 0.0" in result.stderr
     assert "Traceback" not in result.stderr

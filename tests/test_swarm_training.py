@@ -381,7 +381,6 @@ def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
         str(digits_dir),
         "--initial_peers",
         "/ip4/127.0.0.1/tcp/notaport/p2p/QmX",
-        timeout=120,
     )
     assert result.returncode != 0
     assert "is not a multiaddr" in result.stderr and "/p2p/" in result.stderr
@@ -396,7 +395,6 @@ def test_initial_peer_without_peer_id(digits_dir: Path) -> None:
         str(digits_dir),
         "--initial_peers",
         "/ip4/127.0.0.1/tcp/31337",
-        timeout=120,
     )
     assert result.returncode != 0 and "has no /p2p/<peer id> part" in result.stderr
 
@@ -410,7 +408,6 @@ def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path, tmp
         *("--config", "swav_tiny", "--data_path", str(digits_dir), "--checkpoint_dir", str(folder)),
         *("--initial_peers", unreachable, "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--join_timeout", "8"),
         *("--identity_path", str(identity)),
-        timeout=180,
     )
     assert result.returncode == 3, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
@@ -421,7 +418,5 @@ def test_unreachable_initial_peers_fail_with_a_clear_error(digits_dir: Path, tmp
 
 
 def test_bad_averaging_knobs_are_rejected(digits_dir: Path) -> None:
-    result = run_trainer(
-        "--config", "swav_tiny", "--data_path", str(digits_dir), "--target_group_size", "1", timeout=120
-    )
+    result = run_trainer("--config", "swav_tiny", "--data_path", str(digits_dir), "--target_group_size", "1")
     assert result.returncode != 0 and "--target_group_size must be at least 2" in result.stderr
