@@ -106,6 +106,7 @@ def seed_metrics(arms: dict[str, dict]) -> dict[str, dict]:
             "accuracy_at_third": value_at(curve, alone_s / 3),
             "final_accuracy": curve[-1][1],
             "final_s": curve[-1][0],
+            "final_share": curve[-1][0] / alone_s,
         }
     return metrics
 
@@ -242,6 +243,7 @@ def markdown(result: dict, links: list[dict]) -> str:
                     ),
                     "acc. at 1/3": mean_std(*spread(s["accuracy_at_third"])),
                     "final acc.": mean_std(*spread(s["final_accuracy"])),
+                    "ends at (x one box's time)": mean_std(*spread(s["final_share"]), 2),
                     "how": s["how"],
                 }
             )
@@ -272,7 +274,9 @@ def plot(links: list[dict], path: Path) -> None:
                 xs, [a for _, a in s["curve"]], "--" if longer else "-", marker=".", color=COLORS[base], label=label
             )
         if "alone" in entry["arms"]:
-            axis.axhline(entry["arms"]["alone"]["curve"][-1][1], color="k", lw=0.5, ls=":")
+            target = entry["arms"]["alone"]["curve"][-1][1]
+            axis.axhline(target, color="k", lw=0.5, ls=":")
+            axis.set_ylim(target - 0.1, target + 0.01)  # where the arms race; their first minutes lie below
         shown = [s["curve"][-1][0] for arm, s in entry["arms"].items() if arm != "ddp"]
         axis.set_xlim(0, 1.1 * hours(max(shown), e))  # DDP's composed curve may run on past the right edge
         axis.set_title(f"{e['link_mbit']:g} Mbit/s, GPU step {e['gpu_step_s']} s")
