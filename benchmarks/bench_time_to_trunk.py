@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,7 @@ def run_job(job: Job, out: Path, index: int) -> dict:
     run_dir.mkdir(parents=True)
     count = job.spec.processes(job.settings)
     steps = job.spec.steps(job.settings)
-    slowest = job.settings.min_step_s * (200 if job.arm == "ddp" and job.mbit else 4)
+    slowest = job.settings.min_step_s * (200 if job.arm in ("ddp", "hivemind_optimizer") and job.mbit else 4)
     deadline = time.time() + SETUP_TIMEOUT_S + steps * slowest + 300
     record: dict[str, Any] = {"arm": job.arm, "seed": job.spec.seed, "emulated_mbit": job.mbit, "paced": job.paced}
     record.update(spec=asdict(job.spec), settings=asdict(job.settings), error=None, loadavg_before=os.getloadavg())
@@ -220,7 +220,7 @@ def timed_curve(curve: list[dict], evaluations: list[list[float]], start_at: flo
 def jobs_for(
     arm: str, seed: int, emulation: Emulation, args: argparse.Namespace, period: int, budget: float = 1.0
 ) -> list[Job]:
-    """An arm's runs for a seed (ddp: shaped timing, then unshaped curve); ``budget``: samples in one box's budgets."""
+    """An arm's runs for a seed (composed: shaped timing, unshaped curve); ``budget``: samples in one box's budgets."""
     scale = emulation.time_scale
     settings = Settings(
         samples=round(args.samples * budget),
@@ -232,23 +232,22 @@ def jobs_for(
     flags, _ = emulation.swarm_flags()
     extra = {"swarm_flags": flags, "ddp_fp16": args.ddp_fp16}
     shaped = emulation.emulated_mbit
-    if budget != 1.0:
-        name, mode = f"{arm} x{budget:g}", arm
-        spec = RunSpec(mode, seed, swarm_lr=args.swarm_lr)
-        if mode == "hivemind_optimizer":
-            spec = RunSpec(mode, seed, swarm_lr=args.swarm_lr, min_matchmaking_time=HIVEMIND_MATCHMAKING_S * scale)
-        return [Job(name, spec, settings, shaped, True, extra)]
-    if arm == "hivemind_optimizer":
-        spec = RunSpec(arm, seed, swarm_lr=args.swarm_lr, min_matchmaking_time=HIVEMIND_MATCHMAKING_S * scale)
-        return [Job(arm, spec, settings, shaped, True, extra)]
-    if arm == "ddp" or (arm == "alone" and args.alone_steps):  # time from a few paced steps, curve unpaced
-        spec = RunSpec("ddp", seed) if arm == "ddp" else RunSpec(arm, seed, swarm_lr=args.swarm_lr)
-        steps = args.ddp_steps if arm == "ddp" else args.alone_steps
-        timing = Settings(**{**asdict(settings), "samples": steps * spec.total_batch(settings), "curve_points": 1})
-        return [Job(arm, spec, timing, shaped, True, extra), Job(f"{arm}_curve", spec, settings, None, False, extra)]
     if arm == "ideal":
         return [Job(arm, RunSpec("ideal", seed, swarm_lr=args.swarm_lr, period=period), settings, None, False, extra)]
-    return [Job(arm, RunSpec(arm, seed, swarm_lr=args.swarm_lr), settings, shaped, True, extra)]
+    spec = RunSpec(arm, seed) if arm == "ddp" else RunSpec(arm, seed, swarm_lr=args.swarm_lr)
+    if arm == "hivemind_optimizer":
+        spec = replace(spec, min_matchmaking_time=HIVEMIND_MATCHMAKING_S * scale)
+    if budget != 1.0:
+        return [Job(f"{arm} x{budget:g}", spec, settings, shaped, True, extra)]
+    steps = {"alone": args.alone_steps, "ddp": args.ddp_steps, "hivemind_optimizer": args.hivemind_steps}.get(arm)
+    if steps:  # time from a few paced steps on the link, the curve unpaced on no link (loopback's matchmaking)
+        timing = Settings(**{**asdict(settings), "samples": steps * spec.total_batch(settings), "curve_points": 1})
+        unshaped = replace(spec, min_matchmaking_time=RunSpec.min_matchmaking_time)
+        return [
+            Job(arm, spec, timing, shaped, True, extra),
+            Job(f"{arm}_curve", unshaped, settings, None, False, extra),
+        ]
+    return [Job(arm, spec, settings, shaped, True, extra)]
 
 
 def swarm_period(runs: list[dict], seed: int, link: float) -> int:
@@ -285,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="> 0: alone's step time from this many paced steps, its curve unpaced, as ddp's (a long budget)",
+    )
+    parser.add_argument(
+        "--hivemind_steps",
+        type=int,
+        default=0,
+        help="> 0: hivemind.Optimizer's step time from this many steps on the link, its curve unshaped, as ddp's",
     )
     parser.add_argument("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--data_dir", type=Path, default=DATA_DIR)

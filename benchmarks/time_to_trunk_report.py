@@ -16,6 +16,7 @@ ORDER = ("alone", "swarm", "hivemind_optimizer", "ddp", "ideal")
 COMPOSED = {  # an arm whose time comes from a few paced steps and whose accuracy from its <arm>_curve run
     "alone": "paced steps, the per-sample curve unpaced",
     "ddp": "steps on the link, the per-sample curve unshaped",
+    "hivemind_optimizer": "steps on the link, the per-sample curve unshaped and unpaced",
 }
 COLORS = {"alone": "k", "swarm": "tab:blue", "hivemind_optimizer": "tab:orange", "ddp": "tab:red", "ideal": "0.6"}
 
