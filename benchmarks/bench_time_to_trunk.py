@@ -117,6 +117,7 @@ class Job:
     mbit: float | None  # the emulated rate; None: unshaped
     paced: bool
     extra: dict  # for the peers: swarm_flags, ddp_fp16
+    until_first: bool = False  # ends when one box is done, the others' steps read then (hivemind.Optimizer's timing)
 
 
 def run_job(job: Job, out: Path, index: int) -> dict:
@@ -164,19 +165,24 @@ def run_job(job: Job, out: Path, index: int) -> dict:
         wait_for_all(processes, ready, started + SETUP_TIMEOUT_S, "ready")
         start_at = time.time() + 0.5
         write_json(run_dir / "go.json", {"start_at": start_at})
-        results = wait_for_all(processes, [run_dir / f"result{r}.json" for r in range(count)], deadline, "result")
-        exit_by = time.time() + SHUTDOWN_GRACE_S
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.1, exit_by - time.time()))
-        if job.arm == "ideal":
-            results = results[0]["replicas"]
+        if job.until_first:  # its boxes drift apart, and one that is done changes the others' rounds
+            wait_for_first(processes, [run_dir / f"result{r}.json" for r in range(count)], deadline)
+            reached = how_far(run_dir, count)
+            record.update(peers=reached["finished"], steps_reached=reached["steps_reached"], clean_exit=None)
         else:
-            for rank, result in enumerate(results):
-                timing = json.loads((run_dir / f"timing{rank}.json").read_text())
-                result["curve"] = timed_curve(result["curve"], timing["evaluations"], start_at)
-        record["peers"] = [{k: v for k, v in peer.items() if k != "counters"} for peer in results]
-        record["clean_exit"] = all(process.returncode == 0 for process in processes)
+            results = wait_for_all(processes, [run_dir / f"result{r}.json" for r in range(count)], deadline, "result")
+            exit_by = time.time() + SHUTDOWN_GRACE_S
+            for process in processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=max(0.1, exit_by - time.time()))
+            if job.arm == "ideal":
+                results = results[0]["replicas"]
+            else:
+                for rank, result in enumerate(results):
+                    timing = json.loads((run_dir / f"timing{rank}.json").read_text())
+                    result["curve"] = timed_curve(result["curve"], timing["evaluations"], start_at)
+            record["peers"] = [{k: v for k, v in peer.items() if k != "counters"} for peer in results]
+            record["clean_exit"] = all(process.returncode == 0 for process in processes)
     except Exception as error:
         record["error"] = f"{type(error).__name__}: {error}"
         record["logs"] = [str(run_dir / f"peer{rank}.log") for rank in range(count)]
@@ -191,6 +197,13 @@ def run_job(job: Job, out: Path, index: int) -> dict:
     record["leftover_processes"] = leftovers([process.pid for process in processes])
     record["wall_s"] = time.time() - started
     return record
+
+
+def wait_for_first(processes: list[subprocess.Popen], files: list[Path], deadline: float) -> None:
+    while not any(path.exists() for path in files):
+        if time.time() > deadline or any(process.poll() is not None for process in processes):
+            raise RuntimeError("no box wrote its result: it exited or the deadline passed")
+        time.sleep(0.2)
 
 
 def how_far(run_dir: Path, count: int) -> dict:
@@ -244,7 +257,7 @@ def jobs_for(
         timing = Settings(**{**asdict(settings), "samples": steps * spec.total_batch(settings), "curve_points": 1})
         unshaped = replace(spec, min_matchmaking_time=RunSpec.min_matchmaking_time)
         return [
-            Job(arm, spec, timing, shaped, True, extra),
+            Job(arm, spec, timing, shaped, True, extra, until_first=arm == "hivemind_optimizer"),
             Job(f"{arm}_curve", unshaped, settings, None, False, extra),
         ]
     return [Job(arm, spec, settings, shaped, True, extra)]

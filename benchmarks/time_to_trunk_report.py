@@ -16,7 +16,8 @@ ORDER = ("alone", "swarm", "hivemind_optimizer", "ddp", "ideal")
 COMPOSED = {  # an arm whose time comes from a few paced steps and whose accuracy from its <arm>_curve run
     "alone": "paced steps, the per-sample curve unpaced",
     "ddp": "steps on the link, the per-sample curve unshaped",
-    "hivemind_optimizer": "steps on the link, the per-sample curve unshaped and unpaced",
+    "hivemind_optimizer": "steps of its first box on the link, over the boxes' mean steps by then; the per-sample "
+    "curve unshaped and unpaced",
 }
 COLORS = {"alone": "k", "swarm": "tab:blue", "hivemind_optimizer": "tab:orange", "ddp": "tab:red", "ideal": "0.6"}
 
@@ -34,9 +35,12 @@ def mean_curve(peers: list[dict], pace_s: float) -> list[tuple[float, float]]:
 
 
 def step_seconds(run: dict) -> float | None:
-    """A run's measured training seconds per step (rank 0's last checkpoint)."""
-    last = run["peers"][0]["curve"][-1]
-    return last["train_s"] / last["step"] if last.get("step") and "train_s" in last else None
+    """A run's measured training seconds per step: its first box's last checkpoint, over the boxes' mean steps by then
+    where the run ended with that box (``steps_reached``)."""
+    last, reached = run["peers"][0]["curve"][-1], run.get("steps_reached")
+    if not (last.get("step") and "train_s" in last):
+        return None
+    return last["train_s"] / (mean(reached.values()) if reached else last["step"])
 
 
 def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
