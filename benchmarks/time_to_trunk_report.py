@@ -282,8 +282,9 @@ def plot(links: list[dict], path: Path) -> None:
             target = entry["arms"]["alone"]["curve"][-1][1]
             axis.axhline(target, color="k", lw=0.5, ls=":")
             axis.set_ylim(target - 0.1, target + 0.01)  # where the arms race; their first minutes lie below
-        shown = [s["curve"][-1][0] for arm, s in entry["arms"].items() if arm != "ddp"]
-        axis.set_xlim(0, 1.1 * hours(max(shown), e))  # DDP's composed curve may run on past the right edge
+        ends = [hours(s["curve"][-1][0], e) for s in entry["arms"].values()]
+        axis.set_xscale("log")  # the arms end two orders of magnitude apart
+        axis.set_xlim(min(ends) / 10, 1.2 * max(ends))
         axis.set_title(f"{e['link_mbit']:g} Mbit/s, GPU step {e['gpu_step_s']} s")
         axis.set_xlabel("wall-clock hours at the GPU's step time")
         axis.set_ylabel("test accuracy")
