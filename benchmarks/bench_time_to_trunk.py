@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netns
-from benchmarks.bench_optimizer import leftovers, peer_env, wait_for_all
+from benchmarks.bench_optimizer import leftovers, peer_env, tail_of, wait_for_all
 from benchmarks.common import REPO, git_state, kill_session, machine, parse_with_quick, write_json
 from benchmarks.optimizer_plan import DATA_DIR, SETUP_TIMEOUT_S, SHUTDOWN_GRACE_S, RunSpec, Settings, make_model
 from benchmarks.time_to_trunk_report import merge, write_outputs
@@ -126,7 +126,7 @@ def run_job(job: Job, out: Path, index: int) -> dict:
     run_dir.mkdir(parents=True)
     count = job.spec.processes(job.settings)
     steps = job.spec.steps(job.settings)
-    slowest = job.settings.min_step_s * (200 if job.arm in ("ddp", "hivemind_optimizer") and job.mbit else 4)
+    slowest = job.settings.min_step_s * (200 if (job.arm == "ddp" or job.until_first) and job.mbit else 4)
     deadline = time.time() + SETUP_TIMEOUT_S + steps * slowest + 300
     record: dict[str, Any] = {"arm": job.arm, "seed": job.spec.seed, "emulated_mbit": job.mbit, "paced": job.paced}
     record.update(spec=asdict(job.spec), settings=asdict(job.settings), error=None, loadavg_before=os.getloadavg())
@@ -168,6 +168,8 @@ def run_job(job: Job, out: Path, index: int) -> dict:
         if job.until_first:  # its boxes drift apart, and one that is done changes the others' rounds
             wait_for_first(processes, [run_dir / f"result{r}.json" for r in range(count)], deadline)
             reached = how_far(run_dir, count)
+            if not reached["finished"]:
+                raise RuntimeError("the first box's result or timing could not be read")
             record.update(peers=reached["finished"], steps_reached=reached["steps_reached"], clean_exit=None)
         else:
             results = wait_for_all(processes, [run_dir / f"result{r}.json" for r in range(count)], deadline, "result")
@@ -201,8 +203,12 @@ def run_job(job: Job, out: Path, index: int) -> dict:
 
 def wait_for_first(processes: list[subprocess.Popen], files: list[Path], deadline: float) -> None:
     while not any(path.exists() for path in files):
-        if time.time() > deadline or any(process.poll() is not None for process in processes):
-            raise RuntimeError("no box wrote its result: it exited or the deadline passed")
+        for rank, process in enumerate(processes):
+            if process.poll() is not None:
+                tail = tail_of(files[rank].parent / f"peer{rank}.log")
+                raise RuntimeError(f"peer {rank} exited ({process.returncode}) before any result:\n{tail}")
+        if time.time() > deadline:
+            raise TimeoutError("no box wrote its result before the deadline")
         time.sleep(0.2)
 
 
