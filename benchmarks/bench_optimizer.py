@@ -216,9 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min_step_s", type=float, default=defaults.min_step_s, help="an averaging peer's least step time")
     add("--data_dir", type=Path, default=DATA_DIR, help="the Fashion-MNIST IDX files (.gz)")
     add("--out", type=Path, default=None, help="peer configs and logs; default benchmarks/out/optimizer/<time>")
-    add("--json", type=Path, default=None)
-    add("--markdown", type=Path, default=None)
-    add("--plot", type=Path, default=None)
+    for output in ("--json", "--markdown", "--plot"):
+        add(output, type=Path, default=None)
     add("--headline_plot", type=Path, default=None, help="the README's plot: alone, swarm, ddp, hivemind_optimizer")
     return parser
 

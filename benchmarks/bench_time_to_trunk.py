@@ -287,36 +287,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    parser.add_argument("--links", nargs="+", type=float, default=[100.0, 1000.0], help="real links, Mbit/s")
-    parser.add_argument("--gpu_step_s", type=float, default=0.0804, help="a real box's step (see the docstring)")
-    parser.add_argument("--pace_s", type=float, default=0.08, help="an emulated box's step (a sleep floor)")
-    parser.add_argument("--samples", type=int, default=120_000, help="S, one box's budget and the swarm's total")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--curve_points", type=int, default=8)
-    parser.add_argument("--swarm_lr", choices=("box", "sqrt", "linear"), default="sqrt", help="bench_optimizer's")
-    parser.add_argument("--longer", nargs="*", type=float, default=[], help="swarm arms also at these x samples")
-    parser.add_argument("--append", type=Path, default=None, help="add the runs to this JSON (the same emulation)")
-    parser.add_argument("--ddp_steps", type=int, default=12, help="ddp's steps on the shaped link (its step time)")
-    parser.add_argument(
-        "--alone_steps",
-        type=int,
-        default=0,
-        help="> 0: alone's step time from this many paced steps, its curve unpaced, as ddp's (a long budget)",
-    )
-    parser.add_argument(
-        "--hivemind_steps",
-        type=int,
-        default=0,
-        help="> 0: hivemind.Optimizer's step time from this many steps on the link, its curve unshaped, as ddp's",
-    )
-    parser.add_argument("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--data_dir", type=Path, default=DATA_DIR)
-    parser.add_argument("--out", type=Path, default=None, help="logs; default benchmarks/out/time_to_trunk/<time>")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--report_only", type=Path, nargs="+", help="write the outputs of these JSONs; run nothing")
+    add = parser.add_argument
+    add("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    add("--links", nargs="+", type=float, default=[100.0, 1000.0], help="real links, Mbit/s")
+    add("--gpu_step_s", type=float, default=0.0804, help="a real box's step (see the docstring)")
+    add("--pace_s", type=float, default=0.08, help="an emulated box's step (a sleep floor)")
+    add("--samples", type=int, default=120_000, help="S, one box's budget and the swarm's total")
+    add("--seeds", type=int, default=5)
+    add("--curve_points", type=int, default=8)
+    add("--swarm_lr", choices=("box", "sqrt", "linear"), default="sqrt", help="bench_optimizer's")
+    add("--longer", nargs="*", type=float, default=[], help="swarm arms also at these x samples")
+    add("--append", type=Path, default=None, help="add the runs to this JSON (the same emulation)")
+    add("--ddp_steps", type=int, default=12, help="ddp's steps on the shaped link (its step time)")
+    add("--alone_steps", type=int, default=0, help="> 0: alone's step time from N paced steps, its curve unpaced")
+    add("--hivemind_steps", type=int, default=0, help="> 0: hivemind.Optimizer's step time from N steps on the link")
+    add("--ddp_fp16", action=argparse.BooleanOptionalAction, default=True)
+    add("--data_dir", type=Path, default=DATA_DIR)
+    add("--out", type=Path, default=None, help="logs; default benchmarks/out/time_to_trunk/<time>")
+    for output in ("--json", "--markdown", "--plot"):
+        add(output, type=Path, default=None)
+    add("--report_only", type=Path, nargs="+", help="write the outputs of these JSONs; run nothing")
     return parser
 
 
@@ -354,11 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "emulations": [
             {
                 **asdict(e),
-                "time_scale": e.time_scale,
-                "emulated_mbit": e.emulated_mbit,
-                "aimed_ratio": e.aimed_ratio,
-                "swarm_flags": e.swarm_flags()[0],
-                "advice": e.swarm_flags()[1],
+                **{name: getattr(e, name) for name in ("time_scale", "emulated_mbit", "aimed_ratio")},
+                **dict(zip(("swarm_flags", "advice"), e.swarm_flags(), strict=True)),
                 "ddp_fp16": args.ddp_fp16,
             }
             for e in emulations
@@ -388,11 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                     run["link_mbit"] = emulation.link_mbit
                     result["runs"].append(run)
                     index += 1
-                    print(
-                        f"[{index}] {emulation.link_mbit:g} Mbit/s {job.arm} seed {seed}: "
-                        f"{run['error'] or 'ok'} ({run['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f})",
-                        flush=True,
-                    )
+                    status = f"{run['error'] or 'ok'} ({run['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f})"
+                    print(f"[{index}] {emulation.link_mbit:g} Mbit/s {job.arm} seed {seed}: {status}", flush=True)
                     result["machine_after"] = machine()
                     write_outputs(args, result)
     return 1 if any(run["error"] for run in result["runs"]) else 0

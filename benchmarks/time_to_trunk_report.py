@@ -38,9 +38,8 @@ def step_seconds(run: dict) -> float | None:
     """A run's measured training seconds per step: its first box's last checkpoint, over the boxes' mean steps by then
     where the run ended with that box (``steps_reached``)."""
     last, reached = run["peers"][0]["curve"][-1], run.get("steps_reached")
-    if not (last.get("step") and "train_s" in last):
-        return None
-    return last["train_s"] / (mean(reached.values()) if reached else last["step"])
+    steps = mean(reached.values()) if reached else last.get("step")
+    return last["train_s"] / steps if steps and "train_s" in last else None
 
 
 def arm_curves(runs: list[dict], pace_s: float) -> dict[str, dict]:
