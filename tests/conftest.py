@@ -73,8 +73,8 @@ def trainer_env() -> dict[str, str]:
 
 
 def run_trainer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``run_trainer.py`` as a user would, from the repository root. One deadline for every start: two suites
-    and two busy processes on 2 cores took ~180 s to start a trainer that only had to report a bad checkpoint."""
+    """Run ``run_trainer.py`` as a user would, from the repository root. One deadline for every start: on a loaded
+    machine even a trainer that only reports a bad input takes minutes to start."""
     return subprocess.run(
         [sys.executable, str(REPO / "run_trainer.py"), *args],
         cwd=REPO,
