@@ -1,5 +1,5 @@
-"""End a pre-flight (``run_trainer.py --preflight SECONDS``) that many seconds after its first step, and write what
-only the trainer knows for the report (see ``preflight``)."""
+"""End a pre-flight (``run_trainer.py --preflight SECONDS``) that many seconds after the box's first round with
+another box, and write what only the trainer knows for the report (see ``preflight``)."""
 
 from __future__ import annotations
 
@@ -23,16 +23,27 @@ def averaged_values(task) -> int:
     return int(sum(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()))
 
 
+WAIT_FOR_A_GROUP_S = 120.0  # boxes started by hand "at once" reach their first step up to a minute or more apart
+
+
+def rounds_with_group(task) -> int:
+    counters = getattr(getattr(task, "decentralized_sgd", None), "counters", {})
+    return int(counters.get("rounds_applied", 0)) + int(counters.get("rounds_failed", 0))
+
+
 class PreflightOnStepHook(QuietHook):
-    """Ends training at the first step boundary ``seconds`` after the first step (the time of the state download
-    and VISSL's start does not count), with the same stop the swarm schedule uses: VISSL ends the phase and writes
-    its final checkpoint. On a box of several GPUs local rank 0 decides and the others follow in the same step.
-    Local rank 0 writes ``preflight.RUN_FILE`` at the start and at the end."""
+    """Ends training at the first step boundary ``seconds`` after the box's first round with a group, so that boxes
+    started by hand at different times still measure ``seconds`` together. A box that meets nobody ends
+    ``max(seconds, WAIT_FOR_A_GROUP_S)`` after its first step, and its report says that nobody came. The stop is the
+    swarm schedule's: VISSL ends the phase and writes its final checkpoint. On a box of several GPUs local rank 0
+    decides and the others follow in the same step. Local rank 0 writes ``preflight.RUN_FILE`` at the start and at
+    the end."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__()
         self.seconds = seconds
         self._started: float | None = None
+        self._first_group: float | None = None
         self._first_iteration = 0
         self._stopped = False
 
@@ -43,7 +54,13 @@ class PreflightOnStepHook(QuietHook):
     def on_step(self, task) -> None:
         if not task.train or self._stopped or self._started is None:
             return
-        due = time.monotonic() - self._started >= self.seconds
+        now = time.monotonic()
+        if self._first_group is None and rounds_with_group(task):
+            self._first_group = now
+        if self._first_group is None:
+            due = now - self._started >= max(self.seconds, WAIT_FOR_A_GROUP_S)
+        else:
+            due = now - self._first_group >= self.seconds
         if local_replicas.is_box():
             due = local_replicas.broadcast_flag(due)
         if due:

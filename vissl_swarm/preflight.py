@@ -3,8 +3,8 @@
 ``run_trainer.py --preflight [SECONDS]`` starts a box exactly as the long run would (same DHT, VISSL task, averager
 and hooks), under its own run id (``<run_id>-preflight``: a pre-flight never mixes into a running swarm nor counts
 toward its schedule) and in a fresh folder under the checkpoint folder (the long run's AUTO_RESUME never picks it
-up). ``hooks/preflight_on_step_hook.py`` ends training SECONDS after the first step and writes what only the
-trainer knows (how many values the averager sends, steps and seconds); the box's own records
+up). ``hooks/preflight_on_step_hook.py`` ends training SECONDS after the first round with another box and writes
+what only the trainer knows (how many values the averager sends, steps and seconds); the box's own records
 (``averaging_rounds.jsonl``) give the rest. At the end each box prints one table and the advice.
 
 hivemind does not expose a per-peer link rate, so the link rate here is what the rounds imply: the bytes one box
@@ -28,7 +28,7 @@ from typing import Any
 
 from vissl_swarm import swarm
 
-DEFAULT_SECONDS = 180.0  # of training per box, from its first step: a few minutes
+DEFAULT_SECONDS = 180.0  # of training per box, from its first round with another box: a few minutes
 SUFFIX = swarm.PREFLIGHT_SUFFIX  # appended to --run_id
 FOLDER = "preflight"  # under the checkpoint folder: one sub-folder per pre-flight (a time stamp)
 BATCHES_PER_EPOCH = 200  # the data subset (DATA_LIMIT) a pre-flight trains on, in batches of the box
