@@ -234,7 +234,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a pre-flight check before the long run: every box runs this command with --preflight "
         "at the same time; each trains SECONDS (default "
-        f"{preflight.DEFAULT_SECONDS:g}) from its first round with another box on a subset of the data under run id "
+        f"{preflight.DEFAULT_SECONDS:g}) from its first round with another box (waiting for one up to "
+        "max(SECONDS, 120 s)) on a subset of the data under run id "
         f"<run_id>{preflight.SUFFIX}, in <checkpoint_dir>/{preflight.FOLDER}/<time>, then prints "
         "what it measured (groups, rounds, AllReduce seconds and bytes, link rate, staleness) and "
         "the settings it advises for these links",

@@ -7,9 +7,11 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from hooks.preflight_on_step_hook import WAIT_FOR_A_GROUP_S, PreflightOnStepHook
 from tests.conftest import run_trainer
 from vissl_swarm import preflight
 from vissl_swarm.local_swarm import LocalPeer, start_swarm_together, wait_until
@@ -198,6 +200,41 @@ def test_measure_reads_round_records() -> None:
     assert m.steps_per_round == 20 and m.step_s == 0.5
     text = preflight.format_report(m, advise(m, Settings()))
     assert "rounds applied / failed / no group" in text and "--compression" in text
+    waited = {"applied": False, "state": "FAILED", "t_group_formed": None, "t_end": 9.0}  # before anyone came
+    run = {"values": 1, "compression": "fp16", "steps": 40, "seconds": 20.0, "peer": "me", "since": 10.0}
+    assert preflight.measure([*rounds, waited], run).rounds_no_group == 1
+
+
+def test_the_preflight_measures_from_the_first_round_with_another_box() -> None:
+    now = [0.0]
+    counters = {"rounds_applied": 0, "rounds_failed": 0, "rounds_no_group": 0}
+
+    def started_box() -> tuple[PreflightOnStepHook, SimpleNamespace]:
+        hook = PreflightOnStepHook(20.0, clock=lambda: now[0])
+        task = SimpleNamespace(train=True, iteration=0, decentralized_sgd=SimpleNamespace(counters=counters))
+        task.phases, task.phase_idx, task.train_phase_idx = [0, 1], 0, 0
+        now[0] = 0.0
+        hook.on_start(task)
+        return hook, task
+
+    def ends_at(hook: PreflightOnStepHook, task: SimpleNamespace, seconds: float) -> bool:
+        now[0] = seconds
+        try:
+            hook.on_step(task)
+        except StopIteration:
+            return True
+        return False
+
+    hook, task = started_box()  # alone for 50 s, then a round with another box that failed: a group all the same
+    counters["rounds_no_group"] = 10
+    assert not ends_at(hook, task, 49.0)
+    counters["rounds_failed"] = 1
+    assert not ends_at(hook, task, 50.0) and not ends_at(hook, task, 69.0)
+    assert ends_at(hook, task, 70.0) and task.phases == [0]
+    counters.update(rounds_failed=0, rounds_no_group=30)
+    hook, task = started_box()  # nobody came: it ends after the wait
+    assert not ends_at(hook, task, WAIT_FOR_A_GROUP_S - 1)
+    assert ends_at(hook, task, WAIT_FOR_A_GROUP_S)
 
 
 def test_the_traffic_count_is_what_a_real_averager_averages() -> None:
