@@ -29,7 +29,8 @@ WAIT_FOR_A_GROUP_S = 120.0  # boxes started by hand "at once" reach their first 
 
 
 def rounds_with_group(task) -> int:
-    """DecentralizedSGD's counters (--preflight runs with no other averager): its failed rounds had a group."""
+    """DecentralizedSGD's counters (--preflight runs with no other averager): its failed rounds had a group. They
+    count a round when it retires, so the window starts at the step after the first round with a group."""
     counters = getattr(getattr(task, "decentralized_sgd", None), "counters", {})
     return int(counters.get("rounds_applied", 0)) + int(counters.get("rounds_failed", 0))
 
@@ -75,9 +76,11 @@ class PreflightOnStepHook(QuietHook):
             raise StopIteration
 
     def on_end(self, task) -> None:
-        self._write(task)
+        if not self._stopped:  # our stop wrote it, before VISSL's final checkpoint (whose seconds are not training)
+            self._write(task)
 
-    on_exception = on_end
+    def on_exception(self, task) -> None:
+        self._write(task)
 
     def _write(self, task) -> None:
         folder = getattr(task, "checkpoint_folder", None)

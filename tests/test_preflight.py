@@ -201,8 +201,11 @@ def test_measure_reads_round_records() -> None:
     text = preflight.format_report(m, advise(m, Settings()))
     assert "rounds applied / failed / no group" in text and "--compression" in text
     waited = {"applied": False, "state": "FAILED", "t_group_formed": None, "t_end": 9.0}  # before anyone came
+    later = {"applied": False, "state": "FAILED", "t_group_formed": None, "t_end": 11.0}
+    first = {**rounds[0], "t_end": 9.5}  # the first round with a group, before the window it started
     run = {"values": 1, "compression": "fp16", "steps": 40, "seconds": 20.0, "peer": "me", "since": 10.0}
-    assert preflight.measure([*rounds, waited], run).rounds_no_group == 1
+    m = preflight.measure([first, *rounds[1:], waited, later], run)
+    assert (m.rounds_applied, m.rounds_failed, m.rounds_no_group) == (2, 1, 2)
 
 
 def test_the_preflight_measures_from_the_first_round_with_another_box() -> None:
@@ -295,7 +298,7 @@ def test_two_boxes_run_a_preflight_and_print_the_table_and_advice(digits_dir: Pa
         log = peer.log_text()
         assert peer.process.returncode == 0, peer.exit_message()
         assert "Traceback" not in log, log[-3000:]
-        assert "pre-flight of this box" in log
+        assert "pre-flight of this box" in log and "pre-flight: a first round with another box after" in log
         applied = int(table_value(log, "rounds applied / failed / no group").split("/")[0])
         assert applied >= 1, log[-3000:]
         assert "advised settings for these links:" in log
@@ -307,5 +310,5 @@ def test_two_boxes_run_a_preflight_and_print_the_table_and_advice(digits_dir: Pa
         assert "the pre-flight's checkpoints" in log and (reports[0].parent / "averaging_rounds.jsonl").is_file()
         document = json.loads(reports[0].read_text())
         assert document["measured"]["values"] == tiny_values  # what the running averager sent, as counted
-        assert document["measured"]["boxes"] == 2
+        assert document["measured"]["boxes"] == 2 and document["measured"]["seconds"] >= 20  # from the first group
         assert "--run_id pftest --preflight 20" in log  # the join line passes the pre-flight on, with the run id

@@ -148,7 +148,8 @@ def measure(rounds: Sequence[dict], run: dict) -> Measured:
     for key in ("values", "compression", "steps", "seconds", "peer"):
         if key not in run:
             raise PreflightError(f"the pre-flight's run file lacks {key!r} (did training start?)")
-    since = float(run.get("since", 0.0))  # the first round with a group: the wait for one is not measured
+    # the wait for a first group is not measured: ``since`` is the step after that group's round, which is kept
+    since = float(run.get("since", 0.0))
     rounds = [r for r in rounds if r.get("t_group_formed") is not None or (r.get("t_end") or since) >= since]
     applied = [r for r in rounds if r.get("applied")]
     timed = [r for r in applied if r.get("allreduce_s") is not None and r["allreduce_s"] > 0]
