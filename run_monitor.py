@@ -28,7 +28,7 @@ from vissl_swarm import vissl_compat
 vissl_compat.silence_known_warnings()  # torch's deprecation noise when hivemind imports it (no VISSL is imported)
 
 from vissl_swarm import swarm  # noqa: E402
-from vissl_swarm.swarm_progress import fetch_records, live_records, record_validators  # noqa: E402
+from vissl_swarm.swarm_progress import fetch_records, live_records  # noqa: E402
 
 COLUMNS = (
     ("peer", "{:>10}"),
@@ -279,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 3
     try:
-        dht.add_validators(record_validators(args.run_id, secret=settings.secret()))  # the same as every trainer's
         join_line = f"To join this swarm, run on another box:\n  {swarm.join_command(dht, settings)}"
         print(join_line, flush=True)
         monitor(dht, args, join_line)

@@ -386,14 +386,23 @@ def schedule_line(schedule: str, swarm_lr: str, config) -> str:
 
 def another_recipe(dht: DHT, settings: swarm.SwarmSettings) -> str | None:
     """Why this box must not join: a box of its run id and config trains another recipe (its schedule, budget and
-    end would differ from the swarm's), with the values to pass; None when none does (or the DHT does not answer)."""
-    from vissl_swarm.swarm_progress import fetch_records, live_records, record_validators
+    end would differ from the swarm's), with the values to pass; None when none does, or when the DHT does not
+    answer within --join_timeout (said on stderr: the recipe is then unchecked)."""
+    from vissl_swarm.swarm_progress import fetch_records, live_records
 
-    dht.add_validators(record_validators(settings.run_id))  # (the boxes' records are signed: see swarm_progress)
-    try:
-        records = live_records(fetch_records(dht, settings.run_id).values())
-    except TimeoutError:
-        return None
+    deadline = time.monotonic() + settings.join_timeout
+    while True:
+        try:
+            records = live_records(fetch_records(dht, settings.run_id).values())
+            break
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                print(
+                    f"warning: the swarm's records did not answer within {settings.join_timeout:g} s (--join_timeout):"
+                    " this box trains without checking its recipe against the swarm's",
+                    file=sys.stderr,
+                )
+                return None
     for record in records:
         if record["config"] == settings.config_name and record["peer_id"] != str(dht.peer_id):
             if fixes := recipe_fixes(settings.recipe, record["recipe"]):

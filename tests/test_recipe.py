@@ -152,7 +152,6 @@ def test_vit_param_groups_leave_norms_biases_and_embeddings_without_weight_decay
     assert set(free) == expected_free and {"trunk.pos_embed", "trunk.cls_token"} <= expected_free
 
 
-@pytest.mark.timeout(300)
 def test_the_vit_recipe_trains_on_the_cpu(digits_dir: Path, tmp_path: Path) -> None:
     """AdamW, the weight-decay schedule, the warm-up, clipping: the SwAV loss falls over 3 epochs (267 steps)."""
     result = run_trainer(
@@ -167,7 +166,7 @@ def test_the_vit_recipe_trains_on_the_cpu(digits_dir: Path, tmp_path: Path) -> N
         *DIGIT_VIEWS,
         "config.OPTIMIZER.num_epochs=3",
         "config.LOG_FREQUENCY=5",
-        timeout=280,
+        timeout=580,  # it took over 280 s beside three test suites and two busy processes
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[recipe] OPTIMIZER.param_schedulers.lr: x0.0625" in result.stderr  # batch 16 of DINO's 256

@@ -10,6 +10,7 @@ import hivemind
 import pytest
 from hivemind.dht.validation import CompositeValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from decentralized_sgd.secret import (
     MembershipCheck,
@@ -195,3 +196,39 @@ def test_members_key_reads_back_off_for_the_whole_run():
         assert 1 <= reads <= 3, f"{reads} members-key reads in 600 s with a group every 12 s"
     finally:
         dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_joining_box_refuses_a_pushed_record_of_another_secret_and_reads_the_swarms(monkeypatch):
+    """A DHT takes the records its peers push as it joins. Before its validators, it took a record of another
+    secret that it cannot strip, and every later read of the key hung (hivemind 1.1.12's search raises in
+    ``_SearchState.finish_search`` and never answers): a box of another recipe then joined unrefused, and the
+    swarm's counts went unread. ``swarm.start_dht`` builds the DHT with the records' validators."""
+    from decentralized_sgd import FixedDHT
+    from vissl_swarm import swarm
+    from vissl_swarm.swarm_progress import SwarmProgress, fetch_records, record_validators
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    run = "pushtest"
+    keys, other_secret = [RSAPrivateKey(), RSAPrivateKey()], SwarmSecret(b"another")  # two boxes' own keys
+
+    def box(index: int, secret: SwarmSecret | None, initial_peers: list[str]) -> FixedDHT:
+        validators = record_validators(run, keys[index], secret)
+        return FixedDHT(start=True, host_maddrs=LOCAL, initial_peers=initial_peers, record_validators=validators)
+
+    dhts = [first := box(0, None, [])]
+    addresses = [str(a) for a in first.get_visible_maddrs()]
+    try:
+        assert SwarmProgress(first, run, 16, start=False, private_key=keys[0]).publish()
+        dhts.append(stranger := box(1, other_secret, addresses))
+        stranger_progress = SwarmProgress(stranger, run, 16, secret=other_secret, start=False, private_key=keys[1])
+        assert not stranger_progress.publish()  # the first refuses it
+        joiner = swarm.start_dht(SwarmSettings(run_id=run, initial_peers=addresses, host_maddrs=LOCAL))
+        dhts.append(joiner)
+        stranger_progress.publish()  # to its nearest peers, the joiner among them
+        SwarmProgress(joiner, run, 16, start=False)  # as the joiner's task builds it
+        records = fetch_records(joiner, run)  # TimeoutError when the joiner took the stranger's record
+        assert [record["owner"] for record in records.values()] == [keys[0].get_public_key().to_bytes()]
+    finally:
+        for dht in dhts:
+            dht.shutdown()

@@ -303,10 +303,11 @@ def _start_dht_process(
     from hivemind.p2p import P2PDaemonError
 
     from decentralized_sgd import FixedDHT
-    from decentralized_sgd.secret import SwarmSecretValidator
+    from vissl_swarm.swarm_progress import record_validators
 
-    secret = settings.secret()
-    validators = [SwarmSecretValidator(secret)] if secret is not None else []  # the optimizer adds its exempt key
+    # from the start: a DHT takes the records other peers push to it as it joins, and one it cannot strip (another
+    # secret's) leaves every later read of the key hanging (hivemind 1.1.12, _SearchState.finish_search)
+    validators = record_validators(settings.run_id, secret=settings.secret())  # the optimizer adds its exempt key
     check_identity = True  # hivemind's check that no running peer has our identity dials the initial peers too
     while True:
         try:
