@@ -398,8 +398,9 @@ def another_recipe(dht: DHT, settings: swarm.SwarmSettings) -> str | None:
         except TimeoutError:
             if time.monotonic() >= deadline:
                 print(
-                    f"warning: the swarm's records did not answer within {settings.join_timeout:g} s (--join_timeout):"
-                    " this box trains without checking its recipe against the swarm's",
+                    f"warning: the swarm's records could not be read within {settings.join_timeout:g} s "
+                    "(--join_timeout): this box trains without checking its recipe against the swarm's "
+                    "(run_monitor.py with the same --run_id shows the boxes and their recipes)",
                     file=sys.stderr,
                 )
                 return None

@@ -97,8 +97,9 @@ def record_validators(
 ) -> list[RecordValidatorBase]:
     """The schema of the records key and hivemind's signature check (the subkey is the owner's public key, so no
     box can overwrite another's record), and the swarm secret's check if there is one. Every DHT that reads the key
-    needs them, the monitor's included (hivemind cannot decode a signed value without its validator); adding them
-    twice is harmless."""
+    needs them, the monitor's included (hivemind cannot decode a signed value without its validator). Adding them
+    again with the same key is harmless; with another key, hivemind keeps the DHT's first one and leaves records of
+    the other unsigned (``swarm.start_dht`` adds them with this process's key)."""
     validators = [SchemaValidator(PeersSchema, prefix=run_id), RSASignatureValidator(private_key)]
     return validators + ([SwarmSecretValidator(secret)] if secret is not None else [])
 
