@@ -97,14 +97,17 @@ def test_a_slowly_drifting_peer_is_caught_before_it_moves_the_others(swarm):
     )
     drifting.set()
 
-    def caught_twice() -> bool:
-        return drifter.counters["rounds_refused_as_outlier"] >= 2 and drifter.counters["outlier_heals"] >= 1
+    def caught_twice_and_averaged() -> bool:  # the others kept averaging with each other (on a loaded machine
+        # the drifter can be caught twice before they apply their second round)
+        caught = drifter.counters["rounds_refused_as_outlier"] >= 2 and drifter.counters["outlier_heals"] >= 1
+        return caught and all(p.counters["rounds_applied"] >= 2 for p in healthy)
 
-    worst = wait_watching(caught_twice, 90, healthy, 1.0, lambda: (drifter.counters, [p.counters for p in healthy]))
+    worst = wait_watching(
+        caught_twice_and_averaged, 90, healthy, 1.0, lambda: (drifter.counters, [p.counters for p in healthy])
+    )
     swarm.stop_training()
     assert worst <= 0.01, worst  # the others moved by at most 1%
     assert sum(p.counters["rounds_outliers_excluded"] for p in healthy) >= 1
-    assert all(p.counters["rounds_applied"] >= 2 for p in healthy)  # ... and kept averaging with each other
 
 
 class ReadsRawRecords(RecordValidatorBase):

@@ -373,7 +373,7 @@ def test_box_with_two_local_processes_keeps_its_replicas_identical(digits_dir: P
 
 
 def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
-    started = time.monotonic()
+    """Refused as it is parsed: the error names the address, not --join_timeout's dialing."""
     result = run_trainer(
         "--config",
         "swav_tiny",
@@ -384,7 +384,7 @@ def test_malformed_multiaddr_fails_fast(digits_dir: Path) -> None:
     )
     assert result.returncode != 0
     assert "is not a multiaddr" in result.stderr and "/p2p/" in result.stderr
-    assert time.monotonic() - started < 60
+    assert "none of --initial_peers answered" not in result.stderr
 
 
 def test_initial_peer_without_peer_id(digits_dir: Path) -> None:
